@@ -1,0 +1,8 @@
+"""qaccel: turn a plain PyTorch training function into multi-process, multi-GPU, multi-node training."""
+
+__version__ = "0.1.0"
+
+from qaccel.accelerator import Accelerator
+from qaccel.errors import QaccelError, RankError, RankKilledError
+
+__all__ = ["Accelerator", "QaccelError", "RankError", "RankKilledError", "__version__"]

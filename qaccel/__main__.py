@@ -1,0 +1,3 @@
+from qaccel.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,191 @@
+"""The facade users hold: validates arguments, reports where this rank runs, and delegates the work."""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+import warnings
+from typing import Any, Callable, Mapping, TypeVar
+
+import torch
+
+from qaccel import collectives, group, launch
+from qaccel.config import make_config
+from qaccel.environment import Environment, detect
+
+R = TypeVar("R")
+_warned_world_mismatch = False
+
+
+class Accelerator:
+    """Run a training function on ``nprocs`` ranks, or on the ranks torchrun / SLURM already started.
+
+    Args:
+        nprocs: ranks to start when run as a plain ``python script.py``; under torchrun or srun the
+            launcher's world size wins.
+        compute_setup: "auto" (GPU if available), "cpu" or "gpu".
+        log_setup: where reduced metrics land: "auto" (the compute device) or "cpu".
+        backend: None (nccl for GPU, gloo for CPU), "gloo", "nccl" or "mpi" (if torch has it).
+        dtype: a torch dtype for models and floating-point batches, or None.
+        timeout: seconds (or timedelta) a collective or the rendezvous may wait before failing.
+        start_method: "forkserver" (fast, CUDA-safe; default) or "spawn" (a fresh interpreter per rank).
+    """
+
+    def __init__(
+        self,
+        nprocs: int = 1,
+        compute_setup: str = "auto",
+        log_setup: str = "cpu",
+        backend: str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        timeout: float | datetime.timedelta = 1800.0,
+        start_method: str = "forkserver",
+    ) -> None:
+        env = detect()
+        self._config = make_config(nprocs, compute_setup, log_setup, backend, dtype, timeout, start_method, env)
+        if env.kind in ("torchrun", "slurm") and nprocs > 1 and nprocs != env.world_size:
+            _warn_world_mismatch(nprocs, env)
+        if env.kind == "plain" and nprocs > 1 and group.current() is None:
+            launch.warm_up(start_method)
+
+    # ---- where this rank runs (valid in the caller and in every rank) ----
+
+    def _ctx(self) -> group.RankContext:
+        return group.current() or group.plan(self._config, detect())
+
+    @property
+    def rank(self) -> int:
+        return self._ctx().rank
+
+    @property
+    def local_rank(self) -> int:
+        return self._ctx().local_rank
+
+    @property
+    def node_rank(self) -> int:
+        return self._ctx().node_rank
+
+    @property
+    def world_size(self) -> int:
+        return self._ctx().world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self._ctx().device
+
+    @property
+    def log_device(self) -> torch.device:
+        return self.device if self._config.log_device_type != "cpu" else torch.device("cpu")
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.local_rank == 0
+
+    @property
+    def backend(self) -> str:
+        return self._config.backend
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return self._config.dtype
+
+    @property
+    def nprocs(self) -> int:
+        return self._config.nprocs
+
+    def __repr__(self) -> str:
+        ctx = self._ctx()
+        return (
+            f"Accelerator(rank={ctx.rank}, world_size={ctx.world_size}, device={str(ctx.device)!r}, "
+            f"backend={self.backend!r}, dtype={self.dtype})"
+        )
+
+    # ---- running a function ----
+
+    def distribute(self, fn: Callable[..., R], *, all_results: bool = False) -> Callable[..., Any]:
+        """Wrap ``fn`` so that calling it runs it on every rank; returns rank 0's result (or all, by rank).
+
+        Usable as ``acc.distribute(fn)(*args)`` or as a decorator. In a plain process with nprocs > 1 it
+        starts the ranks; under torchrun, srun or an initialised group it runs here, as this process's rank.
+        """
+        if not callable(fn):
+            raise TypeError(f"distribute() needs a callable; got {type(fn).__name__}")
+
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            return self._run(fn, args, kwargs, all_results)
+
+        return run
+
+    def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, all_results: bool) -> Any:
+        if group.current() is not None:
+            result = fn(*args, **kwargs)
+            return collectives.gather_object(result, group.current()) if all_results else result
+        env = detect()
+        if env.kind == "plain" and self._config.nprocs > 1:
+            return launch.launch(fn, args, kwargs, self._config, all_results)
+        ctx = group.plan(self._config, env)
+        init_method = "env://" if env.kind in ("torchrun", "slurm") else None
+        if env.kind == "slurm":
+            _export_rank_env(env)
+        with group.session(ctx, self._config.timeout, init_method=init_method):
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:
+                if ctx.world_size > 1:
+                    exc.add_note(f"[qaccel] raised on rank {ctx.rank} of {ctx.world_size}")
+                raise
+            return collectives.gather_object(result, ctx) if all_results else result
+
+    # ---- collectives (identity in a single process) ----
+
+    def all_reduce_dict(self, values: Mapping[str, Any], op: str = "mean") -> dict[str, Any]:
+        """Reduce metrics over ranks: "mean", "sum", "max" or "min"; one collective per dtype."""
+        return collectives.all_reduce_dict(values, op, self._ctx(), self.log_device)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Every rank gets rank ``src``'s object."""
+        return collectives.broadcast(obj, src, self._ctx())
+
+    def gather_object(self, obj: Any) -> list[Any]:
+        """Every rank gets all ranks' objects as a list indexed by rank."""
+        return collectives.gather_object(obj, self._ctx())
+
+    def wait_for_everyone(self) -> None:
+        """Barrier: block until every rank gets here."""
+        collectives.barrier(self._ctx())
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the main process only."""
+        collectives.main_print(self._ctx(), *args, **kwargs)
+
+
+def _warn_world_mismatch(nprocs: int, env: Environment) -> None:
+    global _warned_world_mismatch
+    if not _warned_world_mismatch:
+        _warned_world_mismatch = True
+        warnings.warn(
+            f"Accelerator(nprocs={nprocs}) but {env.kind} started {env.world_size} ranks; following {env.kind}",
+            stacklevel=3,
+        )
+
+
+def _export_rank_env(env: Environment) -> None:
+    """Give an srun task the variables torch's env:// rendezvous and user code expect; user-set ones win."""
+    if env.master_addr is None or env.master_port is None:
+        raise RuntimeError("SLURM step detected but no node list / job id to derive MASTER_ADDR/MASTER_PORT from")
+    os.environ.setdefault("MASTER_ADDR", env.master_addr)
+    os.environ.setdefault("MASTER_PORT", str(env.master_port))
+    os.environ.update(
+        RANK=str(env.rank),
+        LOCAL_RANK=str(env.local_rank),
+        WORLD_SIZE=str(env.world_size),
+        LOCAL_WORLD_SIZE=str(env.local_world_size),
+        NODE_RANK=str(env.node_rank),
+    )

@@ -1,0 +1,89 @@
+"""Validate and resolve the Accelerator's arguments once, in the caller, so mistakes fail at construction."""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from qaccel.environment import Environment
+
+COMPUTE_SETUPS = ("auto", "cpu", "gpu")
+LOG_SETUPS = ("auto", "cpu")
+START_METHODS = ("forkserver", "spawn")
+
+
+@dataclass(frozen=True)
+class Config:
+    """What every rank needs to set itself up; small and picklable so it travels to the ranks."""
+
+    nprocs: int
+    device_type: str
+    log_device_type: str
+    backend: str
+    dtype: torch.dtype | None
+    timeout: float
+    start_method: str
+
+
+def _backends() -> tuple[str, ...]:
+    return ("gloo", "nccl") + (("mpi",) if dist.is_mpi_available() else ())
+
+
+def _choice(name: str, value: object, allowed: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+    return value
+
+
+def cuda_device_count() -> int:
+    """GPUs visible here, counted through NVML where possible so the caller's CUDA stays uninitialised."""
+    return torch.cuda.device_count()
+
+
+def make_config(
+    nprocs: int,
+    compute_setup: str,
+    log_setup: str,
+    backend: str | None,
+    dtype: torch.dtype | None,
+    timeout: float | datetime.timedelta,
+    start_method: str,
+    env: Environment,
+) -> Config:
+    """Check every argument and resolve the 'auto' choices; raises ValueError/TypeError/RuntimeError."""
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs must be a positive int; got {nprocs!r}")
+    _choice("compute_setup", compute_setup, COMPUTE_SETUPS)
+    _choice("log_setup", log_setup, LOG_SETUPS)
+    _choice("start_method", start_method, START_METHODS)
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype (e.g. torch.float64) or None; got {dtype!r}")
+    if isinstance(timeout, datetime.timedelta):
+        timeout = timeout.total_seconds()
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds or a timedelta; got {timeout!r}")
+
+    gpus = cuda_device_count()
+    if compute_setup == "gpu" and gpus == 0:
+        raise RuntimeError("compute_setup='gpu' but CUDA is not available here; use 'auto' or 'cpu'")
+    device_type = "cuda" if compute_setup == "gpu" or (compute_setup == "auto" and gpus > 0) else "cpu"
+
+    if backend is None:
+        backend = "nccl" if device_type == "cuda" else "gloo"
+    _choice("backend", backend, _backends())
+    if backend == "nccl" and device_type == "cpu":
+        raise ValueError("backend='nccl' needs GPU compute; use backend='gloo' (or None) with compute_setup='cpu'")
+    if backend == "nccl" and not dist.is_nccl_available():
+        raise RuntimeError("backend='nccl' but this torch build has no NCCL; use backend='gloo'")
+
+    local_ranks = env.local_world_size if env.is_launched else nprocs
+    if device_type == "cuda" and local_ranks > gpus:
+        raise RuntimeError(
+            f"{local_ranks} GPU ranks on this node but only {gpus} visible GPU(s); "
+            f"lower nprocs or use compute_setup='cpu'"
+        )
+    log_device_type = device_type if log_setup == "auto" else "cpu"
+    return Config(nprocs, device_type, log_device_type, backend, dtype, float(timeout), start_method)

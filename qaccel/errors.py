@@ -1,0 +1,42 @@
+"""Exceptions qaccel raises in the caller when a rank fails in a way Python cannot carry back by itself."""
+
+from __future__ import annotations
+
+
+class QaccelError(RuntimeError):
+    """Base class for qaccel's own errors."""
+
+
+class RankError(QaccelError):
+    """A rank failed and its exception could not be rebuilt in the caller (or it exited without one)."""
+
+    def __init__(self, message: str, rank: int, exc_type: str | None = None, remote_traceback: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.exc_type = exc_type
+        self.remote_traceback = remote_traceback
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.rank, self.exc_type, self.remote_traceback))
+
+
+class RankKilledError(QaccelError):
+    """A rank was killed by a signal (out of memory, SIGKILL, segfault...)."""
+
+    def __init__(self, rank: int, signal_name: str) -> None:
+        super().__init__(f"rank {rank} was killed by signal {signal_name}")
+        self.rank = rank
+        self.signal_name = signal_name
+
+    def __reduce__(self):
+        return (type(self), (self.rank, self.signal_name))
+
+
+class RemoteTraceback(Exception):
+    """Carries a rank's formatted traceback; set as ``__cause__`` so it prints above the re-raised exception."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+
+    def __str__(self) -> str:
+        return "\n\n" + self.args[0].rstrip()

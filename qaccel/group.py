@@ -1,0 +1,101 @@
+"""One rank's runtime: which rank it is, its device, its CPU thread budget and its process group."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from qaccel.config import Config
+from qaccel.environment import Environment
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """Where one rank runs; what the Accelerator's properties report."""
+
+    rank: int
+    local_rank: int
+    node_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+
+_current: RankContext | None = None
+
+
+def current() -> RankContext | None:
+    """The context of the rank running in this process, or None outside any rank."""
+    return _current
+
+
+def plan(config: Config, env: Environment) -> RankContext:
+    """The rank this process is (or, in a plain caller, rank 0 of the world it would launch)."""
+    if env.is_launched:
+        world, local_world = env.world_size, env.local_world_size
+    else:
+        world = local_world = config.nprocs
+    return rank_context(config, env.rank, env.local_rank, env.node_rank, world, local_world)
+
+
+def rank_context(config: Config, rank: int, local_rank: int, node_rank: int, world: int, local_world: int) -> RankContext:
+    device = torch.device("cuda", local_rank) if config.device_type == "cuda" else torch.device("cpu")
+    return RankContext(rank, local_rank, node_rank, world, local_world, device, config.backend)
+
+
+def loopback_interface() -> str:
+    """Name of the loopback interface, so gloo/NCCL never pick an unreachable address for a one-node world."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in names if n.startswith("lo")), "lo")
+
+
+def apply_thread_budget(local_world_size: int) -> None:
+    """Share the cores between this node's ranks unless the user chose with OMP_NUM_THREADS."""
+    if "OMP_NUM_THREADS" in os.environ or local_world_size < 2:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, cores // local_world_size))
+
+
+@contextmanager
+def session(
+    ctx: RankContext,
+    timeout: float,
+    store: dist.Store | None = None,
+    init_method: str | None = None,
+) -> Iterator[RankContext]:
+    """Run a block as rank ``ctx``: device, threads and process group set up, always torn down afterwards.
+
+    A group the caller had already initialised is reused and left alone.
+    """
+    global _current
+    previous = _current
+    owns_group = False
+    _current = ctx
+    try:
+        if ctx.device.type == "cuda":
+            torch.cuda.set_device(ctx.device)
+        if ctx.world_size > 1 and not dist.is_initialized():
+            apply_thread_budget(ctx.local_world_size)
+            dist.init_process_group(
+                ctx.backend,
+                init_method=init_method,
+                store=store,
+                rank=ctx.rank,
+                world_size=ctx.world_size,
+                timeout=datetime.timedelta(seconds=timeout),
+            )
+            owns_group = True
+        yield ctx
+    finally:
+        _current = previous
+        if owns_group and dist.is_initialized():
+            dist.destroy_process_group()
