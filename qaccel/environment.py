@@ -108,7 +108,7 @@ def _slurm(env: Mapping[str, str]) -> Environment | None:
     master_addr = env.get("MASTER_ADDR")
     if num_nodes is None or master_addr is None:
         hosts = _nodelist(env)
-        num_nodes = num_nodes if num_nodes is not None else len(hosts) or 1
+        num_nodes = num_nodes if num_nodes is not None else (len(hosts) or 1)
         master_addr = master_addr if master_addr is not None else next(iter(hosts), None)
     master_port = _optional_int(env, "MASTER_PORT")
     job_id = _first(env, ("SLURM_JOB_ID", "SLURM_JOBID"))
