@@ -12,7 +12,6 @@ Files that carry fn, results and errors live in a private temporary directory (m
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import multiprocessing
 import multiprocessing.connection
@@ -72,7 +71,7 @@ def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, al
         procs, readers = [], []
         try:
             for rank in range(config.nprocs):
-                reader, writer = ctx.Pipe(duplex=False)
+                reader, writer = ctx.Pipe(duplex=True)
                 spec = RankSpec(run_dir, rank, config.nprocs, port, config, all_results or rank == 0)
                 proc = ctx.Process(target=_rank_main, args=(spec, writer), name=f"qaccel-rank-{rank}")
                 _start_without_main(proc)
@@ -146,6 +145,7 @@ def _supervise(procs: list, readers: list) -> list[tuple[int, str]]:
                 del open_readers[ready]
             elif ready in sentinels:
                 rank = sentinels.pop(ready)
+                procs[rank].join()
                 if procs[rank].exitcode != 0:
                     failures.append((rank, "exit"))
     return failures
@@ -234,20 +234,22 @@ def _write_atomic(path: Path, data: bytes) -> None:
 # ---- inside a rank process ----
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this rank if the process that started it dies, so no rank outlives its caller."""
+def _watch_caller(lifeline: multiprocessing.connection.Connection) -> None:
+    """SIGKILL this rank once the caller's end of ``lifeline`` closes: a dead caller leaves no rank behind.
+
+    (PR_SET_PDEATHSIG cannot do this: a forkserver child's parent is the forkserver, which itself stays up
+    while any of its children holds the caller's 'alive' fd.)
+    """
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:
-        os._exit(1)
+        lifeline.recv_bytes()
+    except (EOFError, OSError):
+        pass
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _rank_main(spec: RankSpec, failed: multiprocessing.connection.Connection) -> None:
+def _rank_main(spec: RankSpec, caller: multiprocessing.connection.Connection) -> None:
     """Entry point of a rank process: set up the rank, run fn, record its result or its exception."""
-    _die_with_parent()
+    threading.Thread(target=_watch_caller, args=(caller,), name="qaccel-lifeline", daemon=True).start()
     config = spec.config
     os.environ.update(
         RANK=str(spec.rank),
@@ -271,11 +273,11 @@ def _rank_main(spec: RankSpec, failed: multiprocessing.connection.Connection) ->
                 if spec.keep_result:
                     _write_atomic(Path(spec.run_dir, f"result-{spec.rank}"), _dumps_result(result, spec.rank))
             except BaseException as exc:
-                _report(spec, exc, failed)
+                _report(spec, exc, caller)
                 code = 1
     except BaseException as exc:
         if code == 0:
-            _report(spec, exc, failed)
+            _report(spec, exc, caller)
         code = 1
     raise SystemExit(code)
 
@@ -287,7 +289,7 @@ def _dumps_result(result: Any, rank: int) -> bytes:
         raise TypeError(f"rank {rank}'s return value ({type(result).__name__}) cannot be pickled: {exc}") from exc
 
 
-def _report(spec: RankSpec, exc: BaseException, failed: multiprocessing.connection.Connection) -> None:
+def _report(spec: RankSpec, exc: BaseException, caller: multiprocessing.connection.Connection) -> None:
     """Write the exception for the caller, then tell it at once (teardown may still take a while)."""
     try:
         exc_bytes: bytes | None = cloudpickle.dumps(exc)
@@ -303,7 +305,7 @@ def _report(spec: RankSpec, exc: BaseException, failed: multiprocessing.connecti
     }
     _write_atomic(Path(spec.run_dir, f"error-{spec.rank}"), pickle.dumps(record))
     try:
-        failed.send(spec.rank)
+        caller.send(spec.rank)
     except OSError:
         pass
 
