@@ -1,0 +1,168 @@
+"""`qaccel env` (what qaccel sees here) and `qaccel test` (a real distributed smoke test for a new machine)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+import qaccel
+from qaccel.accelerator import Accelerator
+from qaccel.config import cuda_device_count
+from qaccel.environment import detect
+
+
+def _accelerator(args: argparse.Namespace) -> Accelerator:
+    return Accelerator(nprocs=args.nprocs, compute_setup=args.compute_setup, timeout=args.timeout)
+
+
+def env_report(args: argparse.Namespace) -> int:
+    """Print versions, the detected environment and the ranks/devices qaccel would use."""
+    env = detect()
+    gpus = cuda_device_count()
+    lines = [
+        ("qaccel", qaccel.__version__),
+        ("python", platform.python_version()),
+        ("torch", torch.__version__),
+        ("cuda", f"{torch.version.cuda or 'not built'}; {gpus} GPU(s) visible"),
+        ("nccl", "available" if dist.is_nccl_available() else "not available"),
+        ("gloo", "available" if dist.is_gloo_available() else "not available"),
+        ("mpi", "available" if dist.is_mpi_available() else "not available"),
+        ("environment", env.kind),
+    ]
+    acc = _accelerator(args)
+    if env.is_launched:
+        lines.append(("this process", f"rank {acc.rank} of {acc.world_size} (local {acc.local_rank}, node {acc.node_rank} of {env.num_nodes})"))
+        lines.append(("rendezvous", f"{env.master_addr}:{env.master_port}" if env.master_addr else "from the launcher"))
+    else:
+        plan = "fn runs in this process (nprocs=1)" if acc.world_size == 1 else (
+            f"{acc.world_size} ranks on this node, forked from a torch-preloaded forkserver")
+        lines.append(("would start", plan))
+        lines.append(("rendezvous", "TCPStore on 127.0.0.1, port picked by the kernel" if acc.world_size > 1 else "none (one process)"))
+    lines += [("device", str(acc.device)), ("backend", acc.backend), ("log device", str(acc.log_device))]
+    lines.append(("threads per rank", _threads(acc)))
+    width = max(len(k) for k, _ in lines)
+    for key, value in lines:
+        print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def _threads(acc: Accelerator) -> str:
+    if "OMP_NUM_THREADS" in os.environ:
+        return f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} (yours)"
+    env = detect()
+    local = env.local_world_size if env.is_launched else acc.world_size
+    if local < 2:
+        return f"torch default ({torch.get_num_threads()})"
+    return f"{max(1, len(os.sched_getaffinity(0)) // local)} (cores // {local} local ranks)"
+
+
+# ---- qaccel test: each check runs fn on every rank; these functions travel to the ranks by reference ----
+
+
+def _identify(acc: Accelerator) -> tuple:
+    return (acc.rank, acc.world_size, os.getpid(), str(acc.device))
+
+
+def _reduce(acc: Accelerator) -> dict:
+    return acc.all_reduce_dict({"rank": acc.rank, "one": 1.0, "vec": torch.full((3,), float(acc.rank))}, op="sum")
+
+
+def _broadcast(acc: Accelerator) -> str:
+    return acc.broadcast(f"from rank {acc.rank}", src=acc.world_size - 1)
+
+
+def _big_result(acc: Accelerator) -> torch.Tensor:
+    return torch.arange(2**20, dtype=torch.float32) + acc.rank
+
+
+class SmokeTestError(Exception):
+    pass
+
+
+def _fail_last_rank(acc: Accelerator) -> None:
+    if acc.rank == acc.world_size - 1:
+        raise SmokeTestError("raised on purpose by qaccel test")
+    acc.wait_for_everyone()
+
+
+def smoke_test(args: argparse.Namespace) -> int:
+    """Launch, all-reduce, broadcast, result transfer and the error path, each checked; prints what passed."""
+    acc = _accelerator(args)
+    n = acc.world_size
+    expected_ranks = sum(range(n))
+    checks: list[tuple[str, Callable[[], str]]] = []
+
+    def launch() -> str:
+        out = acc.distribute(_identify, all_results=True)(acc)
+        assert [o[0] for o in out] == list(range(n)), f"ranks {out}"
+        assert len({o[2] for o in out}) == n or detect().is_launched, "ranks share a process"
+        return f"{n} rank(s) on {', '.join(sorted({o[3] for o in out}))}"
+
+    def reduce() -> str:
+        out = acc.distribute(_reduce)(acc)
+        assert out["rank"] == expected_ranks and out["one"] == float(n), out
+        assert out["vec"].tolist() == [float(expected_ranks)] * 3, out
+        return "all_reduce_dict sum over ranks is correct"
+
+    def broadcast() -> str:
+        out = acc.distribute(_broadcast, all_results=True)(acc)
+        assert out == [f"from rank {n - 1}"] * n, out
+        return f"every rank got rank {n - 1}'s object"
+
+    def result() -> str:
+        out = acc.distribute(_big_result)(acc)
+        assert out.shape == (2**20,) and out[-1].item() == 2**20 - 1, "wrong tensor"
+        return "4 MiB result from rank 0 intact"
+
+    def error_path() -> str:
+        start = time.monotonic()
+        try:
+            acc.distribute(_fail_last_rank)(acc)
+        except SmokeTestError as exc:
+            assert any(f"rank {n - 1}" in note for note in exc.__notes__), exc.__notes__
+            return f"exception type and rank {n - 1} came back; all ranks stopped in {time.monotonic() - start:.2f} s"
+        raise AssertionError("the rank's exception did not reach the caller")
+
+    checks = [("launch", launch), ("all-reduce", reduce), ("broadcast", broadcast), ("result", result)]
+    if detect().is_launched:
+        print("note: ranks were started by a launcher; skipping the error-path check (it would end the job)")
+    else:
+        checks.append(("error path", error_path))
+
+    passed = failed = 0
+    for name, check in checks:
+        start = time.monotonic()
+        try:
+            detail = check()
+        except Exception as exc:  # noqa: BLE001 - every failure is reported, then counted
+            failed += 1
+            acc.print(f"FAIL {name}: {type(exc).__name__}: {exc}")
+        else:
+            passed += 1
+            acc.print(f"PASS {name} ({time.monotonic() - start:.2f} s): {detail}")
+    acc.print(f"qaccel test: {passed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="qaccel", description=qaccel.__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (("env", "show versions, the detected environment and what qaccel would use"),
+                            ("test", "run a short real distributed smoke test")):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--nprocs", type=int, default=2 if name == "test" else 1, help="ranks to start in a plain process")
+        p.add_argument("--compute-setup", default="auto", choices=["auto", "cpu", "gpu"])
+        p.add_argument("--timeout", type=float, default=60.0, help="seconds a collective may wait")
+    args = parser.parse_args(argv)
+    try:
+        return env_report(args) if args.command == "env" else smoke_test(args)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        print(f"qaccel {args.command}: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,47 @@
+"""The `qaccel` command: env report and the real smoke test, as a user runs them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from procs import script_env
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _qaccel(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "qaccel", *args], capture_output=True, text=True, timeout=150, env=env or script_env())
+
+
+def test_env_reports_versions_and_plan():
+    proc = _qaccel("env", "--nprocs", "2", "--compute-setup", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for needle in ("qaccel ", "torch ", "environment       plain", "would start       2 ranks", "backend           gloo", "device            cpu"):
+        assert needle in out, out
+
+
+def test_env_under_slurm_variables():
+    env = script_env(SLURM_PROCID="1", SLURM_LOCALID="1", SLURM_NODEID="0", SLURM_STEP_ID="3", SLURM_STEP_NUM_TASKS="2",
+                     SLURM_STEP_NODELIST="gpu[07-08]", SLURM_JOB_ID="123456")
+    proc = _qaccel("env", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "environment       slurm" in proc.stdout
+    assert "rank 1 of 2" in proc.stdout and "gpu07:18456" in proc.stdout
+
+
+def test_smoke_test_passes_and_counts():
+    proc = _qaccel("test", "--nprocs", "2", "--compute-setup", "cpu")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name in ("launch", "all-reduce", "broadcast", "result", "error path"):
+        assert f"PASS {name}" in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1] == "qaccel test: 5 passed, 0 failed"
+
+
+def test_bad_arguments_exit_2_with_message():
+    proc = _qaccel("test", "--nprocs", "0")
+    assert proc.returncode == 2
+    assert "nprocs must be a positive int; got 0" in proc.stderr
