@@ -1,0 +1,81 @@
+"""qaccel under a real SLURM (slurmctld + 2 slurmd, fake nodes n1/n2 on localhost): srun steps and sbatch."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from procs import REPO, write_script
+
+pytestmark = pytest.mark.timeout(180)
+
+SCRIPT = """
+import json, os, sys
+from qaccel import Accelerator
+
+acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
+
+def work():
+    if len(sys.argv) > 1 and sys.argv[1] == "fail" and acc.rank == 1:
+        raise ValueError("rank 1 fails on purpose")
+    total = acc.all_reduce_dict({"r": acc.rank}, op="sum")["r"]
+    return {"rank": acc.rank, "local": acc.local_rank, "node": acc.node_rank, "world": acc.world_size,
+            "sum": total, "pid": os.getpid(), "procid": os.environ.get("SLURM_PROCID")}
+
+if __name__ == "__main__":
+    print("RESULT " + json.dumps(acc.distribute(work)()), flush=True)
+"""
+
+
+def _results(text):
+    return sorted((json.loads(line[7:]) for line in text.splitlines() if line.startswith("RESULT ")), key=lambda r: r["rank"])
+
+
+def _env(cluster):
+    """n1/n2 do not resolve on this machine, so point the rendezvous at loopback (user-set values win)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = cluster.env
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(REPO))
+    return env
+
+
+def test_srun_two_nodes_each_task_is_a_rank(slurm_cluster, tmp_path):
+    script = write_script(tmp_path, SCRIPT)
+    proc = slurm_cluster.srun(["-N2", "-n2", "python", str(script)], timeout=120, env=_env(slurm_cluster))
+    assert proc.returncode == 0, proc.stderr
+    results = _results(proc.stdout)
+    assert [(r["rank"], r["local"], r["node"], r["world"], r["sum"], r["procid"]) for r in results] == [
+        (0, 0, 0, 2, 1, "0"),
+        (1, 0, 1, 2, 1, "1"),
+    ]
+
+
+def test_srun_two_tasks_one_node(slurm_cluster, tmp_path):
+    script = write_script(tmp_path, SCRIPT)
+    proc = slurm_cluster.srun(["-N1", "-n2", "python", str(script)], timeout=120, env=_env(slurm_cluster))
+    assert proc.returncode == 0, proc.stderr
+    assert [(r["rank"], r["local"], r["node"], r["sum"]) for r in _results(proc.stdout)] == [(0, 0, 0, 1), (1, 1, 0, 1)]
+
+
+def test_srun_failing_rank_fails_the_step_and_names_the_rank(slurm_cluster, tmp_path):
+    script = write_script(tmp_path, SCRIPT)
+    proc = slurm_cluster.srun(["-N1", "-n2", "--kill-on-bad-exit=1", "python", str(script), "fail"], timeout=120, env=_env(slurm_cluster))
+    assert proc.returncode != 0
+    assert "ValueError: rank 1 fails on purpose" in proc.stderr
+    assert "[qaccel] raised on rank 1 of 2" in proc.stderr
+
+
+def test_sbatch_without_srun_spawns_its_own_ranks(slurm_cluster, tmp_path):
+    """The batch shell has SLURM_PROCID=0, SLURM_NTASKS=2 and no step: python there must spawn, not wait."""
+    script = write_script(tmp_path, SCRIPT)
+    batch = tmp_path / "job.sbatch"
+    batch.write_text(f"#!/bin/bash\n#SBATCH --ntasks=2\n#SBATCH --nodes=1\nexec python {script}\n")
+    env = slurm_cluster.env
+    env["PYTHONPATH"] = str(REPO)
+    _, output = slurm_cluster.sbatch_wait(str(batch), timeout=120, env=env)
+    [result] = _results(output)
+    assert (result["rank"], result["world"], result["sum"]) == (0, 2, 1), output
