@@ -9,6 +9,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
+from qaccel import group
 from qaccel.group import RankContext
 
 REDUCE_OPS = ("mean", "sum", "max", "min")
@@ -97,12 +98,8 @@ def gather_object(obj: Any, ctx: RankContext) -> list[Any]:
 
 def barrier(ctx: RankContext) -> None:
     """Block until every rank reaches this point."""
-    if not _distributed(ctx):
-        return
-    if ctx.backend == "nccl":
-        dist.barrier(device_ids=[ctx.device.index])
-    else:
-        dist.barrier()
+    if _distributed(ctx):
+        group.barrier(ctx)
 
 
 def main_print(ctx: RankContext, *args: Any, **kwargs: Any) -> None:

@@ -95,7 +95,19 @@ def session(
             )
             owns_group = True
         yield ctx
+        if owns_group:
+            # Every rank must be done communicating before any tears down: with gloo, a rank that exits
+            # while its peer still finishes its last collective can abort that peer (SIGABRT, torch 2.13).
+            barrier(ctx)
     finally:
         _current = previous
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def barrier(ctx: RankContext) -> None:
+    """Block until every rank of the default group gets here."""
+    if ctx.backend == "nccl":
+        dist.barrier(device_ids=[ctx.device.index])
+    else:
+        dist.barrier()

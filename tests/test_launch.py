@@ -275,3 +275,18 @@ def test_caller_properties_before_launch():
     assert acc.device == torch.device("cpu") and acc.backend == "gloo" and acc.dtype is None
     assert acc.is_main_process and acc.is_local_main_process
     assert pickle.loads(pickle.dumps(acc)).world_size == 3
+
+
+def test_timeout_bounds_a_collective_waiting_for_a_stuck_peer():
+    acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=2)
+
+    def stuck(a):
+        if a.rank == 1:
+            time.sleep(60)
+        a.wait_for_everyone()
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        acc.distribute(stuck)(acc)
+    assert time.monotonic() - start < 20
+    assert any("rank 0 of 2" in note for note in info.value.__notes__)
