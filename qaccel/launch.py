@@ -263,7 +263,7 @@ def _rank_main(spec: RankSpec, caller: multiprocessing.connection.Connection) ->
     os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
     os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
     ctx = group.rank_context(config, spec.rank, spec.rank, 0, spec.world_size, spec.world_size)
-    code = 0
+    reported = False
     try:
         store = dist.TCPStore("127.0.0.1", spec.port, None, False, timeout=_timedelta(config.timeout))
         with group.session(ctx, config.timeout, store=store):
@@ -273,13 +273,13 @@ def _rank_main(spec: RankSpec, caller: multiprocessing.connection.Connection) ->
                 if spec.keep_result:
                     _write_atomic(Path(spec.run_dir, f"result-{spec.rank}"), _dumps_result(result, spec.rank))
             except BaseException as exc:
-                _report(spec, exc, caller)
-                code = 1
+                _report(spec, exc, caller)  # before teardown, which may take a while
+                reported = True
+                raise
     except BaseException as exc:
-        if code == 0:
+        if not reported:
             _report(spec, exc, caller)
-        code = 1
-    raise SystemExit(code)
+        raise SystemExit(1) from None
 
 
 def _dumps_result(result: Any, rank: int) -> bytes:
