@@ -290,3 +290,26 @@ def test_timeout_bounds_a_collective_waiting_for_a_stuck_peer():
         acc.distribute(stuck)(acc)
     assert time.monotonic() - start < 20
     assert any("rank 0 of 2" in note for note in info.value.__notes__)
+
+
+def _listen_addresses(port: int) -> set[str]:
+    """Local addresses (hex, as /proc/net/tcp writes them) of sockets listening on ``port``."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, hex_port = local.split(":")
+                if state == "0A" and int(hex_port, 16) == port:
+                    found.add(address)
+    return found
+
+
+def test_rendezvous_listens_on_loopback_only(acc):
+    def where(a):
+        return os.environ["MASTER_ADDR"], _listen_addresses(int(os.environ["MASTER_PORT"])), os.environ["GLOO_SOCKET_IFNAME"]
+
+    addr, listening, ifname = acc.distribute(where)(acc)
+    assert addr == "127.0.0.1"
+    assert listening == {"0100007F"}, "the store must listen on 127.0.0.1 and nowhere else"
+    assert ifname.startswith("lo")
