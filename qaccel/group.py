@@ -60,11 +60,16 @@ def loopback_interface() -> str:
 
 
 def apply_thread_budget(local_world_size: int) -> None:
-    """Share the cores between this node's ranks unless the user chose with OMP_NUM_THREADS."""
-    if "OMP_NUM_THREADS" in os.environ or local_world_size < 2:
-        return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    torch.set_num_threads(max(1, cores // local_world_size))
+    """Share the cores between this node's ranks, unless the user chose with OMP_NUM_THREADS.
+
+    The user's value is applied here too: a forkserver rank imported torch before it saw the variable.
+    """
+    chosen = os.environ.get("OMP_NUM_THREADS", "")
+    if chosen.isdigit() and int(chosen) > 0:
+        torch.set_num_threads(int(chosen))
+    elif local_world_size > 1:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // local_world_size))
 
 
 @contextmanager

@@ -51,6 +51,7 @@ class RankSpec:
     port: int
     config: Config
     keep_result: bool
+    environ: dict[str, str]
 
 
 def warm_up(start_method: str) -> None:
@@ -64,6 +65,7 @@ def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, al
     """Run ``fn(*args, **kwargs)`` on ``config.nprocs`` new ranks; return rank 0's result (or all, by rank)."""
     warm_up(config.start_method)
     ctx = multiprocessing.get_context(config.start_method)
+    environ = dict(os.environ)  # the forkserver's copy dates from its start; ranks get the caller's of now
     with tempfile.TemporaryDirectory(prefix="qaccel-") as run_dir:
         _write_atomic(Path(run_dir, "payload"), cloudpickle.dumps((fn, args, kwargs)))
         store = _loopback_store(config.timeout)
@@ -72,7 +74,7 @@ def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, al
         try:
             for rank in range(config.nprocs):
                 reader, writer = ctx.Pipe(duplex=True)
-                spec = RankSpec(run_dir, rank, config.nprocs, port, config, all_results or rank == 0)
+                spec = RankSpec(run_dir, rank, config.nprocs, port, config, all_results or rank == 0, environ)
                 proc = ctx.Process(target=_rank_main, args=(spec, writer), name=f"qaccel-rank-{rank}")
                 _start_without_main(proc)
                 writer.close()
@@ -251,6 +253,8 @@ def _rank_main(spec: RankSpec, caller: multiprocessing.connection.Connection) ->
     """Entry point of a rank process: set up the rank, run fn, record its result or its exception."""
     threading.Thread(target=_watch_caller, args=(caller,), name="qaccel-lifeline", daemon=True).start()
     config = spec.config
+    os.environ.clear()
+    os.environ.update(spec.environ)
     os.environ.update(
         RANK=str(spec.rank),
         LOCAL_RANK=str(spec.rank),

@@ -329,3 +329,22 @@ def test_sbatch_shell_without_srun_spawns_its_own_ranks(tmp_path):
     assert proc.returncode == 0, proc.stderr
     [result] = _results(proc.stdout)
     assert (result["rank"], result["world"], result["sum"]) == (0, 2, 1)
+
+
+def test_ranks_see_the_callers_environment_at_call_time(tmp_path):
+    """The forkserver starts at Accelerator(); variables set after that must still reach the ranks."""
+    script = write_script(tmp_path, """
+        import os, torch
+        from qaccel import Accelerator
+        if __name__ == "__main__":
+            acc = Accelerator(nprocs=2, compute_setup="cpu")
+            os.environ["QACCEL_LATE_VAR"] = "set-after-construction"
+            os.environ["OMP_NUM_THREADS"] = os.environ["WANT_THREADS"]
+            print(acc.distribute(lambda: (os.environ.get("QACCEL_LATE_VAR"), torch.get_num_threads()), all_results=True)())
+    """)
+    budget = max(1, len(os.sched_getaffinity(0)) // 2)
+    want = 1 if budget != 1 else 2
+    proc = run_script(script, env=script_env(WANT_THREADS=str(want)))
+    assert proc.returncode == 0, proc.stderr
+    late = ("set-after-construction", want)
+    assert proc.stdout.strip().splitlines()[-1] == str([late, late])
