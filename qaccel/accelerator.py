@@ -131,10 +131,11 @@ class Accelerator:
         if env.kind == "plain" and self._config.nprocs > 1:
             return launch.launch(fn, args, kwargs, self._config, all_results)
         ctx = group.plan(self._config, env)
-        init_method = "env://" if env.kind in ("torchrun", "slurm") else None
         if env.kind == "slurm":
             _export_rank_env(env)
-        with group.session(ctx, self._config.timeout, init_method=init_method):
+        needs_store = env.kind in ("torchrun", "slurm") and ctx.world_size > 1
+        store = group.env_store(ctx, self._config.timeout) if needs_store else None
+        with group.session(ctx, self._config.timeout, store=store):
             try:
                 result = fn(*args, **kwargs)
             except BaseException as exc:

@@ -32,6 +32,7 @@ class RankContext:
 
 GLOO_DRAIN_S = 0.02
 _current: RankContext | None = None
+_in_place_sessions = 0
 
 
 def current() -> RankContext | None:
@@ -51,6 +52,20 @@ def plan(config: Config, env: Environment) -> RankContext:
 def rank_context(config: Config, rank: int, local_rank: int, node_rank: int, world: int, local_world: int) -> RankContext:
     device = torch.device("cuda", local_rank) if config.device_type == "cuda" else torch.device("cpu")
     return RankContext(rank, local_rank, node_rank, world, local_world, device, config.backend)
+
+
+def env_store(ctx: RankContext, timeout: float) -> dist.Store:
+    """The env:// rendezvous store (torchrun's agent store, or one rank 0 hosts at MASTER_ADDR:MASTER_PORT),
+    under a prefix of its own for each in-place session.
+
+    A second group initialised in the same process would otherwise reuse the first one's keys on torchrun's
+    persistent store, and read a peer's stale address (connection refused). Ranks call distribute() in the
+    same order, so the counter agrees across them.
+    """
+    global _in_place_sessions
+    _in_place_sessions += 1
+    base, _, _ = next(dist.rendezvous("env://", ctx.rank, ctx.world_size, timeout=datetime.timedelta(seconds=timeout)))
+    return dist.PrefixStore(f"qaccel/{_in_place_sessions}", base)
 
 
 def loopback_interface() -> str:
@@ -73,12 +88,7 @@ def apply_thread_budget(local_world_size: int) -> None:
 
 
 @contextmanager
-def session(
-    ctx: RankContext,
-    timeout: float,
-    store: dist.Store | None = None,
-    init_method: str | None = None,
-) -> Iterator[RankContext]:
+def session(ctx: RankContext, timeout: float, store: dist.Store | None = None) -> Iterator[RankContext]:
     """Run a block as rank ``ctx``: device, threads and process group set up, always torn down afterwards.
 
     A group the caller had already initialised is reused and left alone.
@@ -94,7 +104,6 @@ def session(
             apply_thread_budget(ctx.local_world_size)
             dist.init_process_group(
                 ctx.backend,
-                init_method=init_method,
                 store=store,
                 rank=ctx.rank,
                 world_size=ctx.world_size,

@@ -45,3 +45,14 @@ def test_bad_arguments_exit_2_with_message():
     proc = _qaccel("test", "--nprocs", "0")
     assert proc.returncode == 2
     assert "nprocs must be a positive int; got 0" in proc.stderr
+
+
+def test_smoke_test_under_torchrun_passes_on_every_rank():
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "qaccel", "test", "--compute-setup", "cpu"],
+        capture_output=True, text=True, timeout=150, env=script_env(),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("qaccel test: 4 passed, 0 failed") == 1
+    assert proc.stdout.count("note: ranks were started by a launcher") == 1
+    assert "FAIL" not in proc.stdout

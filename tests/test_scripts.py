@@ -197,6 +197,8 @@ def work(tag):
 
 if __name__ == "__main__":
     out = acc.distribute(work)(sys.argv[1])
+    again = acc.distribute(work)(sys.argv[1])  # a second group in the same process must work too
+    assert {**again, "pid": 0} == {**out, "pid": 0}, (again, out)
     print("RESULT", json.dumps(out), "initialized_after", dist.is_initialized(), flush=True)
 """
 

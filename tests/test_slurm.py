@@ -25,7 +25,10 @@ def work():
             "sum": total, "pid": os.getpid(), "procid": os.environ.get("SLURM_PROCID")}
 
 if __name__ == "__main__":
-    print("RESULT " + json.dumps(acc.distribute(work)()), flush=True)
+    first = acc.distribute(work)()
+    again = acc.distribute(work)()  # a second group in the same task re-rendezvouses on the same port
+    assert {**again, "pid": 0} == {**first, "pid": 0}, (again, first)
+    print("RESULT " + json.dumps(first), flush=True)
 """
 
 
