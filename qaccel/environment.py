@@ -58,34 +58,25 @@ def _initialized(env: Mapping[str, str]) -> Environment | None:
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    rank = dist.get_rank()
-    world_size = dist.get_world_size()
-    local_world_size = _int(env, "LOCAL_WORLD_SIZE", world_size)
-    node_key = "GROUP_RANK" if "GROUP_RANK" in env else "NODE_RANK"
-    return Environment(
-        kind=_INITIALIZED,
-        rank=rank,
-        local_rank=_int(env, "LOCAL_RANK", rank),
-        node_rank=_int(env, node_key, 0),
-        world_size=world_size,
-        local_world_size=local_world_size,
-        num_nodes=_ceil_div(world_size, local_world_size),
-        master_addr=env.get("MASTER_ADDR"),
-        master_port=_optional_int(env, "MASTER_PORT"),
-    )
+    return _launcher_layout(env, _INITIALIZED, dist.get_rank(), dist.get_world_size())
 
 
 def _torchrun(env: Mapping[str, str]) -> Environment | None:
     """torchrun (torchelastic) exports the whole layout, so take it verbatim."""
     if "TORCHELASTIC_RUN_ID" not in env:
         return None
-    world_size = _int(env, "WORLD_SIZE", 1)
-    local_world_size = _int(env, "LOCAL_WORLD_SIZE", 1)
+    return _launcher_layout(env, _TORCHRUN, _int(env, "RANK", 0), _int(env, "WORLD_SIZE", 1))
+
+
+def _launcher_layout(env: Mapping[str, str], kind: str, rank: int, world_size: int) -> Environment:
+    """The layout torchrun-style variables describe around a known rank and world (one node when silent)."""
+    local_world_size = _int(env, "LOCAL_WORLD_SIZE", world_size)
+    node_key = "GROUP_RANK" if "GROUP_RANK" in env else "NODE_RANK"
     return Environment(
-        kind=_TORCHRUN,
-        rank=_int(env, "RANK", 0),
-        local_rank=_int(env, "LOCAL_RANK", 0),
-        node_rank=_int(env, "GROUP_RANK", 0),
+        kind=kind,
+        rank=rank,
+        local_rank=_int(env, "LOCAL_RANK", rank),
+        node_rank=_int(env, node_key, 0),
         world_size=world_size,
         local_world_size=local_world_size,
         num_nodes=_ceil_div(world_size, local_world_size),
