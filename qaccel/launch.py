@@ -106,7 +106,7 @@ def _loopback_store(timeout: float) -> dist.TCPStore:
     fd = sock.detach()
     try:
         return dist.TCPStore(
-            "127.0.0.1", port, None, True, _timedelta(timeout), wait_for_workers=False, master_listen_fd=fd
+            "127.0.0.1", port, None, True, datetime.timedelta(seconds=timeout), wait_for_workers=False, master_listen_fd=fd
         )
     except BaseException:
         os.close(fd)
@@ -269,7 +269,7 @@ def _rank_main(spec: RankSpec, caller: multiprocessing.connection.Connection) ->
     ctx = group.rank_context(config, spec.rank, spec.rank, 0, spec.world_size, spec.world_size)
     reported = False
     try:
-        store = dist.TCPStore("127.0.0.1", spec.port, None, False, timeout=_timedelta(config.timeout))
+        store = dist.TCPStore("127.0.0.1", spec.port, None, False, timeout=datetime.timedelta(seconds=config.timeout))
         with group.session(ctx, config.timeout, store=store):
             try:
                 fn, args, kwargs = pickle.loads(Path(spec.run_dir, "payload").read_bytes())
@@ -312,7 +312,3 @@ def _report(spec: RankSpec, exc: BaseException, caller: multiprocessing.connecti
         caller.send(spec.rank)
     except OSError:
         pass
-
-
-def _timedelta(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=seconds)

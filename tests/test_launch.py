@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from procs import alive, wait_dead
+from procs import wait_dead
 from qaccel import Accelerator, RankError, RankKilledError
 
 pytestmark = pytest.mark.timeout(120)

@@ -6,14 +6,13 @@ import json
 import os
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import time
 
 import pytest
 
-from procs import REPO, alive, run_script, script_env, wait_dead, write_script
+from procs import run_script, script_env, wait_dead, write_script
 
 pytestmark = pytest.mark.timeout(180)
 
