@@ -10,7 +10,7 @@ from typing import Any, Callable, Mapping, TypeVar
 
 import torch
 
-from qaccel import collectives, group, launch
+from qaccel import batch, collectives, group, launch, prepare
 from qaccel.config import make_config
 from qaccel.environment import Environment, detect
 
@@ -165,6 +165,42 @@ class Accelerator:
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on the main process only."""
         collectives.main_print(self._ctx(), *args, **kwargs)
+
+    def gather(self, data: Any) -> Any:
+        """All ranks' tensors concatenated on dim 0 (sizes may differ by rank); nested structures too."""
+        return collectives.gather(data, self._ctx())
+
+    def gather_for_metrics(self, data: Any) -> Any:
+        """Like gather, minus the samples duplicated to even out the last batches: exact counts."""
+        return collectives.gather_for_metrics(data, self._ctx())
+
+    def pad_across_processes(self, data: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+        """Pad tensors along ``dim`` to the largest size any rank has."""
+        return collectives.pad_across_processes(data, self._ctx(), dim, pad_index, pad_first)
+
+    def reduce(self, data: Any, op: str = "sum") -> Any:
+        """All-reduce tensors: "sum", "mean", "max" or "min"; returns new tensors."""
+        return collectives.reduce(data, op, self._ctx())
+
+    # ---- preparation ----
+
+    def prepare(self, *objs: Any) -> Any:
+        """Models to device/dtype (DDP-wrapped), optimizers alongside, DataLoaders sharded; one in, one out.
+
+        Several objects come back as a tuple in the same order; anything else passes through unchanged.
+        LR schedulers come back as they are: step them as before, once per optimizer step.
+        """
+        ctx = self._ctx()
+        out = tuple(prepare.prepare_one(obj, ctx, self.dtype) for obj in objs)
+        return out[0] if len(out) == 1 else out
+
+    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The user's module inside the DDP wrapper prepare() added."""
+        return prepare.unwrap_model(model)
+
+    def prepare_batch(self, data: Any) -> Any:
+        """Move a batch to this rank's device, casting floating-point tensors to ``dtype``; labels keep theirs."""
+        return batch.prepare_batch(data, self.device, self.dtype)
 
 
 def _warn_world_mismatch(nprocs: int, env: Environment) -> None:

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from qaccel import group
+from qaccel.batch import map_leaves
 from qaccel.group import RankContext
 
 REDUCE_OPS = ("mean", "sum", "max", "min")
@@ -32,32 +33,26 @@ def all_reduce_dict(
     Python numbers come back as Python numbers (a mean is a float), tensors as tensors of the same shape
     on ``log_device`` (a mean of an integer tensor is floating point). All ranks must pass the same keys.
     """
-    if op not in REDUCE_OPS:
-        raise ValueError(f"op must be one of {', '.join(map(repr, REDUCE_OPS))}; got {op!r}")
     tensors: dict[str, torch.Tensor] = {}
     for key, value in values.items():
         if isinstance(value, torch.Tensor):
-            tensor = value.detach()
+            tensors[key] = value
         elif isinstance(value, numbers.Integral):
-            tensor = torch.tensor(int(value), dtype=torch.int64)
+            tensors[key] = torch.tensor(int(value), dtype=torch.int64)
         elif isinstance(value, numbers.Real):
-            tensor = torch.tensor(value, dtype=torch.float64)
+            tensors[key] = torch.tensor(value, dtype=torch.float64)
         else:
             raise TypeError(
                 f"all_reduce_dict: value of {key!r} is {type(value).__name__}; expected a tensor, int or float"
             )
-        tensors[key] = tensor.to(torch.int64) if tensor.dtype == torch.bool else tensor
-
-    world = ctx.world_size if _distributed(ctx) else 1
-    reduced = _reduce_by_dtype(tensors, _TORCH_OPS[op], ctx) if world > 1 else {k: t.clone() for k, t in tensors.items()}
+    reduced = reduce(tensors, op, ctx)
     out: dict[str, Any] = {}
     for key, value in values.items():
-        tensor = reduced[key] / world if op == "mean" else reduced[key]
         if isinstance(value, torch.Tensor):
-            out[key] = (tensor.bool() if value.dtype == torch.bool and op in ("max", "min") else tensor).to(log_device)
+            out[key] = reduced[key].to(log_device)
         else:
             keeps_int = isinstance(value, numbers.Integral) and op != "mean"
-            out[key] = int(tensor.item()) if keeps_int else float(tensor.item())
+            out[key] = int(reduced[key].item()) if keeps_int else float(reduced[key].item())
     return out
 
 
@@ -106,3 +101,148 @@ def main_print(ctx: RankContext, *args: Any, **kwargs: Any) -> None:
     """``print`` on the main process only, so N ranks do not print N copies."""
     if ctx.rank == 0:
         builtins.print(*args, **kwargs)
+
+
+def gather(data: Any, ctx: RankContext) -> Any:
+    """All ranks' tensors concatenated on dim 0 in rank order, for every tensor of a nested structure.
+
+    Sizes along dim 0 may differ by rank (a short last batch); the other dims must match. A 0-dim tensor
+    becomes a 1-D tensor of one element per rank, in a single process too, so code runs the same both ways.
+    Across ranks the results are new tensors without autograd history, on the input's device.
+    """
+    tensors = [t.reshape(1) if t.dim() == 0 else t for t in _tensor_leaves(data, "gather")]
+    if not _distributed(ctx):
+        return _rebuild(data, tensors)
+    shapes = _shapes_by_rank(tensors, ctx, "gather")
+    return _rebuild(data, [_gather_tensor(t, [s[i] for s in shapes], ctx) for i, t in enumerate(tensors)])
+
+
+def _gather_tensor(tensor: torch.Tensor, shapes: list[tuple[int, ...]], ctx: RankContext) -> torch.Tensor:
+    if any(shape[1:] != shapes[0][1:] for shape in shapes):
+        raise ValueError(f"gather: tensors must match in every dim but dim 0; got shapes {shapes} by rank")
+    longest = max(shape[0] for shape in shapes)
+    send = tensor.detach().to(_comm_device(ctx))
+    if send.shape[0] < longest:
+        send = torch.cat([send, send.new_zeros((longest - send.shape[0], *send.shape[1:]))])
+    chunks = [send.new_empty(send.shape) for _ in range(ctx.world_size)]
+    dist.all_gather(chunks, send.contiguous())
+    return torch.cat([chunk[: shape[0]] for chunk, shape in zip(chunks, shapes)]).to(tensor.device)
+
+
+def pad_across_processes(data: Any, ctx: RankContext, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+    """Pad every tensor along ``dim`` with ``pad_index`` to the largest size any rank has, so they can be gathered.
+
+    Padding goes at the end, or at the start with ``pad_first``. 0-dim tensors and tensors already of the
+    largest size come back as they are.
+    """
+    tensors = _tensor_leaves(data, "pad_across_processes")
+    if not _distributed(ctx):
+        for tensor in tensors:
+            _normalised_dim(dim, tensor)
+        return _rebuild(data, tensors)
+    shapes = _shapes_by_rank(tensors, ctx, "pad_across_processes")
+    padded = []
+    for i, tensor in enumerate(tensors):
+        ndims = {len(s[i]) for s in shapes}
+        if len(ndims) > 1:
+            by_rank = [s[i] for s in shapes]
+            raise ValueError(f"pad_across_processes: tensors differ in ndim; got shapes {by_rank} by rank")
+        # Checked after the shapes collective: every rank has this ndim now, so every rank raises alike.
+        axis = _normalised_dim(dim, tensor)
+        if tensor.dim() == 0:
+            padded.append(tensor)
+            continue
+        longest = max(s[i][axis] for s in shapes)
+        padded.append(_pad(tensor, axis, longest, pad_index, pad_first))
+    return _rebuild(data, padded)
+
+
+def _normalised_dim(dim: int, tensor: torch.Tensor) -> int:
+    if tensor.dim() == 0:
+        return 0
+    if not -tensor.dim() <= dim < tensor.dim():
+        raise IndexError(f"pad_across_processes: dim {dim} is out of range for a tensor of shape {tuple(tensor.shape)}")
+    return dim % tensor.dim()
+
+
+def _pad(tensor: torch.Tensor, dim: int, size: int, pad_index: int, pad_first: bool) -> torch.Tensor:
+    missing = size - tensor.shape[dim]
+    if missing == 0:
+        return tensor
+    fill = tensor.new_full((*tensor.shape[:dim], missing, *tensor.shape[dim + 1 :]), pad_index)
+    return torch.cat([fill, tensor] if pad_first else [tensor, fill], dim=dim)
+
+
+def reduce(data: Any, op: str, ctx: RankContext) -> Any:
+    """All-reduce every tensor of a nested structure: "sum", "mean", "max" or "min"; one collective per dtype.
+
+    Returns new tensors on each input's device, never the inputs modified. A mean of an integer or bool
+    tensor is floating point; max/min of a bool tensor stay bool. All ranks must pass the same structure and
+    shapes. In a single process it returns copies.
+    """
+    if op not in REDUCE_OPS:
+        raise ValueError(f"op must be one of {', '.join(map(repr, REDUCE_OPS))}; got {op!r}")
+    tensors = _tensor_leaves(data, "reduce")
+    keyed = {str(i): t.detach().to(torch.int64) if t.dtype == torch.bool else t.detach() for i, t in enumerate(tensors)}
+    world = ctx.world_size if _distributed(ctx) else 1
+    reduced = _reduce_by_dtype(keyed, _TORCH_OPS[op], ctx) if world > 1 else {k: t.clone() for k, t in keyed.items()}
+    out = []
+    for i, tensor in enumerate(tensors):
+        result = reduced[str(i)] / world if op == "mean" else reduced[str(i)]
+        if tensor.dtype == torch.bool and op in ("max", "min"):
+            result = result.bool()
+        out.append(result.to(tensor.device))
+    return _rebuild(data, out)
+
+
+def gather_for_metrics(data: Any, ctx: RankContext) -> Any:
+    """``gather``, minus the duplicate samples that evened out the last round of a prepared DataLoader.
+
+    The gathered rows are in global sample order with the duplicates last, so keeping the first
+    ``gather_remainder()`` rows leaves exactly the dataset's samples.
+    """
+    from qaccel.data import gather_remainder  # qaccel.data builds on this module; import when used
+
+    gathered = gather(data, ctx)
+    remainder = gather_remainder()
+    if remainder is None:
+        return gathered
+    return map_leaves(gathered, lambda tensor: tensor[:remainder])
+
+
+def _tensor_leaves(data: Any, caller: str) -> list[torch.Tensor]:
+    """The tensors of a nested structure, in the order map_leaves visits them; anything else is a TypeError."""
+    leaves: list[torch.Tensor] = []
+
+    def take(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"{caller}() takes tensors (nested in dicts, lists or tuples); got a "
+                            f"{type(leaf).__name__}; use gather_object() for other objects")
+        leaves.append(leaf)
+        return leaf
+
+    map_leaves(data, take)
+    return leaves
+
+
+def _rebuild(data: Any, tensors: list[torch.Tensor]) -> Any:
+    """``data`` with its tensor leaves replaced, in order, by ``tensors``."""
+    replacements = iter(tensors)
+    return map_leaves(data, lambda _: next(replacements))
+
+
+def _shapes_by_rank(tensors: list[torch.Tensor], ctx: RankContext, caller: str) -> list[list[tuple[int, ...]]]:
+    """Every rank's leaf shapes, from one collective for the whole structure.
+
+    Every rank sees the same answer, so a mismatch raises the same error on every rank instead of leaving
+    the others blocked in the next collective.
+    """
+    mine = [(tuple(t.shape), str(t.dtype)) for t in tensors]
+    everyone = gather_object(mine, ctx)
+    if any(len(theirs) != len(mine) for theirs in everyone):
+        raise ValueError(f"{caller}: ranks passed different numbers of tensors: {[len(t) for t in everyone]} by rank")
+    for i in range(len(mine)):
+        dtypes = [theirs[i][1] for theirs in everyone]
+        if len(set(dtypes)) > 1:
+            raise ValueError(f"{caller}: tensor {i} has dtypes {dtypes} by rank; all ranks must pass the same dtype")
+    return [[shape for shape, _ in theirs] for theirs in everyone]

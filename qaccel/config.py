@@ -61,6 +61,8 @@ def make_config(
     _choice("start_method", start_method, START_METHODS)
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype (e.g. torch.float64) or None; got {dtype!r}")
+    if dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(f"dtype must be a floating-point or complex torch.dtype (it casts models and inputs); got {dtype}")
     if isinstance(timeout, datetime.timedelta):
         timeout = timeout.total_seconds()
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:

@@ -28,6 +28,7 @@ from qaccel import Accelerator
         ({"backend": "nccl", "compute_setup": "cpu"}, ValueError, "backend='nccl' needs GPU compute"),
         ({"dtype": "float64"}, TypeError, "dtype must be a torch.dtype (e.g. torch.float64) or None; got 'float64'"),
         ({"dtype": float}, TypeError, "dtype must be a torch.dtype"),
+        ({"dtype": torch.int64}, ValueError, "dtype must be a floating-point or complex torch.dtype"),
         ({"timeout": 0}, ValueError, "timeout must be a positive number of seconds or a timedelta; got 0"),
         ({"timeout": "10"}, ValueError, "timeout must be a positive number"),
         ({"start_method": "fork"}, ValueError, "start_method must be one of 'forkserver', 'spawn'; got 'fork'"),

@@ -1,0 +1,69 @@
+"""Batches: walk nested containers, and move a batch to a rank's device with floating-point tensors cast."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Callable, Mapping, MutableMapping
+
+import torch
+
+
+def map_leaves(data: Any, fn: Callable[[Any], Any]) -> Any:
+    """Apply ``fn`` to every leaf under dicts, lists, tuples, namedtuples and dataclass instances.
+
+    Containers are rebuilt with their own type, so an OrderedDict, a defaultdict (with its default_factory),
+    a namedtuple or a user's dataclass comes back as one. Leaves are visited in a fixed order (insertion order
+    for mappings), which the collectives rely on to match leaves across ranks.
+    """
+    if isinstance(data, torch.Tensor):
+        return fn(data)
+    if dataclasses.is_dataclass(data) and not isinstance(data, type):
+        # replace() re-runs __init__/__post_init__, so fields with init=False are what those make of them.
+        changes = {f.name: map_leaves(getattr(data, f.name), fn) for f in dataclasses.fields(data) if f.init}
+        return dataclasses.replace(data, **changes)
+    if isinstance(data, MutableMapping):
+        # A shallow copy keeps the type and its extras (defaultdict's default_factory, attributes) without
+        # knowing the constructor's signature; the copy's values are then replaced in place.
+        out = copy.copy(data)
+        for key, value in data.items():
+            out[key] = map_leaves(value, fn)
+        return out
+    if isinstance(data, Mapping):
+        return type(data)({key: map_leaves(value, fn) for key, value in data.items()})
+    if isinstance(data, tuple) and hasattr(data, "_fields"):
+        return type(data)(*(map_leaves(value, fn) for value in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(map_leaves(value, fn) for value in data)
+    return fn(data)
+
+
+def prepare_batch(data: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
+    """Move every tensor of a (nested) batch to ``device``; cast floating-point tensors to ``dtype``.
+
+    Integer and bool tensors keep their dtype, so class labels and masks survive. A complex ``dtype`` casts
+    real floating-point tensors to its real counterpart (complex128 -> float64) and complex tensors to
+    ``dtype``; a real ``dtype`` leaves complex tensors as they are, since casting would drop the imaginary
+    part. ``dtype=None`` casts nothing. Non-tensor leaves come back as the same objects, and a tensor already
+    in place comes back as the same tensor, so preparing a prepared batch costs no copy.
+    """
+    device = torch.device(device)
+    return map_leaves(data, lambda leaf: _place(leaf, device, dtype) if isinstance(leaf, torch.Tensor) else leaf)
+
+
+def _place(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:
+    # non_blocking only where the copy cannot race with host code: from pinned memory, or between GPUs.
+    non_blocking = device.type == "cuda" and (tensor.is_cuda or tensor.is_pinned())
+    return tensor.to(device=device, dtype=_target_dtype(tensor.dtype, dtype), non_blocking=non_blocking)
+
+
+def _target_dtype(current: torch.dtype, wanted: torch.dtype | None) -> torch.dtype:
+    if wanted is None:
+        return current
+    if current.is_floating_point:
+        if wanted.is_complex:
+            return wanted.to_real()
+        return wanted if wanted.is_floating_point else current
+    if current.is_complex and wanted.is_complex:
+        return wanted
+    return current

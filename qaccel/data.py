@@ -1,0 +1,167 @@
+"""DataLoader sharding: each rank gets a disjoint share of the user's batches, reshuffled in step every epoch.
+
+Sharding is per batch, as in Accelerate. The user's own batch sampler (their sampler, batch size and drop_last)
+yields global batches B0, B1, ...; rank r takes B[r], B[r+N], B[r+2N], ... One step of N ranks therefore covers
+the samples one step of a single process with batch N·b would, in the same global order: that is what makes
+training equivalent and gather_for_metrics exact. When the batches do not divide by N, the last round is
+completed with batches from the start of the epoch (drop_last=False) or dropped (drop_last=True), so every rank
+takes the same number of steps, as DDP requires.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Iterator
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
+
+from qaccel import batch
+from qaccel.group import RankContext
+
+# DataLoader arguments carried over as they are; batch_size, shuffle, sampler and drop_last live in the batch sampler.
+_CARRIED = (
+    "num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
+    "generator", "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order",
+)
+
+_remainder: int | None = None
+
+
+def gather_remainder() -> int | None:
+    """Real samples in this step's gathered batch when it is the last step of an epoch with padding, else None.
+
+    gather_for_metrics keeps only this many leading rows of the gathered tensor.
+    """
+    return _remainder
+
+
+class BatchShard:
+    """A batch sampler: this rank's share of the user's batch sampler, the same number of batches on every rank."""
+
+    def __init__(self, batch_sampler: Any, rank: int, world_size: int, drop_last: bool) -> None:
+        self.batch_sampler = batch_sampler
+        self.rank = rank
+        self.world_size = world_size
+        self.drop_last = drop_last
+        self.padded: dict[int, int] = {}  # step -> real samples in that gathered step (padded rounds only)
+
+    def __len__(self) -> int:
+        batches = len(self.batch_sampler)
+        return batches // self.world_size if self.drop_last else math.ceil(batches / self.world_size)
+
+    def __iter__(self) -> Iterator[list]:
+        self.padded = {}
+        first: list = []
+        round_: list = []
+        step = 0
+        for global_batch in self.batch_sampler:
+            if len(first) < self.world_size:
+                first.append(global_batch)
+            round_.append(global_batch)
+            if len(round_) == self.world_size:
+                yield round_[self.rank]
+                round_, step = [], step + 1
+        if round_ and not self.drop_last:
+            self.padded[step] = sum(len(b) for b in round_)
+            filler = [first[i % len(first)] for i in range(self.world_size - len(round_))]
+            yield (round_ + filler)[self.rank]
+
+
+class PreparedDataLoader(DataLoader):
+    """The user's DataLoader rebuilt with the same arguments, yielding this rank's share on its device.
+
+    Every ``iter()`` is a new epoch: a shuffled order changes each epoch, the same on every rank, without
+    ``set_epoch``. A user DistributedSampler is kept (its epoch advanced unless the user sets it); an
+    IterableDataset is sharded by batch: each rank reads the stream and keeps every N-th batch.
+    """
+
+    def __init__(self, loader: DataLoader, ctx: RankContext, seed: int) -> None:
+        kwargs = {name: getattr(loader, name) for name in _CARRIED}
+        dataset = loader.dataset
+        self._device = ctx.device
+        self._rank, self._world = ctx.rank, ctx.world_size
+        self._epoch = 0
+        self._seed = seed
+        self._generator = torch.Generator()
+        self._shard: BatchShard | None = None
+        self._user_sampler: DistributedSampler | None = None
+        self._auto_epoch = 0
+        if isinstance(dataset, IterableDataset):
+            super().__init__(dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **kwargs)
+            self._iterable = True
+            return
+        self._iterable = False
+        if loader.batch_sampler is None:
+            raise ValueError("prepare() needs a DataLoader with batches (batch_size=None is not supported)")
+        if isinstance(loader.sampler, DistributedSampler):
+            self._user_sampler = loader.sampler
+            self._auto_epoch = loader.sampler.epoch
+            super().__init__(dataset, batch_sampler=loader.batch_sampler, **kwargs)
+            return
+        batch_sampler = _with_generator(loader.batch_sampler, self._generator)
+        drop_last = bool(getattr(batch_sampler, "drop_last", loader.drop_last))
+        self._shard = BatchShard(batch_sampler, ctx.rank, ctx.world_size, drop_last)
+        super().__init__(dataset, batch_sampler=self._shard, **kwargs)
+        # Report the user's settings, not the placeholders DataLoader sets when given a batch_sampler.
+        object.__setattr__(self, "batch_size", loader.batch_size)
+        object.__setattr__(self, "drop_last", drop_last)
+        object.__setattr__(self, "sampler", getattr(batch_sampler, "sampler", loader.sampler))
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next ``iter()`` epoch ``epoch`` (to resume a run at the order it had reached)."""
+        self._epoch = epoch
+
+    def __len__(self) -> int:
+        if self._iterable:
+            return super().__len__() // self._world
+        return super().__len__()
+
+    def __iter__(self) -> Iterator[Any]:
+        global _remainder
+        epoch, self._epoch = self._epoch, self._epoch + 1
+        self._generator.manual_seed(self._seed + epoch)
+        sampler = self._user_sampler
+        if sampler is not None and sampler.epoch == self._auto_epoch:
+            sampler.set_epoch(epoch)
+            self._auto_epoch = epoch
+        batches = super().__iter__()
+        if self._iterable:
+            batches = _every_nth(batches, self._rank, self._world)
+        try:
+            for step, item in enumerate(batches):
+                _remainder = self._shard.padded.get(step) if self._shard is not None else None
+                yield batch.prepare_batch(item, self._device, None)
+        finally:
+            _remainder = None
+
+
+def _with_generator(batch_sampler: Any, generator: torch.Generator) -> Any:
+    """Copies of the batch sampler and its sampler drawing from ``generator``, so all ranks draw alike.
+
+    The user's own objects are left untouched; samplers without a generator (sequential) are used as they are.
+    """
+    inner = getattr(batch_sampler, "sampler", None)
+    if inner is None or not hasattr(inner, "generator"):
+        return batch_sampler
+    inner = copy.copy(inner)
+    inner.generator = generator
+    batch_sampler = copy.copy(batch_sampler)
+    batch_sampler.sampler = inner
+    return batch_sampler
+
+
+def _every_nth(batches: Iterator[Any], rank: int, world_size: int) -> Iterator[Any]:
+    """Batch rank, rank+N, ... of a stream; an incomplete last round is dropped so all ranks stop together."""
+    round_: list = []
+    for item in batches:
+        round_.append(item)
+        if len(round_) == world_size:
+            yield round_[rank]
+            round_ = []
+
+
+def shared_seed(loader: DataLoader) -> int:
+    """A shuffling seed drawn from the user's generator (or torch's global RNG); rank 0's is broadcast."""
+    return int(torch.randint(0, 2**62, (1,), generator=loader.generator).item())

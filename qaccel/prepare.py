@@ -1,0 +1,59 @@
+"""prepare(): each object to its preparer (model, optimizer, DataLoader); anything else passes through."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+
+from qaccel import collectives, data
+from qaccel.group import RankContext
+
+
+def prepare_one(obj: Any, ctx: RankContext, dtype: torch.dtype | None) -> Any:
+    if isinstance(obj, torch.nn.Module):
+        return prepare_model(obj, ctx, dtype)
+    if isinstance(obj, torch.optim.Optimizer):
+        return prepare_optimizer(obj)
+    if isinstance(obj, DataLoader) and not isinstance(obj, data.PreparedDataLoader):
+        seed = collectives.broadcast(data.shared_seed(obj), 0, ctx)
+        return data.PreparedDataLoader(obj, ctx, seed)
+    return obj
+
+
+def prepare_model(model: torch.nn.Module, ctx: RankContext, dtype: torch.dtype | None) -> torch.nn.Module:
+    """Place the model on this rank's device (and dtype); wrap it in DDP when there is more than one rank.
+
+    A model already wrapped, or with nothing to train, is not wrapped (again).
+    """
+    if isinstance(model, DistributedDataParallel):
+        return model
+    model.to(device=ctx.device, dtype=dtype)
+    trainable = any(p.requires_grad for p in model.parameters())
+    if ctx.world_size > 1 and dist.is_initialized() and trainable:
+        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids)
+    return model
+
+
+def prepare_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Move existing optimizer state next to its (already moved) parameters, by torch's own casting rules.
+
+    Module.to() keeps the Parameter objects, so the optimizer already points at the placed (and, under DDP,
+    shared) parameters; only state created before placement (e.g. Adam moments) needs moving.
+    """
+    if optimizer.state:
+        optimizer.load_state_dict(optimizer.state_dict())
+        for param, state in optimizer.state.items():  # torch casts state only for floating-point params
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.is_complex() and param.is_complex():
+                    state[key] = value.to(param.dtype)
+    return optimizer
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's module inside a DDP wrapper (or the module itself)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model

@@ -1,0 +1,264 @@
+"""prepare(): models, optimizers and DataLoaders on real 2-rank gloo worlds, checked against one process."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import pytest
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    TensorDataset,
+    WeightedRandomSampler,
+)
+
+from qaccel import Accelerator
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def acc():
+    return Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
+
+
+# ---- the equivalence contract: N ranks x batch b == 1 process x batch N*b ----
+
+
+def _regression_data(n=64):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 4, generator=g)
+    return TensorDataset(x, x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]) + 0.1)
+
+
+def _fit(accelerator, batch_size, epochs=3):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loader = DataLoader(_regression_data(), batch_size=batch_size, shuffle=False)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    for _ in range(epochs):
+        for x, y in loader:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]
+
+
+def test_two_ranks_batch_8_equal_one_process_batch_16(acc):
+    single = _fit(Accelerator(nprocs=1, compute_setup="cpu"), batch_size=16)
+    ranks = acc.distribute(_fit, all_results=True)(acc, 8)
+    for params in ranks:
+        for got, want in zip(params, single):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert not torch.equal(single[0], _fit(Accelerator(nprocs=1, compute_setup="cpu"), batch_size=8)[0]), \
+        "batch 8 in one process must differ, or the comparison above proves nothing"
+
+
+# ---- data coverage, reshuffling, argument preservation ----
+
+
+def _epochs_seen(a, epochs, **loader_kwargs):
+    loader = a.prepare(DataLoader(TensorDataset(torch.arange(64)), **loader_kwargs))
+    seen = []
+    for _ in range(epochs):
+        seen.append([int(i) for (ids,) in loader for i in ids])
+    return seen, len(loader)
+
+
+def test_shuffled_epochs_cover_every_sample_once_and_change(acc):
+    out = acc.distribute(_epochs_seen, all_results=True)(acc, 3, batch_size=8, shuffle=True)
+    (rank0, len0), (rank1, len1) = out
+    assert len0 == len1 == 4
+    for e in range(3):
+        assert sorted(rank0[e] + rank1[e]) == list(range(64)), "every sample exactly once per epoch"
+        assert not set(rank0[e]) & set(rank1[e])
+    assert rank0[0] != rank0[1] != rank0[2], "a new permutation every epoch, without set_epoch"
+    assert rank0[0] != list(range(32)), "shuffled"
+
+
+def test_unshuffled_shards_are_interleaved_global_batches(acc):
+    (r0, _), (r1, _) = acc.distribute(_epochs_seen, all_results=True)(acc, 1, batch_size=4)
+    assert r0[0][:8] == [0, 1, 2, 3, 8, 9, 10, 11] and r1[0][:8] == [4, 5, 6, 7, 12, 13, 14, 15]
+
+
+def _collate_tagged(samples):
+    return {"ids": torch.stack([s[0] for s in samples]), "tag": "mine"}
+
+
+def _mark_worker(worker_id):
+    torch.utils.data.get_worker_info().dataset.marked = True
+
+
+def _loader_arguments(a):
+    g = torch.Generator().manual_seed(3)
+    user = DataLoader(
+        TensorDataset(torch.arange(103)), batch_size=5, shuffle=True, drop_last=True, collate_fn=_collate_tagged,
+        num_workers=1, pin_memory=False, worker_init_fn=_mark_worker, generator=g, persistent_workers=True,
+        prefetch_factor=3, timeout=30,
+    )
+    loader = a.prepare(user)
+    batches = list(loader)
+    return {
+        "type": type(loader.sampler).__name__,
+        "attrs": [getattr(loader, k) == getattr(user, k) for k in (
+            "batch_size", "drop_last", "collate_fn", "num_workers", "pin_memory", "worker_init_fn", "generator",
+            "persistent_workers", "prefetch_factor", "timeout")],
+        "sizes": {len(b["ids"]) for b in batches},
+        "tags": {b["tag"] for b in batches},
+        "len": (len(loader), len(batches)),
+        "user_untouched": user.sampler.generator is g and len(user) == 20,
+    }
+
+
+def test_every_loader_argument_is_kept(acc):
+    for out in acc.distribute(_loader_arguments, all_results=True)(acc):
+        assert out["type"] == "RandomSampler"
+        assert all(out["attrs"]), out["attrs"]
+        assert out["sizes"] == {5} and out["tags"] == {"mine"}
+        assert out["len"] == (10, 10)  # 103 // 5 = 20 full batches over 2 ranks
+        assert out["user_untouched"]
+
+
+def _weighted(a):
+    weights = torch.ones(40)
+    weights[:20] = 0.0  # only samples 20..39 may be drawn
+    sampler = WeightedRandomSampler(weights, num_samples=40, replacement=True)
+    loader = a.prepare(DataLoader(TensorDataset(torch.arange(40)), batch_size=4, sampler=sampler))
+    return type(loader.sampler).__name__, [int(i) for (ids,) in loader for i in ids]
+
+
+def test_custom_sampler_type_kept_and_drawn_alike_on_every_rank(acc):
+    (t0, ids0), (t1, ids1) = acc.distribute(_weighted, all_results=True)(acc)
+    assert t0 == t1 == "WeightedRandomSampler"
+    assert len(ids0) == len(ids1) == 20 and min(ids0 + ids1) >= 20
+
+
+def _user_distributed_sampler(a):
+    ds = TensorDataset(torch.arange(32))
+    sampler = DistributedSampler(ds, num_replicas=a.world_size, rank=a.rank, shuffle=True, seed=7)
+    loader = a.prepare(DataLoader(ds, batch_size=4, sampler=sampler))
+    return [[int(i) for (ids,) in loader for i in ids] for _ in range(2)], len(loader)
+
+
+def test_user_distributed_sampler_is_not_sharded_twice(acc):
+    (e0, n0), (e1, n1) = acc.distribute(_user_distributed_sampler, all_results=True)(acc)
+    assert n0 == n1 == 4
+    for epoch in range(2):
+        assert sorted(e0[epoch] + e1[epoch]) == list(range(32))
+    assert e0[0] != e0[1], "its epoch advances without set_epoch"
+
+
+class Stream(IterableDataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+
+def _iterable(a, n):
+    loader = a.prepare(DataLoader(Stream(n), batch_size=2))
+    return [int(i) for ids in loader for i in ids]
+
+
+def test_iterable_dataset_is_sharded_by_batch(acc):
+    r0, r1 = acc.distribute(_iterable, all_results=True)(acc, 20)
+    assert sorted(r0 + r1) == list(range(20)) and r0[:2] == [0, 1] and r1[:2] == [2, 3]
+    r0, r1 = acc.distribute(_iterable, all_results=True)(acc, 22)  # 11 batches: the 11th is dropped
+    assert len(r0) == len(r1) == 10
+
+
+def _eval_counts(a, size):
+    loader = a.prepare(DataLoader(TensorDataset(torch.arange(size)), batch_size=16))
+    seen = [a.gather_for_metrics(ids) for (ids,) in loader]
+    return torch.cat(seen).tolist(), len(loader)
+
+
+@pytest.mark.parametrize("size", [82, 99, 512, 7])
+def test_gather_for_metrics_counts_are_exact(acc, size):
+    (everything, steps), _ = acc.distribute(_eval_counts, all_results=True)(acc, size)
+    assert sorted(everything) == list(range(size))
+    assert steps == math.ceil(math.ceil(size / 16) / 2)
+
+
+def _labels(a):
+    loader = a.prepare(DataLoader(TensorDataset(torch.randn(8, 3), torch.arange(8), torch.ones(8, dtype=torch.bool)), batch_size=4))
+    x, y, mask = a.prepare_batch(next(iter(loader)))
+    return x.dtype, y.dtype, mask.dtype
+
+
+def test_labels_keep_their_dtype_with_a_float64_accelerator():
+    acc64 = Accelerator(nprocs=2, compute_setup="cpu", dtype=torch.float64)
+    for dtypes in acc64.distribute(_labels, all_results=True)(acc64):
+        assert dtypes == (torch.float64, torch.int64, torch.bool)
+
+
+# ---- models and optimizers ----
+
+
+def _model_facts(a):
+    model = torch.nn.Linear(3, 2)
+    frozen = torch.nn.Linear(3, 2).requires_grad_(False)
+    prepared = a.prepare(model)
+    again = a.prepare(prepared)
+    return {
+        "ddp": isinstance(prepared, DistributedDataParallel),
+        "twice": again is prepared,
+        "unwrap": a.unwrap_model(prepared) is model,
+        "frozen": type(a.prepare(frozen)).__name__,
+        "passthrough": a.prepare(None, "x", 3) == (None, "x", 3),
+    }
+
+
+def test_model_wrapping_rules(acc):
+    for facts in acc.distribute(_model_facts, all_results=True)(acc):
+        assert facts == {"ddp": True, "twice": True, "unwrap": True, "frozen": "Linear", "passthrough": True}
+
+
+def test_single_process_model_is_not_wrapped():
+    single = Accelerator(nprocs=1, compute_setup="cpu")
+    model = torch.nn.Linear(2, 2)
+    assert single.prepare(model) is model
+
+
+class ComplexModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(3, 1, dtype=torch.complex64))
+
+    def forward(self, x):
+        return (x.to(self.w.dtype) @ self.w).abs()
+
+
+def _train_dtype(a, complex_model):
+    torch.manual_seed(0)
+    model = ComplexModel() if complex_model else torch.nn.Linear(3, 1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(2, 3)).sum().backward()
+    optimizer.step()  # Adam state exists before prepare and must follow the dtype
+    loader = DataLoader(TensorDataset(torch.randn(16, 3), torch.randn(16, 1)), batch_size=4)
+    model, optimizer, loader = a.prepare(model, optimizer, loader)
+    for x, y in loader:
+        x, y = a.prepare_batch((x, y))
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    param = next(a.unwrap_model(model).parameters())
+    state = optimizer.state[param]["exp_avg"]
+    return str(param.dtype), str(state.dtype), str(x.dtype), param.detach().clone()
+
+
+@pytest.mark.parametrize("dtype, complex_model", [(torch.float64, False), (torch.complex128, True)])
+def test_float64_and_complex128_models_train_on_two_ranks(dtype, complex_model):
+    acc_dtype = Accelerator(nprocs=2, compute_setup="cpu", dtype=dtype)
+    out = acc_dtype.distribute(_train_dtype, all_results=True)(acc_dtype, complex_model)
+    real = "torch.float64"
+    for param_dtype, state_dtype, x_dtype, _ in out:
+        assert (param_dtype, state_dtype, x_dtype) == (str(dtype), str(dtype), real)
+    torch.testing.assert_close(out[0][3], out[1][3], atol=0, rtol=0)  # DDP keeps ranks identical
