@@ -190,6 +190,11 @@ class Accelerator:
         Several objects come back as a tuple in the same order; anything else passes through unchanged.
         LR schedulers come back as they are: step them as before, once per optimizer step.
         """
+        if group.current() is None and not detect().is_launched and self._config.nprocs > 1:
+            raise RuntimeError(
+                "prepare() must run inside the function you distribute: here, in the caller, it would shard "
+                "for rank 0 only and every rank would get that shard"
+            )
         ctx = self._ctx()
         out = tuple(prepare.prepare_one(obj, ctx, self.dtype) for obj in objs)
         return out[0] if len(out) == 1 else out

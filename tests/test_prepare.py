@@ -262,3 +262,9 @@ def test_float64_and_complex128_models_train_on_two_ranks(dtype, complex_model):
     for param_dtype, state_dtype, x_dtype, _ in out:
         assert (param_dtype, state_dtype, x_dtype) == (str(dtype), str(dtype), real)
     torch.testing.assert_close(out[0][3], out[1][3], atol=0, rtol=0)  # DDP keeps ranks identical
+
+
+def test_prepare_in_the_caller_of_a_multi_rank_launch_is_refused():
+    caller = Accelerator(nprocs=2, compute_setup="cpu")
+    with pytest.raises(RuntimeError, match="prepare\\(\\) must run inside the function you distribute"):
+        caller.prepare(torch.nn.Linear(1, 1))
