@@ -204,9 +204,12 @@ def test_labels_keep_their_dtype_with_a_float64_accelerator():
 def _model_facts(a):
     model = torch.nn.Linear(3, 2)
     frozen = torch.nn.Linear(3, 2).requires_grad_(False)
-    prepared = a.prepare(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.1)
+    prepared, _, same_scheduler = a.prepare(model, optimizer, scheduler)
     again = a.prepare(prepared)
     return {
+        "scheduler": same_scheduler is scheduler and optimizer.param_groups[0]["lr"] == 0.5,
         "ddp": isinstance(prepared, DistributedDataParallel),
         "twice": again is prepared,
         "unwrap": a.unwrap_model(prepared) is model,
@@ -217,7 +220,7 @@ def _model_facts(a):
 
 def test_model_wrapping_rules(acc):
     for facts in acc.distribute(_model_facts, all_results=True)(acc):
-        assert facts == {"ddp": True, "twice": True, "unwrap": True, "frozen": "Linear", "passthrough": True}
+        assert facts == {"scheduler": True, "ddp": True, "twice": True, "unwrap": True, "frozen": "Linear", "passthrough": True}
 
 
 def test_single_process_model_is_not_wrapped():
