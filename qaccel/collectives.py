@@ -33,41 +33,64 @@ def all_reduce_dict(
     Python numbers come back as Python numbers (a mean is a float), tensors as tensors of the same shape
     on ``log_device`` (a mean of an integer tensor is floating point). All ranks must pass the same keys.
     """
+    _check_op(op)
+    floats: dict[str, Any] = {}
+    ints: dict[str, Any] = {}
     tensors: dict[str, torch.Tensor] = {}
     for key, value in values.items():
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, float):  # the common case first: ABC checks cost more than the collective's packing
+            floats[key] = value
+        elif isinstance(value, torch.Tensor):
             tensors[key] = value
-        elif isinstance(value, numbers.Integral):
-            tensors[key] = torch.tensor(int(value), dtype=torch.int64)
+        elif isinstance(value, (int, numbers.Integral)):
+            ints[key] = value
         elif isinstance(value, numbers.Real):
-            tensors[key] = torch.tensor(value, dtype=torch.float64)
+            floats[key] = value
         else:
             raise TypeError(
                 f"all_reduce_dict: value of {key!r} is {type(value).__name__}; expected a tensor, int or float"
             )
-    reduced = reduce(tensors, op, ctx)
+    # Numbers travel packed, one tensor per kind, and come back with one tolist(): no tensor per key.
+    packs = [torch.tensor(list(group.values()), dtype=dtype) for group, dtype in ((floats, torch.float64), (ints, torch.int64)) if group]
+    reduced = iter(_reduce_flat(packs + list(tensors.values()), op, ctx) if packs or tensors else [])
     out: dict[str, Any] = {}
-    for key, value in values.items():
-        if isinstance(value, torch.Tensor):
-            out[key] = reduced[key].to(log_device)
-        else:
-            keeps_int = isinstance(value, numbers.Integral) and op != "mean"
-            out[key] = int(reduced[key].item()) if keeps_int else float(reduced[key].item())
-    return out
+    if floats:
+        out.update(zip(floats, map(float, next(reduced).tolist())))
+    if ints:
+        out.update(zip(ints, next(reduced).tolist()))
+    out.update((key, tensor.to(log_device)) for key, tensor in zip(tensors, reduced))
+    return {key: out[key] for key in values}
 
 
-def _reduce_by_dtype(tensors: dict[str, torch.Tensor], op: dist.ReduceOp, ctx: RankContext) -> dict[str, torch.Tensor]:
-    """Pack the tensors of each dtype into one flat buffer, all-reduce it once, unpack."""
+def _check_op(op: str) -> None:
+    if op not in REDUCE_OPS:
+        raise ValueError(f"op must be one of {', '.join(map(repr, REDUCE_OPS))}; got {op!r}")
+
+
+def _reduce_flat(tensors: list[torch.Tensor], op: str, ctx: RankContext) -> list[torch.Tensor]:
+    """Reduce tensors over ranks with one all_reduce per dtype: pack into a flat buffer, reduce, unpack.
+
+    New tensors, on each input's device. Bool tensors travel as int64 (max/min come back as bool); a mean
+    divides the buffer once and is floating point for integer inputs. Without a group, the same arithmetic
+    on copies, so results do not depend on the world size.
+    """
+    world = ctx.world_size if _distributed(ctx) else 1
     device = _comm_device(ctx)
-    by_dtype: dict[torch.dtype, list[str]] = {}
-    for key, tensor in tensors.items():
-        by_dtype.setdefault(tensor.dtype, []).append(key)
-    out: dict[str, torch.Tensor] = {}
-    for keys in by_dtype.values():
-        flat = torch.cat([tensors[k].reshape(-1).to(device) for k in keys])
-        dist.all_reduce(flat, op=op)
-        for key, chunk in zip(keys, flat.split([tensors[k].numel() for k in keys])):
-            out[key] = chunk.reshape(tensors[key].shape)
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        groups.setdefault(torch.int64 if tensor.dtype == torch.bool else tensor.dtype, []).append(i)
+    out: list[Any] = [None] * len(tensors)
+    for dtype, members in groups.items():
+        flat = torch.cat([tensors[i].detach().reshape(-1).to(device=device, dtype=dtype) for i in members])
+        if world > 1:
+            dist.all_reduce(flat, op=_TORCH_OPS[op])
+        if op == "mean":
+            flat = flat / world
+        for i, chunk in zip(members, flat.split([tensors[i].numel() for i in members])):
+            result = chunk.view(tensors[i].shape)
+            if tensors[i].dtype == torch.bool and op in ("max", "min"):
+                result = result.bool()
+            out[i] = result if result.device == tensors[i].device else result.to(tensors[i].device)
     return out
 
 
@@ -180,19 +203,8 @@ def reduce(data: Any, op: str, ctx: RankContext) -> Any:
     tensor is floating point; max/min of a bool tensor stay bool. All ranks must pass the same structure and
     shapes. In a single process it returns copies.
     """
-    if op not in REDUCE_OPS:
-        raise ValueError(f"op must be one of {', '.join(map(repr, REDUCE_OPS))}; got {op!r}")
-    tensors = _tensor_leaves(data, "reduce")
-    keyed = {str(i): t.detach().to(torch.int64) if t.dtype == torch.bool else t.detach() for i, t in enumerate(tensors)}
-    world = ctx.world_size if _distributed(ctx) else 1
-    reduced = _reduce_by_dtype(keyed, _TORCH_OPS[op], ctx) if world > 1 else {k: t.clone() for k, t in keyed.items()}
-    out = []
-    for i, tensor in enumerate(tensors):
-        result = reduced[str(i)] / world if op == "mean" else reduced[str(i)]
-        if tensor.dtype == torch.bool and op in ("max", "min"):
-            result = result.bool()
-        out.append(result.to(tensor.device))
-    return _rebuild(data, out)
+    _check_op(op)
+    return _rebuild(data, _reduce_flat(_tensor_leaves(data, "reduce"), op, ctx))
 
 
 def gather_for_metrics(data: Any, ctx: RankContext) -> Any:
