@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from qaccel import Accelerator
+from report import verdict
 
 WORLD = 2
 KEYS = (1, 8, 32, 128)
@@ -133,9 +134,6 @@ def rank_main(acc: Accelerator, runs: int, calls: int) -> dict:
 # ---- the driver ----
 
 
-def verdict(ok: bool) -> str:
-    """PASS or MISS."""
-    return "PASS" if ok else "MISS"
 
 
 def main() -> int:

@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from report import row, verdict
+
 WORLD = 2
 LATER_LAUNCHES = 10
 CHILD_TIMEOUT_S = 120
@@ -126,14 +128,8 @@ def time_command(code: str) -> tuple[float, str]:
     return time.perf_counter() - start, proc.stdout
 
 
-def row(name: str, samples: list[float]) -> tuple[str, float, float, float]:
-    """A table row: name, median, min, max."""
-    return name, statistics.median(samples), min(samples), max(samples)
 
 
-def verdict(ok: bool) -> str:
-    """PASS or MISS."""
-    return "PASS" if ok else "MISS"
 
 
 def main() -> int:

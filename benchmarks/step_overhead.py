@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from qaccel import Accelerator
+from report import row, verdict
 
 WORLD = 2
 IN_FEATURES, HIDDEN = 32, 256
@@ -160,14 +161,8 @@ def rank_main(acc: Accelerator, runs: int, steps: int, block: int) -> dict:
 # ---- the driver ----
 
 
-def row(name: str, samples: list[float]) -> tuple[str, float, float, float]:
-    """A table row: name, median, min, max."""
-    return name, statistics.median(samples), min(samples), max(samples)
 
 
-def verdict(ok: bool) -> str:
-    """PASS or MISS."""
-    return "PASS" if ok else "MISS"
 
 
 def main() -> int:
