@@ -10,7 +10,7 @@ from typing import Any, Callable, Mapping, TypeVar
 
 import torch
 
-from qaccel import batch, collectives, group, launch, prepare
+from qaccel import batch, checkpoint, collectives, group, launch, precision, prepare, ranks, seeding, training
 from qaccel.config import make_config
 from qaccel.environment import Environment, detect
 
@@ -30,6 +30,8 @@ class Accelerator:
         dtype: a torch dtype for models and floating-point batches, or None.
         timeout: seconds (or timedelta) a collective or the rendezvous may wait before failing.
         start_method: "forkserver" (fast, CUDA-safe; default) or "spawn" (a fresh interpreter per rank).
+        gradient_accumulation_steps: micro-steps per optimizer update under ``accumulate()``.
+        mixed_precision: "no", "bf16" (CPU and CUDA) or "fp16" (CUDA, with a gradient scaler).
     """
 
     def __init__(
@@ -42,9 +44,15 @@ class Accelerator:
         *,
         timeout: float | datetime.timedelta = 1800.0,
         start_method: str = "forkserver",
+        gradient_accumulation_steps: int = 1,
+        mixed_precision: str = "no",
     ) -> None:
         env = detect()
-        self._config = make_config(nprocs, compute_setup, log_setup, backend, dtype, timeout, start_method, env)
+        self._config = make_config(
+            nprocs, compute_setup, log_setup, backend, dtype, timeout, start_method, env,
+            gradient_accumulation_steps, mixed_precision,
+        )
+        self._step_state: training.StepState | None = None
         if env.kind in ("torchrun", "slurm") and nprocs > 1 and nprocs != env.world_size:
             _warn_world_mismatch(nprocs, env)
         if env.kind == "plain" and nprocs > 1 and group.current() is None:
@@ -98,6 +106,17 @@ class Accelerator:
     @property
     def nprocs(self) -> int:
         return self._config.nprocs
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self._config.gradient_accumulation_steps
+
+    @property
+    def mixed_precision(self) -> str:
+        return self._config.mixed_precision
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_step_state": None}  # step state (scaler, counters) belongs to one process
 
     def __repr__(self) -> str:
         ctx = self._ctx()
@@ -182,6 +201,45 @@ class Accelerator:
         """All-reduce tensors: "sum", "mean", "max" or "min"; returns new tensors."""
         return collectives.reduce(data, op, self._ctx())
 
+    # ---- rank coordination, seeds, saving ----
+
+    def set_seed(self, seed: int, device_specific: bool = False) -> None:
+        """Seed python, numpy and torch (CUDA too); ``device_specific`` adds the rank so ranks differ."""
+        seeding.set_seed(seed + self.rank if device_specific else seed)
+
+    def main_process_first(self) -> Any:
+        """Context: the main process runs the block first (e.g. to download or cache), then the others."""
+        return ranks.main_process_first(self._ctx(), local=False)
+
+    def local_main_process_first(self) -> Any:
+        """Context: each node's local main process runs the block first, then that node's others."""
+        return ranks.main_process_first(self._ctx(), local=True)
+
+    def split_between_processes(self, obj: Any, apply_padding: bool = False) -> Any:
+        """Context yielding this rank's contiguous share of a list, tuple, dict or tensor (dim 0)."""
+        return ranks.split_between_processes(obj, self._ctx(), apply_padding)
+
+    def on_main_process(self, fn: Callable[..., R]) -> Callable[..., R | None]:
+        """Decorator: run ``fn`` on the main process only (others get None)."""
+
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> R | None:
+            return fn(*args, **kwargs) if self.is_main_process else None
+
+        return run
+
+    def save(self, obj: Any, path: str | os.PathLike) -> None:
+        """``torch.save`` on the main process only, atomically (a crash never leaves a half-written file)."""
+        checkpoint.save(obj, path, self._ctx())
+
+    def get_state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
+        """The model's state dict without DDP's ``module.`` prefixes, loadable into the plain model."""
+        return checkpoint.get_state_dict(model)
+
+    def save_model(self, model: torch.nn.Module, directory: str | os.PathLike) -> None:
+        """Write ``get_state_dict(model)`` to ``directory/model.pt`` from the main process, atomically."""
+        checkpoint.save_model(model, directory, self._ctx())
+
     # ---- preparation ----
 
     def prepare(self, *objs: Any) -> Any:
@@ -196,8 +254,51 @@ class Accelerator:
                 "for rank 0 only and every rank would get that shard"
             )
         ctx = self._ctx()
-        out = tuple(prepare.prepare_one(obj, ctx, self.dtype) for obj in objs)
+        steps = self._steps()
+        out = tuple(prepare.prepare_one(obj, ctx, self.dtype, self.mixed_precision, steps) for obj in objs)
         return out[0] if len(out) == 1 else out
+
+    # ---- the training step ----
+
+    def _steps(self) -> training.StepState:
+        if self._step_state is None:
+            scaler = precision.make_scaler(self.mixed_precision)
+            self._step_state = training.StepState(self.gradient_accumulation_steps, scaler)
+        return self._step_state
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()``, divided over gradient accumulation steps and scaled under fp16."""
+        training.backward(loss, self._steps(), **kwargs)
+
+    def accumulate(self, *models: torch.nn.Module) -> Any:
+        """Context for one micro-step: gradients sync (and optimizers step) every
+        ``gradient_accumulation_steps`` micro-steps and on the last batch of an epoch; DDP ``no_sync`` otherwise."""
+        return training.accumulate(models, self._steps())
+
+    @property
+    def sync_gradients(self) -> bool:
+        """Whether this micro-step synchronises gradients and updates (False on accumulation steps)."""
+        return self._steps().sync_gradients
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """True when the fp16 scaler skipped the last optimizer step (inf/nan gradients)."""
+        return any(opt.step_was_skipped for opt in self._steps().optimizers)
+
+    def autocast(self) -> Any:
+        """Context running its block in the configured mixed precision (a no-op for "no").
+
+        Prepared models already run their forward under it; use this for other computations.
+        """
+        return precision.autocast(self.mixed_precision, self.device)
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
+        """Clip gradients by total norm (unscaled first under fp16); the norm, or None on accumulation steps."""
+        return training.clip(torch.nn.utils.clip_grad_norm_, parameters, self._steps(), max_norm, norm_type)
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        """Clip gradients elementwise (unscaled first under fp16); skipped on accumulation steps."""
+        training.clip(torch.nn.utils.clip_grad_value_, parameters, self._steps(), clip_value)
 
     def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The user's module inside the DDP wrapper prepare() added."""

@@ -13,6 +13,7 @@ from qaccel.environment import Environment
 COMPUTE_SETUPS = ("auto", "cpu", "gpu")
 LOG_SETUPS = ("auto", "cpu")
 START_METHODS = ("forkserver", "spawn")
+MIXED_PRECISIONS = ("no", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,8 @@ class Config:
     dtype: torch.dtype | None
     timeout: float
     start_method: str
+    gradient_accumulation_steps: int = 1
+    mixed_precision: str = "no"
 
 
 def _backends() -> tuple[str, ...]:
@@ -52,6 +55,8 @@ def make_config(
     timeout: float | datetime.timedelta,
     start_method: str,
     env: Environment,
+    gradient_accumulation_steps: int = 1,
+    mixed_precision: str = "no",
 ) -> Config:
     """Check every argument and resolve the 'auto' choices; raises ValueError/TypeError/RuntimeError."""
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
@@ -87,5 +92,18 @@ def make_config(
             f"{local_ranks} GPU ranks on this node but only {gpus} visible GPU(s); "
             f"lower nprocs or use compute_setup='cpu'"
         )
+    steps = gradient_accumulation_steps
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"gradient_accumulation_steps must be a positive int; got {steps!r}")
+    _choice("mixed_precision", mixed_precision, MIXED_PRECISIONS)
+    if mixed_precision == "fp16" and device_type != "cuda":
+        raise ValueError("mixed_precision='fp16' needs GPU compute (its gradient scaler is CUDA-only); use 'bf16' on CPU")
+    if mixed_precision != "no" and dtype is not None and dtype != torch.float32:
+        raise ValueError(
+            f"mixed_precision={mixed_precision!r} runs float32 models in half precision; with dtype={dtype} use "
+            "mixed_precision='no' (or dtype=None/torch.float32)"
+        )
     log_device_type = device_type if log_setup == "auto" else "cpu"
-    return Config(nprocs, device_type, log_device_type, backend, dtype, float(timeout), start_method)
+    return Config(
+        nprocs, device_type, log_device_type, backend, dtype, float(timeout), start_method, steps, mixed_precision
+    )

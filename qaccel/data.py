@@ -27,6 +27,12 @@ _CARRIED = (
 )
 
 _remainder: int | None = None
+_end_of_epoch = False
+
+
+def end_of_epoch() -> bool:
+    """True while the loop body runs on the last batch of a prepared loader's epoch (accumulation syncs there)."""
+    return _end_of_epoch
 
 
 def gather_remainder() -> int | None:
@@ -119,7 +125,7 @@ class PreparedDataLoader(DataLoader):
         return super().__len__()
 
     def __iter__(self) -> Iterator[Any]:
-        global _remainder
+        global _remainder, _end_of_epoch
         epoch, self._epoch = self._epoch, self._epoch + 1
         self._generator.manual_seed(self._seed + epoch)
         sampler = self._user_sampler
@@ -129,12 +135,18 @@ class PreparedDataLoader(DataLoader):
         batches = super().__iter__()
         if self._iterable:
             batches = _every_nth(batches, self._rank, self._world)
+        items = enumerate(batches)
         try:
-            for step, item in enumerate(batches):
+            current = next(items, None)
+            while current is not None:
+                upcoming = next(items, None)  # one batch ahead, to know which batch ends the epoch
+                step, item = current
                 _remainder = self._shard.padded.get(step) if self._shard is not None else None
+                _end_of_epoch = upcoming is None
                 yield batch.prepare_batch(item, self._device, None)
+                current = upcoming
         finally:
-            _remainder = None
+            _remainder, _end_of_epoch = None, False
 
 
 def _with_generator(batch_sampler: Any, generator: torch.Generator) -> Any:

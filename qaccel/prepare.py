@@ -9,15 +9,24 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from qaccel import collectives, data
+from qaccel import collectives, data, precision
 from qaccel.group import RankContext
+from qaccel.training import PreparedOptimizer, StepState
 
 
-def prepare_one(obj: Any, ctx: RankContext, dtype: torch.dtype | None) -> Any:
+def prepare_one(obj: Any, ctx: RankContext, dtype: torch.dtype | None, mixed_precision: str, steps: StepState) -> Any:
     if isinstance(obj, torch.nn.Module):
-        return prepare_model(obj, ctx, dtype)
+        model = prepare_model(obj, ctx, dtype)
+        if mixed_precision != "no" and not hasattr(model, "_qaccel_autocast"):
+            model.forward = precision.autocast_forward(model.forward, mixed_precision, ctx.device)
+            model._qaccel_autocast = True
+        return model
+    if isinstance(obj, PreparedOptimizer):
+        return obj
     if isinstance(obj, torch.optim.Optimizer):
-        return prepare_optimizer(obj)
+        prepared = PreparedOptimizer(prepare_optimizer(obj), steps)
+        steps.optimizers.append(prepared)
+        return prepared
     if isinstance(obj, DataLoader) and not isinstance(obj, data.PreparedDataLoader):
         seed = collectives.broadcast(data.shared_seed(obj), 0, ctx)
         return data.PreparedDataLoader(obj, ctx, seed)

@@ -1,0 +1,134 @@
+"""What a training step needs beyond the model: loss scaling, gradient accumulation, clipping.
+
+One ``StepState`` per Accelerator per process tells the prepared optimizers whether this step updates: on
+accumulation steps gradients stay local (DDP ``no_sync``) and ``step``/``zero_grad`` do nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from qaccel import data
+
+
+@dataclass
+class StepState:
+    accumulation_steps: int
+    scaler: torch.amp.GradScaler | None
+    micro_step: int = 0
+    sync_gradients: bool = True
+    optimizers: list["PreparedOptimizer"] = field(default_factory=list)
+
+
+class PreparedOptimizer(torch.optim.Optimizer):
+    """The user's optimizer; it steps only when gradients are synchronised, through the fp16 scaler if any.
+
+    Subclasses Optimizer (without its __init__) so LR schedulers accept it; param_groups and state are the
+    user's optimizer's own objects, so a scheduler built on either drives the same learning rates.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, steps: StepState) -> None:
+        self.optimizer = optimizer
+        self._steps = steps
+        self.step_was_skipped = False
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._steps.sync_gradients:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        self.step_was_skipped = False
+        if not self._steps.sync_gradients:
+            return None
+        scaler = self._steps.scaler
+        if scaler is None:
+            return self.optimizer.step(closure)
+        scale = scaler.get_scale()
+        result = scaler.step(self.optimizer, closure) if closure is not None else scaler.step(self.optimizer)
+        scaler.update()
+        self.step_was_skipped = scaler.get_scale() < scale  # the scaler backs off exactly when it skipped
+        return result
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"PreparedOptimizer({self.optimizer!r})"
+
+
+def backward(loss: torch.Tensor, steps: StepState, **kwargs: Any) -> None:
+    """``loss.backward()``, divided over the accumulation steps and scaled for fp16."""
+    if steps.accumulation_steps > 1:
+        loss = loss / steps.accumulation_steps
+    if steps.scaler is not None:
+        loss = steps.scaler.scale(loss)
+    loss.backward(**kwargs)
+
+
+@contextlib.contextmanager
+def accumulate(models: tuple[torch.nn.Module, ...], steps: StepState) -> Iterator[None]:
+    """One micro-step: synchronise gradients every ``accumulation_steps`` and on an epoch's last batch."""
+    if data.end_of_epoch():
+        steps.micro_step, steps.sync_gradients = 0, True
+    else:
+        steps.micro_step += 1
+        steps.sync_gradients = steps.micro_step % steps.accumulation_steps == 0
+    with contextlib.ExitStack() as stack:
+        if not steps.sync_gradients:
+            for model in models:
+                if isinstance(model, DistributedDataParallel):
+                    stack.enter_context(model.no_sync())
+        yield
+
+
+def clip(
+    clip_fn: Callable[..., Any], parameters: Iterable[torch.Tensor] | torch.Tensor, steps: StepState, *args: Any
+) -> Any:
+    """Clip with ``clip_fn`` after unscaling fp16 gradients; None on accumulation steps (nothing to clip yet)."""
+    if not steps.sync_gradients:
+        return None
+    if steps.scaler is not None:
+        for optimizer in steps.optimizers:
+            steps.scaler.unscale_(optimizer.optimizer)
+    return clip_fn(parameters, *args)

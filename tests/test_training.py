@@ -1,0 +1,176 @@
+"""backward, gradient accumulation, mixed precision and clipping: real 2-rank runs against one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from qaccel import Accelerator
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _data(n=64):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(n, 4, generator=g)
+    return TensorDataset(x, x.sum(dim=1, keepdim=True) * 0.3 - 1)
+
+
+def _fit(acc, batch_size, epochs=2):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer, loader = acc.prepare(model, optimizer, DataLoader(_data(), batch_size=batch_size))
+    for _ in range(epochs):
+        for x, y in loader:
+            with acc.accumulate(model):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                acc.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+    return [p.detach().clone() for p in acc.unwrap_model(model).parameters()]
+
+
+def _assert_same(got, want):
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_k_accumulation_steps_of_batch_b_equal_one_step_of_batch_kb():
+    plain = _fit(Accelerator(compute_setup="cpu"), batch_size=16)
+    accumulated = _fit(Accelerator(compute_setup="cpu", gradient_accumulation_steps=4), batch_size=4)
+    _assert_same(accumulated, plain)
+    assert not torch.equal(_fit(Accelerator(compute_setup="cpu"), batch_size=4)[0], plain[0])
+
+
+def test_two_ranks_accumulating_equal_one_process_with_the_whole_batch():
+    plain = _fit(Accelerator(compute_setup="cpu"), batch_size=16)
+    acc = Accelerator(nprocs=2, compute_setup="cpu", gradient_accumulation_steps=2)
+    for params in acc.distribute(_fit, all_results=True)(acc, 4):
+        _assert_same(params, plain)
+
+
+def _sync_pattern(acc):
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer, loader = acc.prepare(model, optimizer, DataLoader(_data(14 * acc.world_size), batch_size=2))
+    pattern, local_grads_differ, updates = [], [], []
+    for _ in range(2):
+        for x, y in loader:
+            before = acc.unwrap_model(model).weight.detach().clone()
+            with acc.accumulate(model):
+                acc.backward(torch.nn.functional.mse_loss(model(x), y))
+                pattern.append(acc.sync_gradients)
+                grad = acc.unwrap_model(model).weight.grad.clone()
+                local_grads_differ.append(grad)
+                optimizer.step()
+                optimizer.zero_grad()
+            updates.append(not torch.equal(before, acc.unwrap_model(model).weight))
+    return pattern, updates, acc.gather(torch.stack(local_grads_differ))
+
+
+def test_sync_every_k_micro_steps_and_on_the_last_batch_of_each_epoch():
+    acc = Accelerator(nprocs=2, compute_setup="cpu", gradient_accumulation_steps=3)
+    out = acc.distribute(_sync_pattern, all_results=True)(acc)
+    per_epoch = [False, False, True, False, False, True, True]  # 7 batches per rank and epoch
+    for pattern, updates, _ in out:
+        assert pattern == per_epoch * 2
+        assert updates == per_epoch * 2, "optimizer.step()/zero_grad() do nothing on accumulation steps"
+    grads = out[0][2].reshape(2, 14, *out[0][2].shape[1:])  # [rank, micro-step, ...]
+    for step, synced in enumerate(per_epoch * 2):
+        same = torch.allclose(grads[0, step], grads[1, step])
+        assert same == synced, f"micro-step {step}: DDP must sync exactly on update steps"
+
+
+def _bf16(acc):
+    seen = {}
+
+    class Probe(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            seen["autocast"] = torch.is_autocast_enabled("cpu")
+            return self.linear(x)
+
+    model = acc.prepare(Probe())
+    out = model(torch.randn(2, 4))
+    with acc.autocast():
+        inner = torch.randn(3, 3) @ torch.randn(3, 3)
+    acc.backward(out.sum())
+    return seen["autocast"], out.dtype, inner.dtype, acc.unwrap_model(model).linear.weight.grad.dtype
+
+
+def test_bf16_autocast_on_cpu_on_two_ranks():
+    acc = Accelerator(nprocs=2, compute_setup="cpu", mixed_precision="bf16")
+    for enabled, out_dtype, inner_dtype, grad_dtype in acc.distribute(_bf16, all_results=True)(acc):
+        assert enabled and inner_dtype == torch.bfloat16
+        assert out_dtype == torch.float32, "outputs come back in float32 for the loss"
+        assert grad_dtype == torch.float32, "parameters and their gradients stay float32"
+
+
+def test_no_mixed_precision_means_no_autocast():
+    acc = Accelerator(compute_setup="cpu")
+    enabled, out_dtype, inner_dtype, _ = _bf16(acc)
+    assert not enabled and out_dtype == inner_dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"mixed_precision": "fp16", "compute_setup": "cpu"}, "mixed_precision='fp16' needs GPU compute"),
+        ({"mixed_precision": "bf16", "dtype": torch.float64}, "with dtype=torch.float64 use mixed_precision='no'"),
+        ({"mixed_precision": "fp8"}, "mixed_precision must be one of 'no', 'bf16', 'fp16'; got 'fp8'"),
+        ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps must be a positive int; got 0"),
+    ],
+)
+def test_bad_training_arguments_raise_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        Accelerator(**kwargs)
+
+
+def _clip(acc):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = acc.prepare(model, optimizer)
+    norms = []
+    for step in range(2):
+        with acc.accumulate(model):
+            acc.backward(model(torch.full((8, 4), 10.0)).pow(2).mean())
+            expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]) if acc.sync_gradients else None
+            norms.append((acc.clip_grad_norm_(model.parameters(), max_norm=1.0), expected))
+    after = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    return norms, float(after)
+
+
+def test_clip_grad_norm_returns_the_norm_and_skips_accumulation_steps():
+    acc = Accelerator(nprocs=2, compute_setup="cpu", gradient_accumulation_steps=2)
+    for norms, after in acc.distribute(_clip, all_results=True)(acc):
+        (first, none), (second, expected) = norms
+        assert first is None and none is None
+        torch.testing.assert_close(second, expected)
+        assert second > 1.0 and after == pytest.approx(1.0, rel=1e-4)
+
+
+def _scheduled(acc):
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    model, optimizer = acc.prepare(model, optimizer)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    lrs = []
+    for _ in range(3):
+        acc.backward(model(torch.ones(1, 2)).sum())
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        lrs.append(optimizer.param_groups[0]["lr"])
+    return lrs, isinstance(optimizer, torch.optim.Optimizer)
+
+
+def test_lr_scheduler_drives_the_prepared_optimizer():
+    acc = Accelerator(nprocs=2, compute_setup="cpu")
+    for lrs, is_optimizer in acc.distribute(_scheduled, all_results=True)(acc):
+        assert lrs == [0.5, 0.25, 0.125] and is_optimizer
