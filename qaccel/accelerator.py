@@ -232,6 +232,33 @@ class Accelerator:
         """``torch.save`` on the main process only, atomically (a crash never leaves a half-written file)."""
         checkpoint.save(obj, path, self._ctx())
 
+    def save_state(self, directory: str | os.PathLike) -> None:
+        """Checkpoint prepared models, optimizers, LR schedulers and loaders, the fp16 scaler, every rank's RNG
+        states and registered objects into ``directory``, atomically. Call it on every rank."""
+        checkpoint.save_state(directory, self._steps(), self._ctx())
+
+    def load_state(self, directory: str | os.PathLike) -> None:
+        """Restore a save_state() checkpoint into the objects prepared (and registered) in this run, in order."""
+        checkpoint.load_state(directory, self._steps(), self._ctx())
+
+    def register_for_checkpointing(self, *objs: Any) -> None:
+        """Add objects with state_dict()/load_state_dict() to what save_state() writes."""
+        for obj in objs:
+            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+                raise TypeError(f"register_for_checkpointing needs state_dict() and load_state_dict(); {type(obj).__name__} lacks them")
+        self._steps().registered.extend(objs)
+
+    def skip_first_batches(self, dataloader: Any, num_batches: int) -> Any:
+        """The prepared ``dataloader``, set to pass over its first ``num_batches`` next epoch (to resume)."""
+        if not hasattr(dataloader, "skip_first_batches"):
+            raise TypeError("skip_first_batches() takes a DataLoader returned by prepare()")
+        dataloader.skip_first_batches(num_batches)
+        return dataloader
+
+    def end_training(self) -> None:
+        """Wait for every rank to finish; the launcher then tears the process group down."""
+        self.wait_for_everyone()
+
     def get_state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
         """The model's state dict without DDP's ``module.`` prefixes, loadable into the plain model."""
         return checkpoint.get_state_dict(model)

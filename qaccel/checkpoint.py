@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import glob
 import os
+import random
 import secrets
+import shutil
 from typing import Any
 
+import numpy as np
 import torch
 
-from qaccel import prepare
+from qaccel import collectives, prepare
 from qaccel.group import RankContext
+from qaccel.training import StepState
 
 MODEL_FILE = "model.pt"
 
@@ -21,8 +26,12 @@ def save(obj: Any, path: str | os.PathLike, ctx: RankContext) -> None:
     temporary file is removed if writing fails. Other ranks return at once, without a barrier: ranks that
     read the file afterwards should call ``wait_for_everyone()`` first.
     """
-    if ctx.rank != 0:
-        return
+    if ctx.rank == 0:
+        _write(obj, path)
+
+
+def _write(obj: Any, path: str | os.PathLike) -> None:
+    """torch.save through a temporary file beside ``path``, fsynced and renamed onto it."""
     path = os.path.abspath(os.fspath(path))
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
     try:
@@ -59,3 +68,105 @@ def save_model(model: torch.nn.Module, directory: str | os.PathLike, ctx: RankCo
         return
     os.makedirs(directory, exist_ok=True)
     save(get_state_dict(model), os.path.join(directory, MODEL_FILE), ctx)
+
+
+def save_state(directory: str | os.PathLike, state: StepState, ctx: RankContext) -> None:
+    """Checkpoint everything a resumed run needs, atomically: models, optimizers, schedulers, the fp16 scaler,
+    every rank's RNG states, loader positions and registered objects.
+
+    All ranks write into a temporary directory beside ``directory`` (each its own RNG states, rank 0 the rest),
+    then rank 0 swaps it in. A crash before the swap leaves the previous checkpoint untouched; a crash between
+    the swap's two renames leaves it as ``<directory>.old-*``, which load_state() falls back to.
+    """
+    directory = os.path.abspath(os.fspath(directory))
+    tmp = collectives.broadcast(f"{directory}.tmp-{secrets.token_hex(6)}", 0, ctx)
+    if ctx.rank == 0:
+        for stale in glob.glob(f"{glob.escape(directory)}.tmp-*"):  # left by a save that was killed
+            shutil.rmtree(stale, ignore_errors=True)
+        os.makedirs(tmp)
+    collectives.barrier(ctx)
+    try:
+        if ctx.rank == 0:
+            _write_parts(tmp, state)
+        _write(_rng_state(), os.path.join(tmp, f"random_states_{ctx.rank}.pt"))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # every rank: whichever fails first, none leaves it behind
+        raise
+    collectives.barrier(ctx)
+    if ctx.rank == 0:
+        old = f"{directory}.old-{secrets.token_hex(6)}" if os.path.exists(directory) else None
+        if old:
+            os.rename(directory, old)
+        os.rename(tmp, directory)
+        if old:
+            shutil.rmtree(old)
+    collectives.barrier(ctx)
+
+
+def _write_parts(tmp: str, state: StepState) -> None:
+    parts = {
+        "model": [get_state_dict(m) for m in state.models],
+        "optimizer": [o.state_dict() for o in state.optimizers],
+        "scheduler": [s.state_dict() for s in state.schedulers],
+        "loader": [loader.state_dict() for loader in state.loaders],
+        "registered": [obj.state_dict() for obj in state.registered],
+    }
+    for kind, items in parts.items():
+        for i, item in enumerate(items):
+            _write(item, os.path.join(tmp, f"{kind}_{i}.pt"))
+    if state.scaler is not None:
+        _write(state.scaler.state_dict(), os.path.join(tmp, "scaler.pt"))
+
+
+def load_state(directory: str | os.PathLike, state: StepState, ctx: RankContext) -> None:
+    """Restore what save_state() wrote into the objects prepared (and registered) in this run, in order."""
+    directory = _existing_checkpoint(os.path.abspath(os.fspath(directory)))
+    for kind, objects in (("model", [prepare.unwrap_model(m) for m in state.models]), ("optimizer", state.optimizers),
+                          ("scheduler", state.schedulers), ("loader", state.loaders), ("registered", state.registered)):
+        saved = len(glob.glob(os.path.join(directory, f"{kind}_*.pt")))
+        if saved != len(objects):
+            raise ValueError(
+                f"{directory} holds {saved} {kind} state(s) but this run prepared/registered {len(objects)}; "
+                "prepare the same objects, in the same order, before load_state()"
+            )
+        for i, obj in enumerate(objects):
+            obj.load_state_dict(_read(os.path.join(directory, f"{kind}_{i}.pt"), ctx, weights_only=kind != "registered"))
+    if state.scaler is not None:
+        state.scaler.load_state_dict(_read(os.path.join(directory, "scaler.pt"), ctx))
+    rng_file = os.path.join(directory, f"random_states_{ctx.rank}.pt")
+    if not os.path.exists(rng_file):
+        raise ValueError(f"{directory} has no RNG states for rank {ctx.rank}: it was saved by a smaller world")
+    _set_rng_state(_read(rng_file, ctx))
+
+
+def _existing_checkpoint(directory: str) -> str:
+    if os.path.isdir(directory):
+        return directory
+    backups = sorted(glob.glob(f"{glob.escape(directory)}.old-*"), key=os.path.getmtime)
+    if backups:
+        return backups[-1]  # a save died between its two renames: this is the previous checkpoint
+    raise FileNotFoundError(f"no checkpoint at {directory}")
+
+
+def _read(path: str, ctx: RankContext, weights_only: bool = True) -> Any:
+    return torch.load(path, map_location=ctx.device, weights_only=weights_only)
+
+
+def _rng_state() -> dict[str, Any]:
+    """This process's random states in types torch.load(weights_only=True) accepts."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
+    }
+
+
+def _set_rng_state(saved: dict[str, Any]) -> None:
+    random.setstate(saved["python"])
+    name, keys, pos, has_gauss, cached = saved["numpy"]
+    np.random.set_state((name, keys.cpu().numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(saved["torch"].cpu())
+    if saved["cuda"]:
+        torch.cuda.set_rng_state_all([s.cpu() for s in saved["cuda"]])

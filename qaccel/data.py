@@ -11,6 +11,7 @@ takes the same number of steps, as DDP requires.
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from typing import Any, Iterator
 
@@ -52,6 +53,7 @@ class BatchShard:
         self.world_size = world_size
         self.drop_last = drop_last
         self.padded: dict[int, int] = {}  # step -> real samples in that gathered step (padded rounds only)
+        self.skip = 0  # own batches to pass over at the start of the next epoch (resuming mid-epoch)
 
     def __len__(self) -> int:
         batches = len(self.batch_sampler)
@@ -59,18 +61,20 @@ class BatchShard:
 
     def __iter__(self) -> Iterator[list]:
         self.padded = {}
+        skip, self.skip = self.skip, 0
         first: list = []
         round_: list = []
         step = 0
-        for global_batch in self.batch_sampler:
+        for global_batch in self.batch_sampler:  # skipped batches are drawn too: later ones stay the same
             if len(first) < self.world_size:
                 first.append(global_batch)
             round_.append(global_batch)
             if len(round_) == self.world_size:
-                yield round_[self.rank]
+                if step >= skip:
+                    yield round_[self.rank]
                 round_, step = [], step + 1
-        if round_ and not self.drop_last:
-            self.padded[step] = sum(len(b) for b in round_)
+        if round_ and not self.drop_last and step >= skip:
+            self.padded[step - skip] = sum(len(b) for b in round_)
             filler = [first[i % len(first)] for i in range(self.world_size - len(round_))]
             yield (round_ + filler)[self.rank]
 
@@ -94,6 +98,8 @@ class PreparedDataLoader(DataLoader):
         self._shard: BatchShard | None = None
         self._user_sampler: DistributedSampler | None = None
         self._auto_epoch = 0
+        self._skip = 0
+        self._position: tuple[int, int] | None = None  # (epoch, batches done) while an epoch is in progress
         if isinstance(dataset, IterableDataset):
             super().__init__(dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **kwargs)
             self._iterable = True
@@ -119,6 +125,24 @@ class PreparedDataLoader(DataLoader):
         """Make the next ``iter()`` epoch ``epoch`` (to resume a run at the order it had reached)."""
         self._epoch = epoch
 
+    def skip_first_batches(self, num_batches: int) -> None:
+        """Pass over this rank's first ``num_batches`` of the next epoch without loading them (or, for a
+        stream or a user DistributedSampler, loading and dropping them)."""
+        if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
+            raise ValueError(f"num_batches must be a non-negative int; got {num_batches!r}")
+        self._skip = num_batches
+
+    def state_dict(self) -> dict[str, int]:
+        """Where this loader is: its shuffling seed, and the epoch and batches done to resume at."""
+        epoch, done = self._position if self._position is not None else (self._epoch, 0)
+        return {"seed": self._seed, "epoch": epoch, "batches": done}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume at a state_dict(): same seed, same epoch, its first batches skipped."""
+        self._seed = int(state["seed"])
+        self.set_epoch(int(state["epoch"]))
+        self.skip_first_batches(int(state["batches"]))
+
     def __len__(self) -> int:
         if self._iterable:
             return super().__len__() // self._world
@@ -132,9 +156,20 @@ class PreparedDataLoader(DataLoader):
         if sampler is not None and sampler.epoch == self._auto_epoch:
             sampler.set_epoch(epoch)
             self._auto_epoch = epoch
+        skip, self._skip = self._skip, 0
+        if self._shard is not None:
+            self._shard.skip = skip
+        rng = torch.get_rng_state() if skip else None
         batches = super().__iter__()
+        if rng is not None:
+            # Creating the iterator draws a seed from the global RNG. The interrupted run drew it when this epoch
+            # began, before the RNG states were saved, so a resumed epoch must not draw again.
+            torch.set_rng_state(rng)
         if self._iterable:
             batches = _every_nth(batches, self._rank, self._world)
+        if self._shard is None and skip:
+            batches = itertools.islice(batches, skip, None)
+        self._position = (epoch, skip)
         items = enumerate(batches)
         try:
             current = next(items, None)
@@ -143,10 +178,12 @@ class PreparedDataLoader(DataLoader):
                 step, item = current
                 _remainder = self._shard.padded.get(step) if self._shard is not None else None
                 _end_of_epoch = upcoming is None
+                self._position = (epoch, skip + step + 1)
                 yield batch.prepare_batch(item, self._device, None)
                 current = upcoming
         finally:
             _remainder, _end_of_epoch = None, False
+            self._position = None
 
 
 def _with_generator(batch_sampler: Any, generator: torch.Generator) -> Any:

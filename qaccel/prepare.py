@@ -20,6 +20,8 @@ def prepare_one(obj: Any, ctx: RankContext, dtype: torch.dtype | None, mixed_pre
         if mixed_precision != "no" and not hasattr(model, "_qaccel_autocast"):
             model.forward = precision.autocast_forward(model.forward, mixed_precision, ctx.device)
             model._qaccel_autocast = True
+        if not any(model is known for known in steps.models):
+            steps.models.append(model)
         return model
     if isinstance(obj, PreparedOptimizer):
         return obj
@@ -29,7 +31,11 @@ def prepare_one(obj: Any, ctx: RankContext, dtype: torch.dtype | None, mixed_pre
         return prepared
     if isinstance(obj, DataLoader) and not isinstance(obj, data.PreparedDataLoader):
         seed = collectives.broadcast(data.shared_seed(obj), 0, ctx)
-        return data.PreparedDataLoader(obj, ctx, seed)
+        loader = data.PreparedDataLoader(obj, ctx, seed)
+        steps.loaders.append(loader)
+        return loader
+    if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and not any(obj is s for s in steps.schedulers):
+        steps.schedulers.append(obj)
     return obj
 
 

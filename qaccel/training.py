@@ -1,7 +1,8 @@
 """What a training step needs beyond the model: loss scaling, gradient accumulation, clipping.
 
 One ``StepState`` per Accelerator per process tells the prepared optimizers whether this step updates: on
-accumulation steps gradients stay local (DDP ``no_sync``) and ``step``/``zero_grad`` do nothing.
+accumulation steps gradients stay local (DDP ``no_sync``) and ``step``/``zero_grad`` do nothing. It also
+lists what save_state() writes: prepared models, optimizers, loaders, schedulers and registered objects.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ class StepState:
     micro_step: int = 0
     sync_gradients: bool = True
     optimizers: list["PreparedOptimizer"] = field(default_factory=list)
+    models: list[torch.nn.Module] = field(default_factory=list)
+    schedulers: list[Any] = field(default_factory=list)
+    loaders: list[Any] = field(default_factory=list)
+    registered: list[Any] = field(default_factory=list)
 
 
 class PreparedOptimizer(torch.optim.Optimizer):

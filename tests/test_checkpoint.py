@@ -1,0 +1,163 @@
+"""save_state / load_state: a run resumed in fresh processes continues bitwise where it stopped."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from qaccel import Accelerator
+
+pytestmark = pytest.mark.timeout(240)
+
+
+class Counter:
+    def __init__(self):
+        self.n = 0
+
+    def state_dict(self):
+        return {"n": self.n}
+
+    def load_state_dict(self, state):
+        self.n = state["n"]
+
+
+def _run(acc, ckpt, iterations, resume=False, save=True, stop_after=None):
+    """``iterations`` passes over the loader (each a new epoch); optionally stop and save mid-pass."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.3), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(48, 4, generator=g)
+    loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4, shuffle=True)
+    counter = Counter()
+    model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
+    acc.register_for_checkpointing(counter)
+    if resume:
+        acc.load_state(ckpt)
+    for _ in range(iterations):
+        for x, y in loader:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            acc.backward(loss)
+            optimizer.step()
+            counter.n += 1
+            if stop_after is not None and counter.n == stop_after:
+                acc.save_state(ckpt)
+                return None
+        scheduler.step()
+    if save:
+        acc.save_state(ckpt)
+    params = [p.detach().clone() for p in acc.unwrap_model(model).parameters()]
+    moments = [optimizer.state[p]["exp_avg"].clone() for p in acc.unwrap_model(model).parameters()]
+    return params, moments, counter.n, optimizer.param_groups[0]["lr"]
+
+
+def _assert_bitwise(a, b):
+    (pa, ma, na, lra), (pb, mb, nb, lrb) = a, b
+    assert na == nb and lra == lrb
+    for x, y in zip(pa + ma, pb + mb):
+        assert torch.equal(x, y)
+
+
+@pytest.fixture(scope="module")
+def acc():
+    return Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
+
+
+def test_three_epochs_equal_two_plus_save_plus_a_fresh_run_of_one(acc, tmp_path):
+    straight = acc.distribute(_run, all_results=True)(acc, str(tmp_path / "a"), 3)
+    acc.distribute(_run)(acc, str(tmp_path / "b"), 2)
+    resumed = acc.distribute(_run, all_results=True)(acc, str(tmp_path / "b"), 1, resume=True, save=False)
+    for rank in range(2):
+        _assert_bitwise(resumed[rank], straight[rank])
+    files = sorted(os.listdir(tmp_path / "b"))
+    assert "random_states_0.pt" in files and "random_states_1.pt" in files and "model_0.pt" in files
+
+
+def test_resume_mid_epoch(acc, tmp_path):
+    straight = acc.distribute(_run, all_results=True)(acc, str(tmp_path / "a"), 2)
+    acc.distribute(_run)(acc, str(tmp_path / "b"), 2, stop_after=9)  # 6 batches per epoch: 3 into epoch 2
+    resumed = acc.distribute(_run, all_results=True)(acc, str(tmp_path / "b"), 1, resume=True, save=False)
+    for rank in range(2):
+        _assert_bitwise(resumed[rank], straight[rank])
+
+
+def _save_then_fail(acc, ckpt):
+    model = torch.nn.Linear(2, 1)
+    torch.nn.init.constant_(model.weight, 7.0)
+    model = acc.prepare(model)
+    acc.save_state(ckpt)
+    torch.nn.init.constant_(acc.unwrap_model(model).weight, 8.0)
+    real_save = torch.save
+
+    def dying_save(obj, f, *args, **kwargs):
+        f.write(b"half")
+        raise OSError("disk full")
+
+    torch.save = dying_save
+    try:
+        acc.save_state(ckpt)
+    finally:
+        torch.save = real_save
+
+
+def _load_weight(acc, ckpt):
+    model = acc.prepare(torch.nn.Linear(2, 1))
+    acc.load_state(ckpt)
+    return acc.unwrap_model(model).weight.flatten().tolist()
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_intact(acc, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    with pytest.raises(OSError, match="disk full"):
+        acc.distribute(_save_then_fail)(acc, ckpt)
+    assert acc.distribute(_load_weight)(acc, ckpt) == [7.0, 7.0]
+    acc.distribute(_save_again)(acc, ckpt)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"], "no temporary directory is left behind"
+
+
+def _save_again(acc, ckpt):
+    acc.prepare(torch.nn.Linear(2, 1))
+    acc.save_state(ckpt)
+
+
+def test_a_save_that_died_between_its_renames_is_recovered(acc, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    single = Accelerator(compute_setup="cpu")
+    model = single.prepare(torch.nn.Linear(2, 1))
+    torch.nn.init.constant_(model.weight, 3.0)
+    single.save_state(str(ckpt))
+    os.rename(ckpt, f"{ckpt}.old-deadbeef")  # the first rename of a swap happened, the second did not
+    fresh = Accelerator(compute_setup="cpu")
+    restored = fresh.prepare(torch.nn.Linear(2, 1))
+    fresh.load_state(str(ckpt))
+    assert restored.weight.flatten().tolist() == [3.0, 3.0]
+
+
+def test_loading_into_different_objects_is_refused(tmp_path):
+    single = Accelerator(compute_setup="cpu")
+    single.prepare(torch.nn.Linear(2, 1))
+    single.save_state(str(tmp_path / "c"))
+    other = Accelerator(compute_setup="cpu")
+    other.prepare(torch.nn.Linear(2, 1), torch.nn.Linear(2, 1))
+    with pytest.raises(ValueError, match="holds 1 model state\\(s\\) but this run prepared/registered 2"):
+        other.load_state(str(tmp_path / "c"))
+    with pytest.raises(TypeError, match="needs state_dict\\(\\) and load_state_dict\\(\\)"):
+        other.register_for_checkpointing(object())
+
+
+def _skipped(acc):
+    loader = acc.prepare(DataLoader(TensorDataset(torch.arange(32)), batch_size=4))
+    acc.skip_first_batches(loader, 2)
+    first = [int(i) for (ids,) in loader for i in ids]
+    again = [int(i) for (ids,) in loader for i in ids]
+    return first, again
+
+
+def test_skip_first_batches_applies_to_the_next_epoch_only(acc):
+    first, again = acc.distribute(_skipped)(acc)
+    assert first == [16, 17, 18, 19, 24, 25, 26, 27] and again[:4] == [0, 1, 2, 3]
