@@ -4,8 +4,11 @@
     torchrun --standalone --nproc_per_node 2 examples/classify_cnn.py  # torchrun's ranks, run in place
     srun -n 2 python examples/classify_cnn.py                          # each SLURM task is a rank
 
-Options: --epochs N, --nprocs N (ignored under torchrun/srun, whose world size wins), --out PATH (where the
-main process saves the trained weights; default classify_cnn.pt in the temporary directory).
+Options: --epochs N (the total, also when resuming), --nprocs N (ignored under torchrun/srun, whose world size
+wins), --out PATH (where the main process saves the trained weights; default classify_cnn.pt in the temporary
+directory), --accumulate K (an optimizer update every K batches), --bf16 (bf16 mixed precision, CPU or GPU),
+--checkpoint DIR (save_state after every epoch) and --resume (load_state from DIR first and train the
+remaining epochs).
 
 The images are made here, nothing is downloaded: 28x28, one channel, 10 classes. A class is a bright blob at
 one of 10 places on a ring, shifted at random by up to 2 pixels, with a fainter distractor blob anywhere and
@@ -46,6 +49,19 @@ def make_images(n: int, seed: int) -> TensorDataset:
     return TensorDataset(images.unsqueeze(1), labels)
 
 
+class Progress:
+    """Epochs done and the last train loss: save_state() writes it, load_state() restores it."""
+
+    def __init__(self) -> None:
+        self.epochs, self.loss = 0, float("nan")
+
+    def state_dict(self) -> dict:
+        return dict(vars(self))
+
+    def load_state_dict(self, state: dict) -> None:
+        vars(self).update(state)
+
+
 class Net(torch.nn.Module):
     """The CNN of the Accelerate / PyTorch MNIST examples: 2 conv layers, max-pool, dropout, 2 linear layers."""
 
@@ -75,26 +91,36 @@ def train(
     accelerator: Accelerator,
     epochs: int,
     out: str,
+    checkpoint: str | None = None,
+    resume: bool = False,
 ) -> dict:
     """Runs on every rank: trains, evaluates on the whole test split, and saves the weights once."""
     torch.manual_seed(1000 + accelerator.rank)  # dropout: different masks per rank, the same in every launch mode
     model, optimizer, train_loader, test_loader = accelerator.prepare(model, optimizer, train_loader, test_loader)
+    progress = Progress()
+    accelerator.register_for_checkpointing(progress)
+    if resume:  # weights, Adam state, data order, every rank's RNG states (dropout) and progress
+        accelerator.load_state(checkpoint)
+        accelerator.print(f"resumed from {checkpoint} after epoch {progress.epochs}/{epochs}")
     accelerator.print(
         f"{accelerator.world_size} rank(s) on {accelerator.device}: {len(train_loader)} training steps per epoch "
         f"per rank, batch {train_loader.batch_size} per rank"
     )
-    for epoch in range(epochs):
+    for epoch in range(progress.epochs, epochs):
         model.train()
         total, steps = 0.0, 0
         for batch in train_loader:
             images, labels = accelerator.prepare_batch(batch)
-            loss = F.nll_loss(model(images), labels)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+            with accelerator.accumulate(model):  # one micro-step: an update every --accumulate batches
+                loss = F.nll_loss(model(images), labels)  # the forward runs under autocast with --bf16
+                accelerator.backward(loss)
+                optimizer.step()  # does nothing on accumulation steps, nor does zero_grad()
+                optimizer.zero_grad()
             total, steps = total + loss.item(), steps + 1
-        epoch_loss = accelerator.all_reduce_dict({"loss": total / steps})["loss"]
-        accelerator.print(f"epoch {epoch + 1}/{epochs}  train loss {epoch_loss:.4f}")
+        progress.epochs, progress.loss = epoch + 1, accelerator.all_reduce_dict({"loss": total / steps})["loss"]
+        accelerator.print(f"epoch {epoch + 1}/{epochs}  train loss {progress.loss:.4f}")
+        if checkpoint:
+            accelerator.save_state(checkpoint)  # on every rank: it is collective
 
     # Distributed evaluation: each rank predicts its share of the batches; gather_for_metrics collects all
     # ranks' rows and removes the repeated samples that evened out the last round, so counts are exact.
@@ -114,7 +140,7 @@ def train(
     accelerator.wait_for_everyone()  # every rank is done with the model before it is saved
     if accelerator.is_main_process:
         torch.save(accelerator.unwrap_model(model).state_dict(), out)  # once, without DDP's "module." prefix
-    return {"loss": epoch_loss, "accuracy": correct / seen, "seen": seen}
+    return {"loss": progress.loss, "accuracy": correct / seen, "seen": seen}
 
 
 def main() -> None:
@@ -122,12 +148,23 @@ def main() -> None:
     parser.add_argument("--nprocs", type=int, default=2, help="ranks to start under plain python (default 2)")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "classify_cnn.pt"))
+    parser.add_argument("--accumulate", type=int, default=1, metavar="K", help="batches per optimizer update")
+    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (the model stays float32)")
+    parser.add_argument("--checkpoint", metavar="DIR", help="save_state(DIR) after every epoch")
+    parser.add_argument("--resume", action="store_true", help="load_state(DIR) first; --epochs is the total")
     args = parser.parse_args()
-    if args.epochs < 1 or args.nprocs < 1:
-        parser.error("--epochs and --nprocs must be at least 1")
+    if args.epochs < 1 or args.nprocs < 1 or args.accumulate < 1:
+        parser.error("--epochs, --nprocs and --accumulate must be at least 1")
+    if args.resume and not args.checkpoint:
+        parser.error("--resume needs --checkpoint DIR")
+    if args.resume and not os.path.isdir(args.checkpoint):
+        parser.error(f"--resume: no checkpoint directory {args.checkpoint}")
 
     # Create the Accelerator first: under plain python it starts warming up the rank launcher at once.
-    acc = Accelerator(nprocs=args.nprocs, compute_setup="auto", log_setup="cpu")
+    acc = Accelerator(
+        nprocs=args.nprocs, compute_setup="auto", log_setup="cpu",
+        gradient_accumulation_steps=args.accumulate, mixed_precision="bf16" if args.bf16 else "no",
+    )
 
     torch.manual_seed(0)  # same initial weights on every rank under torchrun/srun (DDP also syncs them)
     model = Net()
@@ -136,7 +173,9 @@ def main() -> None:
     train_loader = DataLoader(make_images(4000, seed=0), batch_size=64, shuffle=True, generator=shuffle_rng)
     test_loader = DataLoader(make_images(1000, seed=1), batch_size=96)
 
-    result = acc.distribute(train)(model, optimizer, train_loader, test_loader, acc, args.epochs, args.out)
+    result = acc.distribute(train)(
+        model, optimizer, train_loader, test_loader, acc, args.epochs, args.out, args.checkpoint, args.resume
+    )
 
     if acc.is_main_process:
         state = torch.load(args.out, weights_only=True)

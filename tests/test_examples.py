@@ -14,6 +14,9 @@ pytestmark = pytest.mark.timeout(240)
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
+REGRESSION = [sys.executable, str(REPO / "examples/regression.py")]
+
+
 def _run(cmd, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=script_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -32,6 +35,31 @@ def test_regression(launcher, tmp_path):
     head = [sys.executable] if launcher == "python" else TORCHRUN
     out = _run([*head, str(REPO / "examples/regression.py"), "--epochs", "10"], tmp_path)
     assert out.count("validation loss") == 1 and "2 rank(s)" in out
+
+
+def test_regression_bf16_with_gradient_accumulation(tmp_path):
+    out = _run([*REGRESSION, "--bf16", "--accumulate", "2", "--epochs", "4"], tmp_path)
+    assert out.count("validation loss") == 1 and "float32 with bf16" in out
+
+
+def test_regression_resumes_where_it_stopped_and_matches_a_straight_run(tmp_path):
+    first = _run([*REGRESSION, "--epochs", "2", "--checkpoint", "ckpt"], tmp_path)
+    assert "epoch   2/2" in first and (tmp_path / "ckpt").is_dir()
+    resumed = _run([*REGRESSION, "--epochs", "4", "--checkpoint", "ckpt", "--resume"], tmp_path)
+    straight = _run([*REGRESSION, "--epochs", "4"], tmp_path)
+    assert "resumed from ckpt after epoch 2/4" in resumed
+    epochs = [line for line in resumed.splitlines() if line.startswith("epoch")]
+    assert [line.split("/")[0] for line in epochs] == ["epoch   3", "epoch   4"], resumed
+    # save_state/load_state restore weights, Adam state, data order and RNG states bitwise: same losses.
+    assert epochs == [line for line in straight.splitlines() if line.startswith(("epoch   3", "epoch   4"))]
+    assert resumed.splitlines()[-1] == straight.splitlines()[-1], (resumed, straight)
+
+
+def test_regression_refuses_float64_with_bf16(tmp_path):
+    proc = subprocess.run([*REGRESSION, "--dtype", "float64", "--bf16"], capture_output=True, text=True,
+                          timeout=60, env=script_env(), cwd=tmp_path)
+    assert proc.returncode == 2 and "error: --bf16" in proc.stderr and "float64" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_classify_cnn_evaluates_every_sample_once_and_saves_once(tmp_path):
