@@ -1,35 +1,46 @@
 """Per-step overhead benchmark: a training loop through qaccel vs. the same loop written by hand (world 2, CPU, gloo).
 
-Both loops run in the same qaccel-launched ranks, taking turns, so process start-up is out of the comparison
-and both get the same process group, threads and data:
+Two comparisons, each in its own launch (its own Accelerator); in each, both loops run in the same
+qaccel-launched ranks, taking turns, so process start-up is out of the comparison and both get the same
+process group, threads and data:
 
+  plain (Accelerator(nprocs=2, compute_setup="cpu"))
     qaccel    acc.prepare(model, optimizer, loader), then per step acc.prepare_batch(batch), forward, backward,
               optimizer.step()
     baseline  DistributedDataParallel(model) + DataLoader(sampler=DistributedSampler(...)), sampler.set_epoch
               per epoch, explicit .to(device) per batch
 
+  accumulate (Accelerator(..., gradient_accumulation_steps=2)), per micro-step:
+    qaccel    with acc.accumulate(model): forward, acc.backward(loss), optimizer.step(), optimizer.zero_grad()
+              (the prepared optimizer does nothing on accumulation micro-steps)
+    baseline  the same DDP loop by hand: model.no_sync() on accumulation micro-steps, (loss / 2).backward(),
+              optimizer.step() and zero_grad() only on micro-steps that sync (every 2nd and an epoch's last)
+
 Only the loop is timed (iterating the DataLoader included; prepare() and building the baseline are not). In each
 sample both loops are set up, then take turns every 20 steps (--block), the order flipping every turn, so a slow
 spell of the machine hits both alike. Every turn starts at a barrier and counts at its slowest rank; a sample is
-the sum of its turns. One warm-up sample comes first.
+the sum of its turns. One warm-up sample comes first. Both sides of a comparison must do the same number of
+optimizer updates per sample (checked).
 
-    python benchmarks/step_overhead.py            # 25 samples per side
-    python benchmarks/step_overhead.py --quick    # 3 samples per side
+    python benchmarks/step_overhead.py                     # both comparisons, 25 samples per side
+    python benchmarks/step_overhead.py --only accumulate   # one of them (plain or accumulate)
+    python benchmarks/step_overhead.py --quick             # 3 samples per side
 
-Prints a table and PASS/MISS for the target (qaccel <= 1.03 x baseline, ratio of the medians); always exits 0
-unless a run crashes. On a 2-core machine two copies of the same loop differ by up to about 2-4 % from one run to
-the next, so read a ratio within a few % of 1 as "no measurable overhead".
+Prints a table per comparison and PASS/MISS for the targets (qaccel <= 1.03 x baseline, ratio of the medians,
+for each); always exits 0 unless a run crashes. On a 2-core machine two copies of the same loop differ by up to
+about 2-4 % from one run to the next, so read a ratio within a few % of 1 as "no measurable overhead".
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import statistics
 import sys
 import time
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -48,6 +59,7 @@ LR = 0.01
 TARGET = 1.03
 INFO = {"Accelerate": 1.15, "qadence": 1.39}  # ratios measured elsewhere, printed for comparison only
 BLOCK = 20  # steps per timed section; the two loops take turns every BLOCK steps
+ACCUMULATE = 2  # micro-steps per optimizer update in the accumulation comparison
 _END = object()
 
 
@@ -73,13 +85,14 @@ def make_model() -> torch.nn.Module:
     )
 
 
-def qaccel_steps(acc: Accelerator, template: torch.nn.Module, dataset: TensorDataset) -> Iterator[None]:
-    """The qaccel loop as a generator: prepare() before the first yield, then one training step per yield."""
+def qaccel_steps(acc: Accelerator, template: torch.nn.Module, dataset: TensorDataset) -> Iterator[bool | None]:
+    """The qaccel loop as a generator: prepare() before the first yield, then one training step per yield
+    (yielding True: every step updates)."""
     model = copy.deepcopy(template)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     loader = DataLoader(dataset, batch_size=BATCH, shuffle=True)
     model, optimizer, loader = acc.prepare(model, optimizer, loader)
-    yield  # set-up done
+    yield None  # set-up done
     for _ in range(EPOCHS):
         for batch in loader:
             x, y = acc.prepare_batch(batch)
@@ -87,10 +100,10 @@ def qaccel_steps(acc: Accelerator, template: torch.nn.Module, dataset: TensorDat
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            yield
+            yield True
 
 
-def baseline_steps(acc: Accelerator, template: torch.nn.Module, dataset: TensorDataset) -> Iterator[None]:
+def baseline_steps(acc: Accelerator, template: torch.nn.Module, dataset: TensorDataset) -> Iterator[bool | None]:
     """The hand-written loop as a generator: DDP + DistributedSampler built before the first yield, then one
     training step per yield, with set_epoch and .to(device) by hand."""
     device = acc.device
@@ -99,7 +112,7 @@ def baseline_steps(acc: Accelerator, template: torch.nn.Module, dataset: TensorD
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0)
     loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
-    yield  # set-up done
+    yield None  # set-up done
     for epoch in range(EPOCHS):
         sampler.set_epoch(epoch)
         for x, y in loader:
@@ -108,36 +121,100 @@ def baseline_steps(acc: Accelerator, template: torch.nn.Module, dataset: TensorD
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            yield
+            yield True
 
 
-def timed_section(steps: Iterator[None], count: int, last: bool, step_times: list[float]) -> float:
-    """Seconds this rank spends on the next ``count`` steps, from a barrier on; the ``last`` section also runs
-    the loop to its end (the DataLoader's final StopIteration), and checks that no step was left over.
-    Each step's own duration is appended to ``step_times``."""
+def qaccel_accumulate_steps(
+    acc: Accelerator, template: torch.nn.Module, dataset: TensorDataset
+) -> Iterator[bool | None]:
+    """The qaccel accumulation loop (``acc`` built with gradient_accumulation_steps=ACCUMULATE): prepare() before
+    the first yield, then one micro-step per yield, yielding whether it updated."""
+    model = copy.deepcopy(template)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    loader = DataLoader(dataset, batch_size=BATCH, shuffle=True)
+    model, optimizer, loader = acc.prepare(model, optimizer, loader)
+    yield None  # set-up done
+    for _ in range(EPOCHS):
+        for batch in loader:
+            x, y = acc.prepare_batch(batch)
+            with acc.accumulate(model):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                acc.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            yield acc.sync_gradients
+
+
+def baseline_accumulate_steps(
+    acc: Accelerator, template: torch.nn.Module, dataset: TensorDataset
+) -> Iterator[bool | None]:
+    """The hand-written accumulation loop: DDP + DistributedSampler built before the first yield, then one
+    micro-step per yield, yielding whether it updated. Gradients stay local (no_sync) except on every
+    ACCUMULATE-th micro-step of an epoch and on its last batch, where the optimizer steps and zeroes them."""
+    device = acc.device
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = DistributedDataParallel(copy.deepcopy(template).to(device))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
+    yield None  # set-up done
+    for epoch in range(EPOCHS):
+        sampler.set_epoch(epoch)
+        last = len(loader) - 1
+        for i, (x, y) in enumerate(loader):
+            x, y = x.to(device), y.to(device)
+            sync = (i + 1) % ACCUMULATE == 0 or i == last
+            with contextlib.nullcontext() if sync else model.no_sync():
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                (loss / ACCUMULATE).backward()
+            if sync:
+                optimizer.step()
+                optimizer.zero_grad()
+            yield sync
+
+
+Loop = Callable[[Accelerator, torch.nn.Module, TensorDataset], Iterator[bool | None]]
+COMPARISONS: dict[str, tuple[tuple[str, Loop], tuple[str, Loop]]] = {
+    "plain": (("qaccel", qaccel_steps), ("baseline", baseline_steps)),
+    "accumulate": (("qaccel", qaccel_accumulate_steps), ("baseline", baseline_accumulate_steps)),
+}
+
+
+def timed_section(
+    steps: Iterator[bool | None], count: int, last: bool, step_times: dict[bool, list[float]]
+) -> tuple[float, int]:
+    """Seconds this rank spends on the next ``count`` steps, from a barrier on, and how many of them updated;
+    the ``last`` section also runs the loop to its end (the DataLoader's final StopIteration), and checks that no
+    step was left over. Each step's own duration is appended to ``step_times[updated]``."""
+    updates = 0
     dist.barrier()
     start = previous = time.perf_counter()
     for _ in range(count):
-        if next(steps, _END) is _END:
+        updated = next(steps, _END)
+        if updated is _END:
             raise RuntimeError("the loop has fewer steps than expected")
         now = time.perf_counter()
-        step_times.append(now - previous)
+        step_times[bool(updated)].append(now - previous)
         previous = now
+        updates += bool(updated)
     if last and next(steps, _END) is not _END:
         raise RuntimeError("the loop has more steps than expected")
-    return time.perf_counter() - start
+    return time.perf_counter() - start, updates
 
 
-def rank_main(acc: Accelerator, runs: int, steps: int, block: int) -> dict:
-    """One warm-up of each side, then ``runs`` samples of each; this rank's seconds per section and per step.
+def rank_main(acc: Accelerator, comparison: str, runs: int, steps: int, block: int) -> dict:
+    """One warm-up of each side of ``comparison``, then ``runs`` samples of each; this rank's seconds per section
+    and per step, and the optimizer updates per sample (the same on both sides, or an error).
 
     Within a sample both loops are set up, then run ``block`` steps at a time in turn, the order flipping every
     section (A B, B A, A B, ...), so that a slow spell of the machine hits both sides alike.
     """
     dataset = make_dataset(steps)
     template = make_model()
-    out: dict[str, list] = {"qaccel": [], "baseline": [], "qaccel_steps": [], "baseline_steps": []}
-    makers = (("qaccel", qaccel_steps), ("baseline", baseline_steps))
+    out: dict[str, Any] = {"qaccel": [], "baseline": []}
+    # per side, single-step durations: [True] steps that updated, [False] accumulation micro-steps
+    out.update({f"{name}_steps": {True: [], False: []} for name, _ in COMPARISONS[comparison]})
+    makers = COMPARISONS[comparison]
     sections = [min(block, steps - start) for start in range(0, steps, block)]
     for i in range(runs + 1):
         loops = {name: make(acc, template, dataset) for name, make in makers}
@@ -145,11 +222,17 @@ def rank_main(acc: Accelerator, runs: int, steps: int, block: int) -> dict:
             next(loop)  # set-up, untimed
         gc.collect()
         times: dict[str, list[float]] = {name: [] for name in loops}
+        updates = dict.fromkeys(loops, 0)
         for j, count in enumerate(sections):
             order = list(loops) if (i + j) % 2 == 0 else list(loops)[::-1]
             for name in order:
-                step_times = out[f"{name}_steps"] if i > 0 else []  # sample 0 is the warm-up
-                times[name].append(timed_section(loops[name], count, j == len(sections) - 1, step_times))
+                step_times = out[f"{name}_steps"] if i > 0 else {True: [], False: []}  # sample 0: warm-up
+                seconds, done = timed_section(loops[name], count, j == len(sections) - 1, step_times)
+                times[name].append(seconds)
+                updates[name] += done
+        if len(set(updates.values())) != 1:
+            raise RuntimeError(f"{comparison}: the two loops did different numbers of optimizer updates: {updates}")
+        out["updates"] = updates["qaccel"]
         if i > 0:
             for name, sample in times.items():
                 out[name].append(sample)
@@ -160,16 +243,81 @@ def rank_main(acc: Accelerator, runs: int, steps: int, block: int) -> dict:
 
 # ---- the driver ----
 
+# Per comparison: what the Accelerator gets, the table's row names, what one step is called, the info ratios.
+SETUPS = {
+    "plain": dict(
+        accelerator={}, title="plain loop",
+        rows=("baseline DDP+DistributedSampler loop", "qaccel prepare+prepare_batch loop"), step="step", info=INFO,
+    ),
+    "accumulate": dict(
+        accelerator={"gradient_accumulation_steps": ACCUMULATE},
+        title=f"gradient accumulation, {ACCUMULATE} micro-steps per update",
+        rows=("baseline DDP+no_sync loop", "qaccel accumulate+backward loop"), step="micro-step", info={},
+    ),
+}
 
 
+def compare(comparison: str, runs: int, steps: int, block: int) -> float:
+    """Launch the ranks for one comparison with its own Accelerator, print its pairs and table; the ratio of the
+    medians (qaccel / baseline)."""
+    setup = SETUPS[comparison]
+    step = setup["step"]
+    acc = Accelerator(nprocs=WORLD, compute_setup="cpu", **setup["accelerator"])
+    print(f"== {comparison}: {setup['title']}", flush=True)
+    print(f"{steps} {step}s x (1 warm-up + {runs}) per side, taking turns every {block} {step}s, in one launch "
+          f"of {WORLD} ranks ...", flush=True)
+    per_rank = acc.distribute(rank_main, all_results=True)(acc, comparison, runs, steps, block)
 
+    # Each timed section counts at its slowest rank; a sample is the sum of its sections.
+    def samples(name: str) -> list[float]:
+        return [sum(max(section) for section in zip(*by_rank)) for by_rank in zip(*(r[name] for r in per_rank))]
+
+    qaccel, baseline = samples("qaccel"), samples("baseline")
+    paired = [q / b for q, b in zip(qaccel, baseline)]
+    for i, (q, b) in enumerate(zip(qaccel, baseline)):
+        print(f"  {i + 1}: qaccel {q:.3f} s, baseline {b:.3f} s, ratio {q / b:.3f}", flush=True)
+
+    print(f"\n{comparison}: world {WORLD}, CPU, gloo, {per_rank[0]['threads']} torch thread(s) per rank; MLP "
+          f"{IN_FEATURES}->{HIDDEN}->{HIDDEN}->1, batch {BATCH} per rank, {steps} {step}s over {EPOCHS} epochs, "
+          f"{per_rank[0]['updates']} optimizer updates (both sides); {runs} samples per row; "
+          f"seconds per {steps} {step}s (slowest rank per section)")
+    per_step = "ms/" + ("step" if step == "step" else "micro")
+    print(f"{'':40s} {'median':>8s} {'min':>8s} {'max':>8s} {per_step:>8s}")
+    for name, med, lo, hi in (row(setup["rows"][0], baseline), row(setup["rows"][1], qaccel)):
+        print(f"{name:40s} {med:8.3f} {lo:8.3f} {hi:8.3f} {1e3 * med / steps:8.3f}")
+
+    base_med, q_med = statistics.median(baseline), statistics.median(qaccel)
+    ratio = q_med / base_med
+    print()
+    print(f"ratio qaccel / baseline (medians):          {ratio:.3f}")
+    print(f"ratio qaccel / baseline (median of pairs):  {statistics.median(paired):.3f}   "
+          f"(pairs range {min(paired):.3f} .. {max(paired):.3f})")
+    print(f"qaccel overhead per {step + ' (medians):':24s}{1e6 * (q_med - base_med) / steps:+.1f} us")
+    # Robust to the rare slow step (a late wake-up in gloo): the median single step, at the slower rank.
+    # With accumulation the two kinds of micro-step (all-reduce or not) differ ~3 x, so each gets its own line.
+    accumulating = bool(per_rank[0]["qaccel_steps"][False])
+    kinds = ((True, f"{step} that updates" if accumulating else step), (False, f"{step} that accumulates"))
+    for updated, kind in kinds:
+        if not per_rank[0]["qaccel_steps"][updated]:
+            continue
+        step_q = max(statistics.median(r["qaccel_steps"][updated]) for r in per_rank)
+        step_b = max(statistics.median(r["baseline_steps"][updated]) for r in per_rank)
+        print(f"info: median single {kind}: qaccel {1e6 * step_q:.0f} us, baseline {1e6 * step_b:.0f} us, "
+              f"ratio {step_q / step_b:.3f} ({1e6 * (step_q - step_b):+.1f} us)")
+    print(f"  {verdict(ratio <= TARGET)}  {comparison}: qaccel loop <= {TARGET} x baseline: {ratio:.3f} x")
+    print(flush=True)
+    return ratio
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=25, help="samples per side after one warm-up each (default 25)")
     parser.add_argument("--quick", action="store_true", help="3 samples per side")
-    parser.add_argument("--steps", type=int, default=STEPS, help=f"training steps per sample (default {STEPS})")
+    parser.add_argument("--only", choices=tuple(COMPARISONS),
+                        help="run one comparison: plain (the plain loop) or accumulate (gradient accumulation, "
+                             f"k={ACCUMULATE}); default both, plain first")
+    parser.add_argument("--steps", type=int, default=STEPS,
+                        help=f"training steps (micro-steps when accumulating) per sample (default {STEPS})")
     parser.add_argument("--block", type=int, default=BLOCK,
                         help=f"steps per timed section before the other loop takes its turn (default {BLOCK}); "
                              "--block equal to --steps alternates whole loops")
@@ -181,45 +329,14 @@ def main() -> int:
         parser.error(f"--steps must be a positive multiple of {EPOCHS}")
     started = time.perf_counter()
 
-    acc = Accelerator(nprocs=WORLD, compute_setup="cpu")
-    print(f"{opts.steps} steps x (1 warm-up + {runs}) per side, taking turns every {opts.block} steps, in one launch "
-          f"of {WORLD} ranks ...", flush=True)
-    per_rank = acc.distribute(rank_main, all_results=True)(acc, runs, opts.steps, opts.block)
+    ratios = {name: compare(name, runs, opts.steps, opts.block) for name in COMPARISONS if opts.only in (None, name)}
 
-    # Each timed section counts at its slowest rank; a sample is the sum of its sections.
-    def samples(name: str) -> list[float]:
-        return [sum(max(section) for section in zip(*by_rank)) for by_rank in zip(*(r[name] for r in per_rank))]
-
-    qaccel, baseline = samples("qaccel"), samples("baseline")
-    paired = [q / b for q, b in zip(qaccel, baseline)]
-    for i, (q, b) in enumerate(zip(qaccel, baseline)):
-        print(f"  {i + 1}: qaccel {q:.3f} s, baseline {b:.3f} s, ratio {q / b:.3f}", flush=True)
-
-    print(f"\nworld {WORLD}, CPU, gloo, {per_rank[0]['threads']} torch thread(s) per rank; MLP "
-          f"{IN_FEATURES}->{HIDDEN}->{HIDDEN}->1, batch {BATCH} per rank, {opts.steps} steps over {EPOCHS} epochs; "
-          f"{runs} samples per row; seconds per {opts.steps} steps (slowest rank per section)")
-    print(f"{'':40s} {'median':>8s} {'min':>8s} {'max':>8s} {'ms/step':>8s}")
-    for name, med, lo, hi in (row("baseline DDP+DistributedSampler loop", baseline),
-                              row("qaccel prepare+prepare_batch loop", qaccel)):
-        print(f"{name:40s} {med:8.3f} {lo:8.3f} {hi:8.3f} {1e3 * med / opts.steps:8.3f}")
-
-    base_med, q_med = statistics.median(baseline), statistics.median(qaccel)
-    ratio = q_med / base_med
-    print()
-    print(f"ratio qaccel / baseline (medians):          {ratio:.3f}")
-    print(f"ratio qaccel / baseline (median of pairs):  {statistics.median(paired):.3f}   "
-          f"(pairs range {min(paired):.3f} .. {max(paired):.3f})")
-    print(f"qaccel overhead per step (medians):         {1e6 * (q_med - base_med) / opts.steps:+.1f} us")
-    # Robust to the rare slow step (a late wake-up in gloo): the median single step, at the slower rank.
-    step_q = max(statistics.median(r["qaccel_steps"]) for r in per_rank)
-    step_b = max(statistics.median(r["baseline_steps"]) for r in per_rank)
-    print(f"info: median single step: qaccel {1e6 * step_q:.0f} us, baseline {1e6 * step_b:.0f} us, "
-          f"ratio {step_q / step_b:.3f} ({1e6 * (step_q - step_b):+.1f} us)")
-    print()
     print("targets")
-    print(f"  {verdict(ratio <= TARGET)}  qaccel loop <= {TARGET} x baseline: {ratio:.3f} x")
-    for name, value in INFO.items():
-        print(f"  info  {name} on its own benchmark: {value:.2f} x")
+    for name, ratio in ratios.items():
+        print(f"  {verdict(ratio <= TARGET)}  {name}: qaccel loop <= {TARGET} x baseline: {ratio:.3f} x")
+    if "plain" in ratios:
+        for name, value in INFO.items():
+            print(f"  info  {name} on its own benchmark (plain loop): {value:.2f} x")
     print(f"\ntotal benchmark time {time.perf_counter() - started:.0f} s")
     return 0
 
