@@ -103,15 +103,20 @@ def qaccel_steps(acc: Accelerator, template: torch.nn.Module, dataset: TensorDat
             yield True
 
 
-def baseline_steps(acc: Accelerator, template: torch.nn.Module, dataset: TensorDataset) -> Iterator[bool | None]:
-    """The hand-written loop as a generator: DDP + DistributedSampler built before the first yield, then one
-    training step per yield, with set_epoch and .to(device) by hand."""
-    device = acc.device
+def hand_written_setup(device: torch.device, template: torch.nn.Module, dataset: TensorDataset) -> tuple:
+    """What both baselines build by hand: a DDP copy of the model, its optimizer, a DistributedSampler and loader."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = DistributedDataParallel(copy.deepcopy(template).to(device))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0)
-    loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
+    return model, optimizer, sampler, DataLoader(dataset, batch_size=BATCH, sampler=sampler)
+
+
+def baseline_steps(acc: Accelerator, template: torch.nn.Module, dataset: TensorDataset) -> Iterator[bool | None]:
+    """The hand-written loop as a generator: DDP + DistributedSampler built before the first yield, then one
+    training step per yield, with set_epoch and .to(device) by hand."""
+    device = acc.device
+    model, optimizer, sampler, loader = hand_written_setup(device, template, dataset)
     yield None  # set-up done
     for epoch in range(EPOCHS):
         sampler.set_epoch(epoch)
@@ -152,11 +157,7 @@ def baseline_accumulate_steps(
     micro-step per yield, yielding whether it updated. Gradients stay local (no_sync) except on every
     ACCUMULATE-th micro-step of an epoch and on its last batch, where the optimizer steps and zeroes them."""
     device = acc.device
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = DistributedDataParallel(copy.deepcopy(template).to(device))
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0)
-    loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
+    model, optimizer, sampler, loader = hand_written_setup(device, template, dataset)
     yield None  # set-up done
     for epoch in range(EPOCHS):
         sampler.set_epoch(epoch)
