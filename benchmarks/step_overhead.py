@@ -85,13 +85,17 @@ def make_model() -> torch.nn.Module:
     )
 
 
+def qaccel_setup(acc: Accelerator, template: torch.nn.Module, dataset: TensorDataset) -> tuple:
+    """What both qaccel loops build: a copy of the model, its optimizer and a shuffled loader, prepared."""
+    model = copy.deepcopy(template)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    return acc.prepare(model, optimizer, DataLoader(dataset, batch_size=BATCH, shuffle=True))
+
+
 def qaccel_steps(acc: Accelerator, template: torch.nn.Module, dataset: TensorDataset) -> Iterator[bool | None]:
     """The qaccel loop as a generator: prepare() before the first yield, then one training step per yield
     (yielding True: every step updates)."""
-    model = copy.deepcopy(template)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    loader = DataLoader(dataset, batch_size=BATCH, shuffle=True)
-    model, optimizer, loader = acc.prepare(model, optimizer, loader)
+    model, optimizer, loader = qaccel_setup(acc, template, dataset)
     yield None  # set-up done
     for _ in range(EPOCHS):
         for batch in loader:
@@ -134,10 +138,7 @@ def qaccel_accumulate_steps(
 ) -> Iterator[bool | None]:
     """The qaccel accumulation loop (``acc`` built with gradient_accumulation_steps=ACCUMULATE): prepare() before
     the first yield, then one micro-step per yield, yielding whether it updated."""
-    model = copy.deepcopy(template)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    loader = DataLoader(dataset, batch_size=BATCH, shuffle=True)
-    model, optimizer, loader = acc.prepare(model, optimizer, loader)
+    model, optimizer, loader = qaccel_setup(acc, template, dataset)
     yield None  # set-up done
     for _ in range(EPOCHS):
         for batch in loader:
