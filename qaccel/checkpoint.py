@@ -74,33 +74,37 @@ def save_state(directory: str | os.PathLike, state: StepState, ctx: RankContext)
     """Checkpoint everything a resumed run needs, atomically: models, optimizers, schedulers, the fp16 scaler,
     every rank's RNG states, loader positions and registered objects.
 
-    All ranks write into a temporary directory beside ``directory`` (each its own RNG states, rank 0 the rest),
-    then rank 0 swaps it in. A crash before the swap leaves the previous checkpoint untouched; a crash between
+    Every rank sends its RNG states to rank 0, which writes all parts into a temporary directory beside
+    ``directory`` and swaps it in. A crash before the swap leaves the previous checkpoint untouched; a crash between
     the swap's two renames leaves it as ``<directory>.old-*``, which load_state() falls back to.
     """
     directory = os.path.abspath(os.fspath(directory))
-    tmp = collectives.broadcast(f"{directory}.tmp-{secrets.token_hex(6)}", 0, ctx)
+    rng_states = collectives.gather_object(_rng_state(), ctx)
     if ctx.rank == 0:
-        for stale in glob.glob(f"{glob.escape(directory)}.tmp-*"):  # left by a save that was killed
-            shutil.rmtree(stale, ignore_errors=True)
-        os.makedirs(tmp)
+        _write_checkpoint(directory, state, rng_states)
     collectives.barrier(ctx)
+
+
+def _write_checkpoint(directory: str, state: StepState, rng_states: list[dict[str, Any]]) -> None:
+    """Rank 0 alone writes everything (peers sent their RNG states), so a failure here cannot pull a directory
+    from under a peer that is still writing: the caller sees this error, not a peer's FileNotFoundError."""
+    for stale in glob.glob(f"{glob.escape(directory)}.tmp-*"):  # left by a save that was killed
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = f"{directory}.tmp-{secrets.token_hex(6)}"
+    os.makedirs(tmp)
     try:
-        if ctx.rank == 0:
-            _write_parts(tmp, state)
-        _write(_rng_state(), os.path.join(tmp, f"random_states_{ctx.rank}.pt"))
+        _write_parts(tmp, state)
+        for rank, rng in enumerate(rng_states):
+            _write(rng, os.path.join(tmp, f"random_states_{rank}.pt"))
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # every rank: whichever fails first, none leaves it behind
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
-    collectives.barrier(ctx)
-    if ctx.rank == 0:
-        old = f"{directory}.old-{secrets.token_hex(6)}" if os.path.exists(directory) else None
-        if old:
-            os.rename(directory, old)
-        os.rename(tmp, directory)
-        if old:
-            shutil.rmtree(old)
-    collectives.barrier(ctx)
+    old = f"{directory}.old-{secrets.token_hex(6)}" if os.path.exists(directory) else None
+    if old:
+        os.rename(directory, old)
+    os.rename(tmp, directory)
+    if old:
+        shutil.rmtree(old)
 
 
 def _write_parts(tmp: str, state: StepState) -> None:
