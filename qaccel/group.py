@@ -33,6 +33,7 @@ class RankContext:
 GLOO_DRAIN_S = 0.02
 _current: RankContext | None = None
 _in_place_sessions = 0
+_env_store: tuple[tuple, dist.Store] | None = None
 
 
 def current() -> RankContext | None:
@@ -58,13 +59,19 @@ def env_store(ctx: RankContext, timeout: float) -> dist.Store:
     """The env:// rendezvous store (torchrun's agent store, or one rank 0 hosts at MASTER_ADDR:MASTER_PORT),
     under a prefix of its own for each in-place session.
 
-    A second group initialised in the same process would otherwise reuse the first one's keys on torchrun's
-    persistent store, and read a peer's stale address (connection refused). Ranks call distribute() in the
-    same order, so the counter agrees across them.
+    The store is opened once per process and kept: were rank 0 to host a new server for each session, a peer
+    that finished the previous session first would reach the old server just before it closed (SLURM, seen
+    in CI as "Failed to recv, got 0 bytes"). A second group would also reuse the first one's keys and read a
+    peer's stale address, hence the prefix; ranks call distribute() in the same order, so the counter agrees.
     """
-    global _in_place_sessions
+    global _in_place_sessions, _env_store
+    key = tuple(os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")) + (ctx.rank, ctx.world_size)
+    if _env_store is None or _env_store[0] != key:
+        rendezvous = dist.rendezvous("env://", ctx.rank, ctx.world_size, timeout=datetime.timedelta(seconds=timeout))
+        _env_store = (key, next(rendezvous)[0])
+    base = _env_store[1]
+    base.set_timeout(datetime.timedelta(seconds=timeout))
     _in_place_sessions += 1
-    base, _, _ = next(dist.rendezvous("env://", ctx.rank, ctx.world_size, timeout=datetime.timedelta(seconds=timeout)))
     return dist.PrefixStore(f"qaccel/{_in_place_sessions}", base)
 
 

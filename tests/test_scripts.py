@@ -308,6 +308,24 @@ def test_srun_tasks_run_in_place_with_slurm_ranks(tmp_path):
     ]
 
 
+MANY_SESSIONS_SCRIPT = """
+import json, sys
+from qaccel import Accelerator
+acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=30)
+if __name__ == "__main__":
+    sums = [acc.distribute(lambda: acc.all_reduce_dict({"r": acc.rank + 1}, op="sum")["r"])() for _ in range(40)]
+    print("RESULT " + json.dumps({"rank": acc.rank, "sums": sums}), flush=True)
+"""
+
+
+def test_srun_tasks_run_many_sessions_back_to_back(tmp_path):
+    """Each session re-rendezvouses; a peer must never reach rank 0's store of the session before (CI failure:
+    "Failed to recv, got 0 bytes" in 1 of 3 runs of 25 sessions while rank 0 hosted a new store per session)."""
+    script = write_script(tmp_path, MANY_SESSIONS_SCRIPT)
+    results = _run_as_srun_tasks(script, "many", _free_job_id())
+    assert [r["sums"] for r in results] == [[3] * 40] * 2
+
+
 def test_srun_user_master_addr_and_port_win(tmp_path):
     script = write_script(tmp_path, REPORT_SCRIPT)
     with socket.socket() as s:
