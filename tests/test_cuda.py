@@ -1,0 +1,210 @@
+"""The CUDA paths: device placement, NCCL, bf16/fp16. They need a GPU, so they run on the lent GPU machine
+(see README, "Testing on a GPU"); on a CPU-only machine they are reported as skipped, never as passed.
+
+One GPU reaches NCCL only as a one-rank group; the multi-GPU code (one device per local rank, DDP with
+device_ids) differs from it only in the device index.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from qaccel import Accelerator
+from procs import REPO, run_script, script_env, write_script
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)"),
+    pytest.mark.timeout(180),
+]
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def test_auto_picks_the_gpu_and_nccl():
+    acc = Accelerator(compute_setup="auto", log_setup="auto")
+    assert acc.device == torch.device("cuda", 0)
+    assert acc.log_device == torch.device("cuda", 0)
+    assert acc.backend == "nccl"
+    assert Accelerator(compute_setup="gpu", log_setup="cpu").log_device == torch.device("cpu")
+
+
+def test_more_gpu_ranks_than_gpus_is_refused_at_construction():
+    with pytest.raises(ValueError, match="visible GPU"):
+        Accelerator(nprocs=torch.cuda.device_count() + 1, compute_setup="gpu")
+
+
+def test_prepare_moves_model_optimizer_state_and_batches_to_the_gpu():
+    acc = Accelerator(compute_setup="gpu", dtype=torch.float64)
+    model = _mlp()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()  # Adam state exists, on the CPU
+    model, optimizer = acc.prepare(model, optimizer)
+    assert {p.device for p in model.parameters()} == {acc.device}
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+    states = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
+    assert states and {t.device for t in states} == {acc.device}
+    x = torch.randn(8, 4).pin_memory()
+    labels = torch.arange(8)
+    batch = acc.prepare_batch({"x": x, "y": labels, "name": "b"})
+    assert batch["x"].device == acc.device and batch["x"].dtype == torch.float64
+    assert batch["y"].device == acc.device and batch["y"].dtype == torch.int64
+    assert batch["name"] == "b"
+    torch.testing.assert_close(batch["x"].cpu(), x.double())
+    assert acc.prepare_batch(batch)["x"] is batch["x"], "a batch already in place is not copied"
+    optimizer.zero_grad()
+    model(batch["x"]).sum().backward()
+    optimizer.step()
+
+
+def test_prepared_loader_yields_gpu_batches_with_pinned_memory_kept():
+    acc = Accelerator(compute_setup="gpu")
+    data = TensorDataset(torch.randn(10, 4), torch.arange(10))
+    loader = acc.prepare(DataLoader(data, batch_size=4, pin_memory=True))
+    seen = [(x.device, y.dtype, len(y)) for x, y in loader]
+    assert seen == [(acc.device, torch.int64, 4), (acc.device, torch.int64, 4), (acc.device, torch.int64, 2)]
+
+
+def test_bf16_autocast_on_the_gpu_returns_float32_outputs_and_trains():
+    acc = Accelerator(compute_setup="gpu", mixed_precision="bf16")
+    model = _mlp()
+    model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = acc.prepare_batch(torch.randn(64, 4))
+    y = x.sum(dim=1, keepdim=True)
+    with acc.autocast():
+        assert (x @ x.T).dtype == torch.bfloat16
+    losses = []
+    for _ in range(30):
+        out = model(x)
+        assert out.dtype == torch.float32
+        loss = torch.nn.functional.mse_loss(out, y)
+        acc.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def _fp16_setup():
+    acc = Accelerator(compute_setup="gpu", mixed_precision="fp16")
+    model = _mlp()
+    model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = acc.prepare_batch(torch.randn(32, 4))
+    return acc, model, optimizer, x
+
+
+def test_fp16_scaler_steps_and_skips_a_step_with_inf_gradients():
+    acc, model, optimizer, x = _fp16_setup()
+    before = [p.detach().clone() for p in model.parameters()]
+    with acc.autocast():
+        assert (x @ x.T).dtype == torch.float16
+    acc.backward(model(x).pow(2).mean())
+    optimizer.step()
+    optimizer.zero_grad()
+    assert not acc.optimizer_step_was_skipped
+    after = [p.detach().clone() for p in model.parameters()]
+    assert any(not torch.equal(a, b) for a, b in zip(before, after))
+    acc.backward(model(x).mean() * float("inf"))
+    optimizer.step()
+    optimizer.zero_grad()
+    assert acc.optimizer_step_was_skipped
+    assert all(torch.equal(a, p) for a, p in zip(after, model.parameters())), "a skipped step changes nothing"
+
+
+def test_fp16_clip_grad_norm_unscales_first():
+    acc, model, optimizer, x = _fp16_setup()
+    reference = _mlp().to(acc.device)
+    with torch.autocast("cuda", dtype=torch.float16):
+        reference(x).float().pow(2).mean().backward()
+    want = torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf"))
+    acc.backward(model(x).pow(2).mean())
+    got = acc.clip_grad_norm_(model.parameters(), float("inf"))
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-6)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-6)
+
+
+def test_fp16_save_and_load_state_restore_scaler_and_cuda_rng(tmp_path):
+    acc, model, optimizer, x = _fp16_setup()
+    acc.backward(model(x).mean() * float("inf"))
+    optimizer.step()  # skipped: the scale backs off from its initial value
+    optimizer.zero_grad()
+    acc.save_state(str(tmp_path / "ckpt"))
+    saved_rng = torch.cuda.get_rng_state()
+    scale = acc._steps.scaler.get_scale()
+    want = torch.rand(3, device=acc.device)
+    fresh, model2, _, _ = _fp16_setup()
+    torch.rand(100, device=fresh.device)
+    fresh.load_state(str(tmp_path / "ckpt"))
+    assert fresh._steps.scaler.get_scale() == scale < 65536.0
+    assert torch.equal(torch.cuda.get_rng_state(), saved_rng)
+    assert torch.equal(torch.rand(3, device=fresh.device), want)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_nccl_group_made_by_the_user_is_reused_for_every_collective(tmp_path):
+    """A one-rank NCCL group: init with set_device, barrier with device_ids, packed all-reduce on the GPU."""
+    script = write_script(tmp_path, """
+        import torch, torch.distributed as dist
+        from qaccel import Accelerator
+        if __name__ == "__main__":
+            torch.cuda.set_device(0)
+            dist.init_process_group("nccl", rank=0, world_size=1)
+            acc = Accelerator(compute_setup="gpu", log_setup="auto")
+            def work():
+                acc.wait_for_everyone()
+                d = acc.all_reduce_dict({"a": 1.5, "n": 3, "t": torch.ones(2, device=acc.device)}, op="sum")
+                assert d["a"] == 1.5 and d["n"] == 3 and d["t"].device == acc.device, d
+                g = acc.gather(torch.arange(3, device=acc.device))
+                assert g.tolist() == [0, 1, 2] and g.device == acc.device
+                assert acc.broadcast({"k": 1}) == {"k": 1}
+                assert acc.gather_object("x") == ["x"]
+                assert acc.reduce(torch.ones(2, device=acc.device), op="mean").tolist() == [1.0, 1.0]
+                return acc.backend
+            print("OUT", acc.distribute(work)(), dist.is_initialized(), flush=True)
+            dist.destroy_process_group()
+    """)
+    proc = run_script(script, env=script_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "OUT nccl True" in proc.stdout
+
+
+def test_cpu_ranks_launched_from_a_caller_that_initialised_cuda_can_use_cuda(tmp_path):
+    """Ranks come from a forkserver, never a fork of the caller, so CUDA state in the caller cannot break them."""
+    script = write_script(tmp_path, """
+        import torch
+        from qaccel import Accelerator
+        if __name__ == "__main__":
+            torch.ones(1, device="cuda")  # CUDA initialised in the caller before the launch
+            acc = Accelerator(nprocs=2, compute_setup="cpu")
+            print("OUT", acc.distribute(lambda: torch.ones(2, device="cuda").sum().item() + acc.rank, all_results=True)(), flush=True)
+    """)
+    proc = run_script(script, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "OUT [2.0, 3.0]" in proc.stdout
+
+
+@pytest.mark.parametrize("example, args", [
+    ("quickstart.py", ["--epochs", "3"]),
+    ("regression.py", ["--epochs", "3", "--bf16", "--accumulate", "2"]),
+    ("classify_cnn.py", ["--epochs", "1", "--bf16", "--out", "model.pt"]),
+])
+def test_examples_run_on_the_gpu(example, args, tmp_path):
+    proc = run_script(REPO / "examples" / example, "--nprocs", "1", *args, timeout=150, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    if example != "quickstart.py":
+        assert "on cuda:0" in proc.stdout, proc.stdout
