@@ -312,6 +312,11 @@ class Accelerator:
         """True when the fp16 scaler skipped the last optimizer step (inf/nan gradients)."""
         return any(opt.step_was_skipped for opt in self._steps().optimizers)
 
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """fp16's gradient scaler (saved by save_state); None without fp16."""
+        return self._steps().scaler
+
     def autocast(self) -> Any:
         """Context running its block in the configured mixed precision (a no-op for "no").
 

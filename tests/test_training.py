@@ -115,6 +115,7 @@ def test_no_mixed_precision_means_no_autocast():
     acc = Accelerator(compute_setup="cpu")
     enabled, out_dtype, inner_dtype, _ = _bf16(acc)
     assert not enabled and out_dtype == inner_dtype == torch.float32
+    assert acc.scaler is None and Accelerator(compute_setup="cpu", mixed_precision="bf16").scaler is None
 
 
 @pytest.mark.parametrize(
