@@ -38,6 +38,9 @@ from qaccel.errors import RankError, RankKilledError, RemoteTraceback
 
 PRELOAD = ["torch", "qaccel.launch"]
 STOP_GRACE_S = 3.0
+CAUSE_GRACE_S = 3.0
+# Errors a rank raises because a peer left the group: symptoms, reported before their cause more often than not.
+_PEER_LOSS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Failed to recv")
 _PREPARE_LOCK = threading.Lock()
 
 
@@ -80,7 +83,7 @@ def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, al
                 writer.close()
                 procs.append(proc)
                 readers.append(reader)
-            failures = _supervise(procs, readers)
+            failures = _supervise(procs, readers, run_dir)
         finally:
             _stop(procs)
             for reader in readers:
@@ -131,13 +134,23 @@ def _start_without_main(proc: multiprocessing.process.BaseProcess) -> None:
             multiprocessing.spawn.get_preparation_data = original
 
 
-def _supervise(procs: list, readers: list) -> list[tuple[int, str]]:
-    """Wait for every rank; at the first failure return at once. Failures: (rank, "error" | "exit") in order seen."""
+def _supervise(procs: list, readers: list, run_dir: str) -> list[tuple[int, str]]:
+    """Wait for every rank; return at the first failure that can be a cause. Failures: (rank, "error" | "exit").
+
+    When the first failures are only peers losing their connection, listen CAUSE_GRACE_S longer: the rank that
+    broke the group usually reports just after them (its ``finally`` blocks run first), and stopping it then
+    would lose the real error.
+    """
     sentinels = {proc.sentinel: rank for rank, proc in enumerate(procs)}
     open_readers = {reader: rank for rank, reader in enumerate(readers)}
     failures: list[tuple[int, str]] = []
-    while sentinels and not failures:
-        for ready in multiprocessing.connection.wait(list(sentinels) + list(open_readers)):
+    deadline: float | None = None
+    while sentinels:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready_now = multiprocessing.connection.wait(list(sentinels) + list(open_readers), timeout)
+        if not ready_now:
+            break  # the grace period is over: the symptoms are all there is
+        for ready in ready_now:
             if ready in open_readers:
                 try:
                     ready.recv()
@@ -150,7 +163,18 @@ def _supervise(procs: list, readers: list) -> list[tuple[int, str]]:
                 procs[rank].join()
                 if procs[rank].exitcode != 0:
                     failures.append((rank, "exit"))
+        if failures:
+            if any(not _is_peer_loss(_read_error(run_dir, rank)) for rank, _ in failures):
+                return failures
+            deadline = deadline or time.monotonic() + CAUSE_GRACE_S
     return failures
+
+
+def _is_peer_loss(record: dict | None) -> bool:
+    """True for an error that only says a peer went away (None: the rank died without reporting, a cause)."""
+    if record is None:
+        return False
+    return record["type"].startswith("torch.distributed.Dist") or any(s in record["message"] for s in _PEER_LOSS)
 
 
 def _stop(procs: list) -> None:
@@ -171,7 +195,7 @@ def _failure_exception(run_dir: str, procs: list, failures: list[tuple[int, str]
     """The exception to raise in the caller: the root cause, with rank and remote traceback attached.
 
     A rank that died without reporting (signal, bare exit) is the cause: a raise elsewhere cannot kill it.
-    Otherwise the earliest raise wins: later ones are usually peers noticing the dead connection.
+    Otherwise the earliest raise that is not a peer-loss symptom wins, else the earliest raise.
     """
     records = [r for r in (_read_error(run_dir, rank) for rank in range(len(procs))) if r is not None]
     silent = [rank for rank, kind in failures if kind == "exit" and _read_error(run_dir, rank) is None]
@@ -183,7 +207,7 @@ def _failure_exception(run_dir: str, procs: list, failures: list[tuple[int, str]
         else:
             exc = RankError(f"rank {rank} exited with code {code} without returning or raising", rank)
     else:
-        record = min(records, key=lambda r: r["time"])
+        record = min(records, key=lambda r: (_is_peer_loss(r), r["time"]))
         exc = _rebuild(record)
         exc.add_note(f"[qaccel] raised on rank {record['rank']} of {len(procs)} (remote traceback above)")
         rank = record["rank"]

@@ -158,6 +158,25 @@ def test_peer_blocked_in_barrier_is_stopped_quickly(acc, tmp_path):
     assert len(pids) == 2 and wait_dead(pids, timeout=5) == []
 
 
+def test_a_peer_that_notices_the_broken_group_first_is_not_taken_for_the_cause(acc):
+    """Rank 1's error is the cause even when rank 0's "connection closed" is reported before it."""
+
+    def fail_slowly(a):
+        if a.rank == 1:
+            try:
+                raise KeyError("the real cause")
+            finally:
+                torch.distributed.destroy_process_group()  # rank 0's barrier breaks now...
+                time.sleep(1.0)  # ...and rank 0 reports before this rank does
+        a.wait_for_everyone()
+        time.sleep(120)
+
+    with pytest.raises(KeyError, match="the real cause") as info:
+        acc.distribute(fail_slowly)(acc)
+    assert any("rank 1 of 2" in n for n in info.value.__notes__)
+    assert any("also failed after it: rank 0" in n for n in info.value.__notes__), info.value.__notes__
+
+
 def test_rank_killed_by_signal(acc, tmp_path):
     def killed(a):
         _record_pid(tmp_path, a.rank)
