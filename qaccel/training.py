@@ -111,19 +111,35 @@ def backward(loss: torch.Tensor, steps: StepState, **kwargs: Any) -> None:
     loss.backward(**kwargs)
 
 
-@contextlib.contextmanager
-def accumulate(models: tuple[torch.nn.Module, ...], steps: StepState) -> Iterator[None]:
-    """One micro-step: synchronise gradients every ``accumulation_steps`` and on an epoch's last batch."""
+# What accumulate() returns when there is nothing to switch off: stateless, so one instance serves every step.
+_NOTHING = contextlib.nullcontext()
+
+
+def accumulate(models: tuple[torch.nn.Module, ...], steps: StepState) -> contextlib.AbstractContextManager[None]:
+    """One micro-step: synchronise gradients every ``accumulation_steps`` and on an epoch's last batch.
+
+    The micro-step is counted here, when called, and what comes back is DDP's own ``no_sync()`` (or a shared
+    no-op when gradients sync): a generator context manager and an ExitStack around it cost more than no_sync().
+    """
     if data.end_of_epoch():
         steps.micro_step, steps.sync_gradients = 0, True
     else:
         steps.micro_step += 1
         steps.sync_gradients = steps.micro_step % steps.accumulation_steps == 0
+    if steps.sync_gradients:
+        return _NOTHING
+    ddp = [model for model in models if isinstance(model, DistributedDataParallel)]
+    if not ddp:
+        return _NOTHING
+    return ddp[0].no_sync() if len(ddp) == 1 else _no_sync_all(ddp)
+
+
+@contextlib.contextmanager
+def _no_sync_all(models: list[DistributedDataParallel]) -> Iterator[None]:
+    """``no_sync()`` of several DDP models at once."""
     with contextlib.ExitStack() as stack:
-        if not steps.sync_gradients:
-            for model in models:
-                if isinstance(model, DistributedDataParallel):
-                    stack.enter_context(model.no_sync())
+        for model in models:
+            stack.enter_context(model.no_sync())
         yield
 
 

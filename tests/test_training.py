@@ -83,6 +83,23 @@ def test_sync_every_k_micro_steps_and_on_the_last_batch_of_each_epoch():
         assert same == synced, f"micro-step {step}: DDP must sync exactly on update steps"
 
 
+def _no_sync_flags(acc):
+    first, second = acc.prepare(torch.nn.Linear(2, 1), torch.nn.Linear(2, 1))
+    flags = []
+    for models in [(first, second), (first, second), (first,), (first,)] * 2:
+        with acc.accumulate(*models):
+            flags.append((acc.sync_gradients, first.require_backward_grad_sync, second.require_backward_grad_sync))
+    return flags, first.require_backward_grad_sync and second.require_backward_grad_sync
+
+
+def test_accumulate_keeps_the_ddp_models_given_local_on_accumulation_steps_only():
+    acc = Accelerator(nprocs=2, compute_setup="cpu", gradient_accumulation_steps=2)
+    for flags, restored in acc.distribute(_no_sync_flags, all_results=True)(acc):
+        # two models, then one: those given stay local on accumulation steps, the other keeps syncing
+        assert flags == [(False, False, False), (True, True, True), (False, False, True), (True, True, True)] * 2
+        assert restored, "after the block DDP syncs again"
+
+
 def _bf16(acc):
     seen = {}
 
