@@ -104,6 +104,18 @@ def test_tensor_already_in_place_is_the_same_object():
     assert prepare_batch(x, CPU, torch.complex128) is x
 
 
+def test_batch_already_in_place_keeps_its_tensors_in_a_new_mutable_container():
+    x, labels = torch.ones(2), torch.tensor([1, 2])
+    for data in ([x, labels], (x, labels), {"x": x, "y": labels}):
+        out = prepare_batch(data, CPU, torch.float32)
+        assert type(out) is type(data)
+        assert (out is data) == (type(data) is tuple), "a list or dict comes back as a new one, as when moved"
+        values = list(out.values()) if isinstance(out, dict) else list(out)
+        assert values[0] is x and values[1] is labels
+    out = prepare_batch([x, labels], CPU, torch.float64)  # one tensor to cast: the rest is still kept
+    assert out[0].dtype == torch.float64 and out[1] is labels
+
+
 def test_non_tensor_leaves_are_the_same_objects():
     leaves = ["text", 3, 2.5, None, np.ones(3, dtype=np.float32), object()]
     out = prepare_batch({"leaves": leaves, "x": torch.ones(1)}, CPU, torch.float64)
