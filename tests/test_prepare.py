@@ -8,14 +8,17 @@ import torch
 import pytest
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import (
+    BatchSampler,
     DataLoader,
     DistributedSampler,
     IterableDataset,
+    RandomSampler,
     TensorDataset,
     WeightedRandomSampler,
 )
 
 from qaccel import Accelerator
+from qaccel.data import BatchShard
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -84,6 +87,29 @@ def test_shuffled_epochs_cover_every_sample_once_and_change(acc):
 def test_unshuffled_shards_are_interleaved_global_batches(acc):
     (r0, _), (r1, _) = acc.distribute(_epochs_seen, all_results=True)(acc, 1, batch_size=4)
     assert r0[0][:8] == [0, 1, 2, 3, 8, 9, 10, 11] and r1[0][:8] == [4, 5, 6, 7, 12, 13, 14, 15]
+
+
+class _OtherBatchSampler(BatchSampler):
+    """Not torch's own BatchSampler, so a BatchShard iterates it as it is."""
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_shuffled_shards_are_the_batches_random_sampler_yields(drop_last):
+    # BatchShard cuts a shuffled loader's batches from the permutation itself: they must be RandomSampler's own.
+    gen = torch.Generator()
+    own = BatchSampler(RandomSampler(range(103), generator=gen), 8, drop_last)
+    other = _OtherBatchSampler(RandomSampler(range(103), generator=gen), 8, drop_last)
+    gen.manual_seed(5)
+    expected = list(own)
+    gen.manual_seed(5)
+    assert list(BatchShard(own, 0, 1, drop_last)) == expected
+    for rank in range(3):
+        shards = []
+        for batch_sampler in (own, other):
+            gen.manual_seed(5)
+            shard = BatchShard(batch_sampler, rank, 3, drop_last)
+            shards.append((list(shard), shard.padded))
+        assert shards[0] == shards[1]
 
 
 def _collate_tagged(samples):
