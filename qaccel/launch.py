@@ -17,8 +17,10 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
 import multiprocessing.spawn
+import multiprocessing.util
 import os
 import pickle
+import shutil
 import signal
 import socket
 import tempfile
@@ -38,6 +40,7 @@ from qaccel.errors import RankError, RankKilledError, RemoteTraceback
 
 PRELOAD = ["torch", "qaccel.launch"]
 STOP_GRACE_S = 3.0
+UNIX_PATH_MAX = 107  # sun_path's 108 bytes, less the terminating NUL
 CAUSE_GRACE_S = 3.0
 # Errors a rank raises because a peer left the group: symptoms, reported before their cause more often than not.
 _PEER_LOSS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Failed to recv")
@@ -60,8 +63,23 @@ class RankSpec:
 def warm_up(start_method: str) -> None:
     """Start the forkserver now (non-blocking) so its torch import overlaps the caller's own set-up."""
     if start_method == "forkserver":
+        _fit_socket_dir()
         multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
         multiprocessing.forkserver.ensure_running()
+
+
+def _fit_socket_dir() -> None:
+    """Keep the forkserver's socket path within the 107 bytes a Unix socket address holds.
+
+    multiprocessing puts it in a ``pymp-*`` directory under TMPDIR, and a long TMPDIR (a scheduler's per-job
+    one, pytest's) fails with "AF_UNIX path too long". The directory then moves to /tmp, cleaned up at exit
+    like multiprocessing's own.
+    """
+    if len(os.path.join(multiprocessing.util.get_temp_dir(), "listener-xxxxxxxx")) <= UNIX_PATH_MAX:
+        return
+    short = tempfile.mkdtemp(prefix="pymp-", dir="/tmp")
+    multiprocessing.util.Finalize(None, shutil.rmtree, args=(short, True), exitpriority=-100)
+    multiprocessing.current_process()._config["tempdir"] = short
 
 
 def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, all_results: bool) -> Any:

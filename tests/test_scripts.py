@@ -116,6 +116,24 @@ def test_killed_caller_leaves_no_rank_behind(tmp_path):
     assert wait_dead(pids, timeout=10) == []
 
 
+def test_a_long_tmpdir_does_not_break_the_forkserver_socket(tmp_path):
+    """multiprocessing puts the forkserver's Unix socket under TMPDIR: past 107 bytes it cannot bind (CI failure
+    when pytest's tmp path grew by one digit)."""
+    tmpdir = tmp_path / ("a-long-per-job-temporary-directory-" * 3)
+    tmpdir.mkdir()
+    script = write_script(tmp_path, """
+        from qaccel import Accelerator
+        if __name__ == "__main__":
+            acc = Accelerator(nprocs=2, compute_setup="cpu")
+            print("OUT", acc.distribute(lambda: acc.rank, all_results=True)(), flush=True)
+    """)
+    proc = run_script(script, env=script_env(TMPDIR=str(tmpdir)))
+    assert len(str(tmpdir)) > 107
+    assert proc.returncode == 0, proc.stderr
+    assert "OUT [0, 1]" in proc.stdout
+    assert list(tmpdir.iterdir()) == [], "nothing is left in TMPDIR"
+
+
 def test_private_run_directory_is_0700_and_removed(tmp_path):
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
