@@ -216,7 +216,8 @@ if __name__ == "__main__":
     out = acc.distribute(work)(sys.argv[1])
     again = acc.distribute(work)(sys.argv[1])  # a second group in the same process must work too
     assert {**again, "pid": 0} == {**out, "pid": 0}, (again, out)
-    print("RESULT", json.dumps(out), "initialized_after", dist.is_initialized(), flush=True)
+    # one write(2) per line: ranks share torchrun's stdout pipe, and an unbuffered print() writes piece by piece
+    os.write(1, f"RESULT {json.dumps(out)} initialized_after {dist.is_initialized()}\\n".encode())
 """
 
 
@@ -262,7 +263,7 @@ def test_torchrun_rank_error_names_rank(tmp_path):
 
 def test_existing_process_group_is_reused_and_not_destroyed(tmp_path):
     script = write_script(tmp_path, """
-        import torch, torch.distributed as dist
+        import os, torch, torch.distributed as dist
         from qaccel import Accelerator
         if __name__ == "__main__":
             dist.init_process_group("gloo")
@@ -270,7 +271,7 @@ def test_existing_process_group_is_reused_and_not_destroyed(tmp_path):
             r = acc.distribute(lambda: acc.all_reduce_dict({"x": dist.get_rank() + 1}, op="sum")["x"])()
             t = torch.ones(1)
             dist.all_reduce(t)
-            print(f"OUT {r} {dist.is_initialized()} {t.item()}\\n", end="", flush=True)
+            os.write(1, f"OUT {r} {dist.is_initialized()} {t.item()}\\n".encode())  # one write: ranks share the pipe
             dist.destroy_process_group()
     """)
     proc = subprocess.run(
