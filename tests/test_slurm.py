@@ -28,7 +28,7 @@ if __name__ == "__main__":
     first = acc.distribute(work)()
     again = acc.distribute(work)()  # a second group in the same task re-rendezvouses on the same port
     assert {**again, "pid": 0} == {**first, "pid": 0}, (again, first)
-    print("RESULT " + json.dumps(first), flush=True)
+    os.write(1, ("RESULT " + json.dumps(first) + "\\n").encode())  # one write: a line never splits
 """
 
 
