@@ -196,6 +196,7 @@ class PreparedDataLoader(DataLoader):
             batches = itertools.islice(batches, skip, None)
         position = self._position = [epoch, skip]
         shard, device = self._shard, self._device
+        outer = _remainder, _end_of_epoch  # a loop over another loader this one runs inside (evaluation in training)
         try:
             upcoming = next(batches, _END)
             step = 0
@@ -207,7 +208,7 @@ class PreparedDataLoader(DataLoader):
                 position[1] = skip + step
                 yield batch.prepare_batch(item, device, None)
         finally:
-            _remainder, _end_of_epoch = None, False
+            _remainder, _end_of_epoch = outer
             self._position = None
 
 

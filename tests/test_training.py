@@ -83,6 +83,30 @@ def test_sync_every_k_micro_steps_and_on_the_last_batch_of_each_epoch():
         assert same == synced, f"micro-step {step}: DDP must sync exactly on update steps"
 
 
+def _nested_evaluation(acc):
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    train = DataLoader(TensorDataset(torch.randn(5 * acc.world_size, 4)), batch_size=2)
+    evaluation = DataLoader(TensorDataset(torch.arange(5.0 * acc.world_size)), batch_size=2)
+    model, optimizer, train, evaluation = acc.prepare(model, optimizer, train, evaluation)
+    pattern, counts = [], []
+    for (x,) in train:
+        seen = sum(len(acc.gather_for_metrics(v)) for (v,) in evaluation)  # evaluate before every step
+        with acc.accumulate(model):
+            pattern.append(acc.sync_gradients)
+        counts.append((seen, len(acc.gather_for_metrics(x))))
+    return pattern, counts
+
+
+def test_an_evaluation_loop_inside_the_training_loop_leaves_the_training_loops_state_alone():
+    """The last training batch still syncs, and gather_for_metrics still drops its padding, after an inner loop."""
+    acc = Accelerator(nprocs=2, compute_setup="cpu", gradient_accumulation_steps=2)
+    for out in acc.distribute(_nested_evaluation, all_results=True)(acc):
+        assert out == ([False, True, True], [(10, 4), (10, 4), (10, 2)])  # 10 train samples: 4 + 4 + 2
+    one = _nested_evaluation(Accelerator(compute_setup="cpu", gradient_accumulation_steps=2))
+    assert one == ([False, True, True], [(5, 2), (5, 2), (5, 1)])
+
+
 def _no_sync_flags(acc):
     first, second = acc.prepare(torch.nn.Linear(2, 1), torch.nn.Linear(2, 1))
     flags = []
