@@ -1,0 +1,162 @@
+"""Real multi-node: unmodified torchrun (c10d rendezvous) on two simulated hosts, 2 nodes x 1 proc, gloo on CPU.
+
+The hosts are two network namespaces joined by a veth pair, each with its own hostname and /etc/hosts (recipe:
+shared/recipes/two-hosts.md), so the ranks really talk over a network and not through loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from procs import script_env, wait_dead, write_script
+
+pytestmark = pytest.mark.timeout(180)
+
+HOSTS = ("hostA", "hostB")
+
+SCRIPT = """
+import json, os, socket, sys
+from qaccel import Accelerator
+
+acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
+
+def info(fail_rank):
+    if acc.rank == fail_rank:
+        raise ValueError(f"boom on rank {acc.rank}")
+    total = acc.all_reduce_dict({"r": acc.rank}, op="sum")["r"]
+    return dict(rank=acc.rank, local_rank=acc.local_rank, node_rank=acc.node_rank, world=acc.world_size,
+                sum=total, host=socket.gethostname())
+
+if __name__ == "__main__":
+    for session in range(2):  # a second session in the same process must work too
+        out = acc.distribute(info)(int(sys.argv[1]))
+        os.write(1, (json.dumps(dict(out, session=session)) + "\\n").encode())  # one write: one line
+"""
+
+
+def _ip(*args: str) -> None:
+    """``ip args``; any failure means this machine cannot simulate hosts: skip, saying exactly why."""
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot simulate two hosts: `ip {' '.join(args)}` failed: {proc.stderr.strip()}")
+
+
+def _on_host(ns: str, name: str, etc: Path, *argv: str) -> list[str]:
+    """Command running ``argv`` in namespace ``ns`` with its own hostname, /etc/hosts and empty resolv.conf
+    (without them torchrun and gloo resolve the shared hostname to loopback)."""
+    setup = 'mount --bind "$0/hosts" /etc/hosts && mount --bind "$0/resolv.conf" /etc/resolv.conf' \
+            ' && hostname "$1" && shift && exec "$@"'
+    return ["ip", "netns", "exec", ns, "unshare", "--uts", "--mount", "--propagation", "private",
+            "sh", "-c", setup, str(etc), name, *argv]
+
+
+def _teardown(namespaces: list[str]) -> None:
+    """Kill what is left in the namespaces (only our processes run there), then delete them (and the veths)."""
+    for ns in namespaces:
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30).stdout.split()
+        for pid in map(int, pids):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        wait_dead(list(map(int, pids)), timeout=10)
+        subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory) -> Iterator[dict]:
+    """Two namespaces and a veth pair, names and subnet unique to this pytest process; always removed."""
+    if os.geteuid() != 0:
+        pytest.skip("cannot simulate two hosts: network namespaces need root")
+    for tool, package in (("ip", "iproute2"), ("unshare", "util-linux")):
+        if shutil.which(tool) is None:
+            pytest.skip(f"cannot simulate two hosts: `{tool}` not found (package {package})")
+    pid = os.getpid()
+    namespaces = [f"qaccel{pid}{c}" for c in "ab"]
+    addrs = [f"10.200.{pid % 250 + 1}.{i}" for i in (1, 2)]  # per run too, though each pair is isolated
+    etc = tmp_path_factory.mktemp("etc")
+    (etc / "hosts").write_text("127.0.0.1 localhost\n" + "".join(
+        f"{a} {h}\n::ffff:{a} {h}\n" for a, h in zip(addrs, HOSTS)))
+    (etc / "resolv.conf").write_text("")
+    made: list[str] = []
+    try:
+        for ns in namespaces:
+            _ip("netns", "add", ns)
+            made.append(ns)
+        veths = [f"qv{pid}{c}" for c in "ab"]  # <= 15 chars; created inside the namespaces, gone with them
+        _ip("link", "add", veths[0], "netns", namespaces[0], "type", "veth", "peer", "name", veths[1],
+            "netns", namespaces[1])
+        for ns, veth, addr in zip(namespaces, veths, addrs):
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", veth)
+            _ip("-n", ns, "link", "set", veth, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        probe = subprocess.run(_on_host(namespaces[0], HOSTS[0], etc, "hostname"),
+                               capture_output=True, text=True, timeout=30)
+        if probe.stdout.strip() != HOSTS[0]:
+            pytest.skip(f"cannot simulate two hosts: private hostname and /etc/hosts mount failed "
+                        f"(exit {probe.returncode}): {probe.stdout.strip()} {probe.stderr.strip()}")
+        yield dict(namespaces=namespaces, addrs=addrs, etc=etc)
+    finally:
+        _teardown(made)
+
+
+def _torchrun_on_both(hosts: dict, tmp_path: Path, *args: str, timeout: float = 90) -> list[tuple[int, str, str]]:
+    """Start the same torchrun on both hosts at once; (returncode, stdout, stderr) per host."""
+    script = write_script(tmp_path, SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+           "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{hosts['addrs'][0]}:29400", "--rdzv_id", "qaccel",  # port in hostA's own stack
+           "--rdzv_conf", "join_timeout=30,read_timeout=30", "--max-restarts", "0", str(script), *args]
+    procs = []
+    for ns, name in zip(hosts["namespaces"], HOSTS):
+        with open(tmp_path / f"{name}.out", "w") as out, open(tmp_path / f"{name}.err", "w") as err:
+            procs.append(subprocess.Popen(_on_host(ns, name, hosts["etc"], *cmd), stdout=out, stderr=err,
+                                          env=script_env(), cwd=tmp_path))
+    deadline = time.monotonic() + timeout
+    codes: list[int | None] = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            codes.append(None)
+    for p in procs:  # the fixture kills what is left inside the namespaces
+        p.kill()
+        p.wait()
+    results = [(code, (tmp_path / f"{n}.out").read_text(), (tmp_path / f"{n}.err").read_text())
+               for code, n in zip(codes, HOSTS)]
+    assert None not in codes, f"torchrun still running after {timeout} s: {results}"
+    return results
+
+
+def test_torchrun_two_hosts_ranks_on_different_hosts(hosts, tmp_path):
+    """Ranks, node ranks and a collective are right when the ranks really are on two hosts, twice in a process."""
+    results = _torchrun_on_both(hosts, tmp_path, "-1")
+    for code, _, err in results:
+        assert code == 0, err
+    lines = [json.loads(line) for _, out, _ in results for line in out.splitlines()]
+    for session in (0, 1):
+        got = sorted((d for d in lines if d["session"] == session), key=lambda d: d["rank"])
+        assert [d["rank"] for d in got] == [0, 1], lines
+        assert sorted(d["node_rank"] for d in got) == [0, 1]
+        assert all(d["local_rank"] == 0 and d["world"] == 2 and d["sum"] == 1 for d in got), got
+        assert sorted(d["host"] for d in got) == sorted(HOSTS)
+    for (_, out, _), name in zip(results, HOSTS):  # each rank reports the host its torchrun ran on
+        assert all(json.loads(line)["host"] == name for line in out.splitlines())
+
+
+def test_torchrun_two_hosts_rank_error_fails_both(hosts, tmp_path):
+    """A rank raising on one host fails both torchruns promptly, and that host's log names the rank."""
+    results = _torchrun_on_both(hosts, tmp_path, "1")
+    assert all(code != 0 for code, _, _ in results), results
+    failing = [err for _, _, err in results if "ValueError: boom on rank 1" in err]
+    assert len(failing) == 1, results
+    assert "[qaccel] raised on rank 1 of 2" in failing[0]
