@@ -13,6 +13,7 @@ import torch
 from qaccel import batch, checkpoint, collectives, group, launch, precision, prepare, ranks, seeding, training
 from qaccel.config import make_config
 from qaccel.environment import Environment, detect
+from qaccel.errors import is_peer_loss, type_name
 
 R = TypeVar("R")
 _warned_world_mismatch = False
@@ -159,7 +160,7 @@ class Accelerator:
                 result = fn(*args, **kwargs)
             except BaseException as exc:
                 if ctx.world_size > 1:
-                    exc.add_note(f"[qaccel] raised on rank {ctx.rank} of {ctx.world_size}")
+                    exc.add_note(_in_place_note(exc, ctx.rank, ctx.world_size))
                 raise
             return collectives.gather_object(result, ctx) if all_results else result
 
@@ -364,3 +365,11 @@ def _export_rank_env(env: Environment) -> None:
         LOCAL_WORLD_SIZE=str(env.local_world_size),
         NODE_RANK=str(env.node_rank),
     )
+
+
+def _in_place_note(exc: BaseException, rank: int, world_size: int) -> str:
+    """Which rank raised; under torchrun or srun each rank logs alone, so say when the cause is elsewhere."""
+    note = f"[qaccel] raised on rank {rank} of {world_size}"
+    if is_peer_loss(type_name(exc), str(exc)):
+        note += " because another rank left the group: the cause is most likely in that rank's log"
+    return note

@@ -3,6 +3,20 @@
 from __future__ import annotations
 
 
+# Errors a rank raises because a peer left the group: symptoms, reported before their cause more often than not.
+_PEER_LOSS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Failed to recv")
+
+
+def type_name(exc: BaseException) -> str:
+    """The qualified name of an exception's type, as recorded for a failed rank."""
+    return f"{type(exc).__module__}.{type(exc).__qualname__}"
+
+
+def is_peer_loss(exc_type: str, message: str) -> bool:
+    """True for an error that only says another rank went away: a symptom, its cause is on that rank."""
+    return exc_type.startswith("torch.distributed.Dist") or any(s in message for s in _PEER_LOSS)
+
+
 class QaccelError(RuntimeError):
     """Base class for qaccel's own errors."""
 

@@ -36,14 +36,12 @@ import torch.distributed as dist
 
 from qaccel import group
 from qaccel.config import Config
-from qaccel.errors import RankError, RankKilledError, RemoteTraceback
+from qaccel.errors import RankError, RankKilledError, RemoteTraceback, is_peer_loss, type_name
 
 PRELOAD = ["torch", "qaccel.launch"]
 STOP_GRACE_S = 3.0
 UNIX_PATH_MAX = 107  # sun_path's 108 bytes, less the terminating NUL
 CAUSE_GRACE_S = 3.0
-# Errors a rank raises because a peer left the group: symptoms, reported before their cause more often than not.
-_PEER_LOSS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Failed to recv")
 _PREPARE_LOCK = threading.Lock()
 
 
@@ -192,7 +190,7 @@ def _is_peer_loss(record: dict | None) -> bool:
     """True for an error that only says a peer went away (None: the rank died without reporting, a cause)."""
     if record is None:
         return False
-    return record["type"].startswith("torch.distributed.Dist") or any(s in record["message"] for s in _PEER_LOSS)
+    return is_peer_loss(record["type"], record["message"])
 
 
 def _stop(procs: list) -> None:
@@ -344,7 +342,7 @@ def _report(spec: RankSpec, exc: BaseException, caller: multiprocessing.connecti
     record = {
         "rank": spec.rank,
         "time": time.time(),
-        "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
+        "type": type_name(exc),
         "message": str(exc),
         "traceback": "".join(traceback.format_exception(exc)),
         "exc": exc_bytes,

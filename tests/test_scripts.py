@@ -327,6 +327,28 @@ def test_srun_tasks_run_in_place_with_slurm_ranks(tmp_path):
     ]
 
 
+def test_srun_task_that_loses_its_peer_says_the_cause_is_in_the_other_ranks_log(tmp_path):
+    """Each srun task logs alone: rank 0 must not read as the origin when rank 1 died under it."""
+    script = write_script(tmp_path, """
+        import os
+        from qaccel import Accelerator
+        acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=30)
+        def work():
+            if acc.rank == 1:
+                os._exit(3)  # dies without a word, as a rank killed by the OOM killer would
+            acc.all_reduce_dict({"x": 1.0})
+        if __name__ == "__main__":
+            acc.distribute(work)()
+    """)
+    job_id = _free_job_id()
+    procs = [subprocess.Popen([sys.executable, str(script)], env=_srun_env(r, job_id), stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [1, 3], errs
+    assert "[qaccel] raised on rank 0 of 2 because another rank left the group: the cause is most likely in " \
+           "that rank's log" in errs[0]
+
+
 MANY_SESSIONS_SCRIPT = """
 import json, sys
 from qaccel import Accelerator
