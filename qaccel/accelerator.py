@@ -371,5 +371,5 @@ def _in_place_note(exc: BaseException, rank: int, world_size: int) -> str:
     """Which rank raised; under torchrun or srun each rank logs alone, so say when the cause is elsewhere."""
     note = f"[qaccel] raised on rank {rank} of {world_size}"
     if is_peer_loss(type_name(exc), str(exc)):
-        note += " because another rank left the group: the cause is most likely in that rank's log"
+        note += " because it lost contact with another rank: the cause is most likely in that rank's log"
     return note

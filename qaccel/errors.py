@@ -1,4 +1,4 @@
-"""Exceptions qaccel raises in the caller when a rank fails in a way Python cannot carry back by itself."""
+"""qaccel's exceptions, and which errors of a rank are only symptoms of another rank's failure."""
 
 from __future__ import annotations
 

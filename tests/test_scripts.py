@@ -345,7 +345,7 @@ def test_srun_task_that_loses_its_peer_says_the_cause_is_in_the_other_ranks_log(
              for r in range(2)]
     errs = [p.communicate(timeout=120)[1] for p in procs]
     assert [p.returncode for p in procs] == [1, 3], errs
-    assert "[qaccel] raised on rank 0 of 2 because another rank left the group: the cause is most likely in " \
+    assert "[qaccel] raised on rank 0 of 2 because it lost contact with another rank: the cause is most likely in " \
            "that rank's log" in errs[0]
 
 
