@@ -192,7 +192,7 @@ class Accelerator:
 
     def gather_for_metrics(self, data: Any) -> Any:
         """Like gather, minus the samples duplicated to even out the last batches: exact counts."""
-        return collectives.gather_for_metrics(data, self._ctx())
+        return collectives.gather_for_metrics(data, self._ctx(), self._steps().marks.remainder)
 
     def pad_across_processes(self, data: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
         """Pad tensors along ``dim`` to the largest size any rank has."""
@@ -289,10 +289,16 @@ class Accelerator:
     # ---- the training step ----
 
     def _steps(self) -> training.StepState:
+        """This Accelerator's step state in the running session (its own outside any session)."""
+        run = group.current_run()
+        if run is not None:
+            return run.state_for(self, self._new_steps)
         if self._step_state is None:
-            scaler = precision.make_scaler(self.mixed_precision)
-            self._step_state = training.StepState(self.gradient_accumulation_steps, scaler)
+            self._step_state = self._new_steps()
         return self._step_state
+
+    def _new_steps(self) -> training.StepState:
+        return training.StepState(self.gradient_accumulation_steps, precision.make_scaler(self.mixed_precision))
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``, divided over gradient accumulation steps and scaled under fp16."""

@@ -208,16 +208,14 @@ def reduce(data: Any, op: str, ctx: RankContext) -> Any:
     return _rebuild(data, _reduce_flat(_tensor_leaves(data, "reduce"), op, ctx))
 
 
-def gather_for_metrics(data: Any, ctx: RankContext) -> Any:
+def gather_for_metrics(data: Any, ctx: RankContext, remainder: int | None) -> Any:
     """``gather``, minus the duplicate samples that evened out the last round of a prepared DataLoader.
 
-    The gathered rows are in global sample order with the duplicates last, so keeping the first
-    ``gather_remainder()`` rows leaves exactly the dataset's samples.
+    The gathered rows are in global sample order with the duplicates last, so keeping the first ``remainder``
+    rows (the real samples of a padded step, as the loader marks it; None otherwise) leaves exactly the
+    dataset's samples.
     """
-    from qaccel.data import gather_remainder  # qaccel.data builds on this module; import when used
-
     gathered = gather(data, ctx)
-    remainder = gather_remainder()
     if remainder is None:
         return gathered
     return map_leaves(gathered, lambda tensor: tensor[:remainder])

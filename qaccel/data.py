@@ -27,22 +27,22 @@ _CARRIED = (
     "generator", "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order",
 )
 
-_remainder: int | None = None
-_end_of_epoch = False
 _END = object()  # marks an exhausted iterator (a batch may be None)
 
 
-def end_of_epoch() -> bool:
-    """True while the loop body runs on the last batch of a prepared loader's epoch (accumulation syncs there)."""
-    return _end_of_epoch
+class LoopMarks:
+    """Where the innermost running prepared loop is; one per session's Accelerator, written by its loaders.
 
-
-def gather_remainder() -> int | None:
-    """Real samples in this step's gathered batch when it is the last step of an epoch with padding, else None.
-
-    gather_for_metrics keeps only this many leading rows of the gathered tensor.
+    ``end_of_epoch``: the loop body runs on the last batch of an epoch (accumulation syncs there).
+    ``remainder``: real samples in this step's gathered batch when it is a padded last step, else None
+    (gather_for_metrics keeps only that many leading rows).
     """
-    return _remainder
+
+    __slots__ = ("end_of_epoch", "remainder")
+
+    def __init__(self) -> None:
+        self.end_of_epoch = False
+        self.remainder: int | None = None
 
 
 class BatchShard:
@@ -110,9 +110,10 @@ class PreparedDataLoader(DataLoader):
     IterableDataset is sharded by batch: each rank reads the stream and keeps every N-th batch.
     """
 
-    def __init__(self, loader: DataLoader, ctx: RankContext, seed: int) -> None:
+    def __init__(self, loader: DataLoader, ctx: RankContext, seed: int, marks: LoopMarks) -> None:
         kwargs = {name: getattr(loader, name) for name in _CARRIED}
         dataset = loader.dataset
+        self._marks = marks
         self._device = ctx.device
         self._rank, self._world = ctx.rank, ctx.world_size
         self._epoch = 0
@@ -174,7 +175,6 @@ class PreparedDataLoader(DataLoader):
         return super().__len__()
 
     def __iter__(self) -> Iterator[Any]:
-        global _remainder, _end_of_epoch
         epoch, self._epoch = self._epoch, self._epoch + 1
         self._generator.manual_seed(self._seed + epoch)
         sampler = self._user_sampler
@@ -195,20 +195,20 @@ class PreparedDataLoader(DataLoader):
         if self._shard is None and skip:
             batches = itertools.islice(batches, skip, None)
         position = self._position = [epoch, skip]
-        shard, device = self._shard, self._device
-        outer = _remainder, _end_of_epoch  # a loop over another loader this one runs inside (evaluation in training)
+        shard, device, marks = self._shard, self._device, self._marks
+        outer = marks.remainder, marks.end_of_epoch  # of a loop this one runs inside (evaluation in training)
         try:
             upcoming = next(batches, _END)
             step = 0
             while upcoming is not _END:
                 item, upcoming = upcoming, next(batches, _END)  # one batch ahead, to know which batch ends the epoch
-                _remainder = shard.padded.get(step) if shard is not None else None
-                _end_of_epoch = upcoming is _END
+                marks.remainder = shard.padded.get(step) if shard is not None else None
+                marks.end_of_epoch = upcoming is _END
                 step += 1
                 position[1] = skip + step
                 yield batch.prepare_batch(item, device, None)
         finally:
-            _remainder, _end_of_epoch = outer
+            marks.remainder, marks.end_of_epoch = outer
             self._position = None
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextvars
 import datetime
 import os
 import socket
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -30,15 +31,42 @@ class RankContext:
     backend: str
 
 
+@dataclass(eq=False)
+class Run:
+    """One session of this rank (one distribute() call): where it runs, and what its Accelerators keep for it.
+
+    Prepared objects, accumulation counters and loop marks live here, so a second session in the same process
+    (notebook, torchrun, srun, nprocs=1) starts clean instead of inheriting the first one's.
+    """
+
+    ctx: RankContext
+    _states: dict[int, tuple[Any, Any]] = field(default_factory=dict)
+
+    def state_for(self, owner: Any, make: Callable[[], Any]) -> Any:
+        """``owner``'s state in this run, made on first use (the owner is kept alive, so its id stays unique)."""
+        entry = self._states.get(id(owner))
+        if entry is None:
+            entry = self._states[id(owner)] = (owner, make())
+        return entry[1]
+
+
 GLOO_DRAIN_S = 0.02
-_current: RankContext | None = None
+_RUN: contextvars.ContextVar[Run | None] = contextvars.ContextVar("qaccel_run", default=None)
+# Per process, not per run: one connection to the launcher's store, and the count of in-place sessions so far,
+# which every rank must agree on (see env_store).
 _in_place_sessions = 0
 _env_store: tuple[tuple, dist.Store] | None = None
 
 
+def current_run() -> Run | None:
+    """The session running in this context, or None outside distribute()."""
+    return _RUN.get()
+
+
 def current() -> RankContext | None:
     """The context of the rank running in this process, or None outside any rank."""
-    return _current
+    run = _RUN.get()
+    return None if run is None else run.ctx
 
 
 def plan(config: Config, env: Environment) -> RankContext:
@@ -100,10 +128,8 @@ def session(ctx: RankContext, timeout: float, store: dist.Store | None = None) -
 
     A group the caller had already initialised is reused and left alone.
     """
-    global _current
-    previous = _current
     owns_group = False
-    _current = ctx
+    token = _RUN.set(Run(ctx))
     try:
         if ctx.device.type == "cuda":
             torch.cuda.set_device(ctx.device)
@@ -121,7 +147,7 @@ def session(ctx: RankContext, timeout: float, store: dist.Store | None = None) -
         if owns_group:
             _quiesce(ctx)
     finally:
-        _current = previous
+        _RUN.reset(token)
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
 

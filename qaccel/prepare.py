@@ -31,7 +31,7 @@ def prepare_one(obj: Any, ctx: RankContext, dtype: torch.dtype | None, mixed_pre
         return prepared
     if isinstance(obj, DataLoader) and not isinstance(obj, data.PreparedDataLoader):
         seed = collectives.broadcast(data.shared_seed(obj), 0, ctx)
-        loader = data.PreparedDataLoader(obj, ctx, seed)
+        loader = data.PreparedDataLoader(obj, ctx, seed, steps.marks)
         steps.loaders.append(loader)
         return loader
     if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and not any(obj is s for s in steps.schedulers):
@@ -72,3 +72,4 @@ def prepare_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """The user's module inside a DDP wrapper (or the module itself)."""
     return model.module if isinstance(model, DistributedDataParallel) else model
+

@@ -28,6 +28,7 @@ class StepState:
     schedulers: list[Any] = field(default_factory=list)
     loaders: list[Any] = field(default_factory=list)
     registered: list[Any] = field(default_factory=list)
+    marks: data.LoopMarks = field(default_factory=data.LoopMarks)
 
 
 class PreparedOptimizer(torch.optim.Optimizer):
@@ -121,7 +122,7 @@ def accumulate(models: tuple[torch.nn.Module, ...], steps: StepState) -> context
     The micro-step is counted here, when called, and what comes back is DDP's own ``no_sync()`` (or a shared
     no-op when gradients sync): a generator context manager and an ExitStack around it cost more than no_sync().
     """
-    if data.end_of_epoch():
+    if steps.marks.end_of_epoch:
         steps.micro_step, steps.sync_gradients = 0, True
     else:
         steps.micro_step += 1

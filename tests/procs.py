@@ -31,6 +31,12 @@ def wait_dead(pids, timeout: float = 10.0) -> list[int]:
         time.sleep(0.05)
 
 
+def left_in(tmpdir: Path) -> list[str]:
+    """What a run left in ``tmpdir``, except torch's own inductor cache (``torchinductor_<user>``), which
+    ``import torch._dynamo`` creates there on some torch versions (2.11) and keeps on purpose."""
+    return sorted(p.name for p in Path(tmpdir).iterdir() if not p.name.startswith("torchinductor_"))
+
+
 def script_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -54,3 +60,34 @@ def run_script(path: Path, *args: str, timeout: float = 120, env: dict | None = 
         env=env or script_env(),
         cwd=cwd or Path(path).parent,
     )
+
+
+def run_torchrun(script: Path, *args: str, nprocs: int = 2, torchrun_args: tuple = (), timeout: float = 150,
+                 env: dict | None = None, cwd=None):
+    """Run ``torchrun --standalone --nproc_per_node nprocs script args`` to completion.
+
+    On timeout torchrun gets SIGTERM, which it passes on to its workers (each in a session of its own, out of
+    reach of a kill of torchrun alone), then the TimeoutExpired is raised.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs),
+           *torchrun_args, str(script), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or script_env(),
+                            cwd=cwd or Path(script).parent)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+            proc.wait()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def result_lines(stdout: str) -> list:
+    """The JSON objects of every ``RESULT {...}`` line, in order."""
+    import json
+
+    return [json.loads(line.split(" ", 1)[1]) for line in stdout.splitlines() if line.startswith("RESULT ")]
