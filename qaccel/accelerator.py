@@ -12,7 +12,7 @@ import torch
 
 from qaccel import batch, checkpoint, collectives, group, launch, precision, prepare, ranks, seeding, training
 from qaccel.config import make_config
-from qaccel.environment import Environment, detect
+from qaccel.environment import Environment, detect, rank_variables
 from qaccel.errors import is_peer_loss, type_name
 
 R = TypeVar("R")
@@ -364,13 +364,7 @@ def _export_rank_env(env: Environment) -> None:
         raise RuntimeError("SLURM step detected but no node list / job id to derive MASTER_ADDR/MASTER_PORT from")
     os.environ.setdefault("MASTER_ADDR", env.master_addr)
     os.environ.setdefault("MASTER_PORT", str(env.master_port))
-    os.environ.update(
-        RANK=str(env.rank),
-        LOCAL_RANK=str(env.local_rank),
-        WORLD_SIZE=str(env.world_size),
-        LOCAL_WORLD_SIZE=str(env.local_world_size),
-        NODE_RANK=str(env.node_rank),
-    )
+    os.environ.update(rank_variables(env))
 
 
 def _in_place_note(exc: BaseException, rank: int, world_size: int) -> str:

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["Environment", "detect", "parse_nodelist", "parse_tasks_per_node", "slurm_port"]
+__all__ = ["Environment", "detect", "parse_nodelist", "parse_tasks_per_node", "rank_variables", "slurm_port"]
 
 _PLAIN = "plain"
 _TORCHRUN = "torchrun"
@@ -38,6 +38,23 @@ class Environment:
     def is_launched(self) -> bool:
         """True when the ranks already exist, so work must run in place rather than spawn."""
         return self.kind != _PLAIN
+
+
+def rank_variables(env: Environment) -> dict[str, str]:
+    """The variables torchrun gives a worker about its place in the world; qaccel's ranks and srun tasks get them
+    too, so user code and torch's env:// rendezvous read the same names under every launcher."""
+    return {
+        "RANK": str(env.rank),
+        "LOCAL_RANK": str(env.local_rank),
+        "WORLD_SIZE": str(env.world_size),
+        "LOCAL_WORLD_SIZE": str(env.local_world_size),
+        "GROUP_RANK": str(env.node_rank),
+        "NODE_RANK": str(env.node_rank),
+        "GROUP_WORLD_SIZE": str(env.num_nodes),
+        "ROLE_RANK": str(env.rank),
+        "ROLE_WORLD_SIZE": str(env.world_size),
+        "ROLE_NAME": "default",
+    }
 
 
 def detect(environ: Mapping[str, str] | None = None) -> Environment:

@@ -7,12 +7,18 @@ Ranks never re-import the caller's ``__main__``: fn and its arguments travel by 
 lambdas, closures and notebook functions work, and a script without an ``if __name__ == "__main__":`` guard
 cannot start ranks recursively.
 
+Each rank then sets itself up as a torchrun worker would be (qaccel/worker.py) and takes over the settings the
+caller's top-level code made (qaccel/inherit.py). A rank leads its own process group, so stopping it stops what it
+started (DataLoader workers, pools), as torchrun's agent does.
+
 Files that carry fn, results and errors live in a private temporary directory (mode 0700) removed afterwards.
 """
 
 from __future__ import annotations
 
 import datetime
+import inspect
+import io
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
@@ -34,8 +40,9 @@ from typing import Any, Callable
 import cloudpickle
 import torch.distributed as dist
 
-from qaccel import group
+from qaccel import group, inherit, prepare, worker
 from qaccel.config import Config
+from qaccel.environment import Environment, rank_variables
 from qaccel.errors import RankError, RankKilledError, RemoteTraceback, is_peer_loss, type_name
 
 PRELOAD = ["torch", "qaccel.launch"]
@@ -85,8 +92,9 @@ def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, al
     warm_up(config.start_method)
     ctx = multiprocessing.get_context(config.start_method)
     environ = dict(os.environ)  # the forkserver's copy dates from its start; ranks get the caller's of now
+    payload = _dumps_payload(fn, args, kwargs)
     with tempfile.TemporaryDirectory(prefix="qaccel-") as run_dir:
-        _write_atomic(Path(run_dir, "payload"), cloudpickle.dumps((fn, args, kwargs)))
+        _write_atomic(Path(run_dir, "payload"), payload)
         store = _loopback_store(config.timeout)
         port = store.port
         procs, readers = [], []
@@ -109,6 +117,36 @@ def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, al
             raise _failure_exception(run_dir, procs, failures)
         results = [_read_result(run_dir, rank) for rank in range(config.nprocs if all_results else 1)]
     return results if all_results else results[0]
+
+
+def _dumps_payload(fn: Callable[..., Any], args: tuple, kwargs: dict) -> bytes:
+    """fn, its arguments and the caller's top-level settings, pickled; a failure names the argument at fault."""
+    settings = inherit.capture()
+    try:
+        return cloudpickle.dumps((settings, fn, args, kwargs))
+    except Exception as exc:
+        raise _unpicklable(fn, args, kwargs, exc) from exc
+
+
+def _unpicklable(fn: Callable[..., Any], args: tuple, kwargs: dict, exc: Exception) -> TypeError:
+    """A TypeError naming the first of fn and its arguments that cannot be pickled (by position and name)."""
+    try:
+        names = list(inspect.signature(fn).bind_partial(*args, **kwargs).arguments)
+    except (TypeError, ValueError):
+        names = []
+    fn_name = getattr(fn, "__qualname__", type(fn).__name__)
+    parts = [("the function itself", fn)]
+    parts += [(f"argument {i}" + (f" ({names[i]!r})" if i < len(names) else ""), a) for i, a in enumerate(args)]
+    parts += [(f"keyword argument {k!r}", v) for k, v in kwargs.items()]
+    for label, value in parts:
+        try:
+            cloudpickle.dumps(value)
+        except Exception as part_exc:  # noqa: BLE001 - the first failure is the one to name
+            return TypeError(
+                f"distribute({fn_name}): {label}, a {type(value).__name__}, cannot be pickled to send it to the "
+                f"ranks: {part_exc}. Create it inside {fn_name} instead, or pass what it is made from."
+            )
+    return TypeError(f"distribute({fn_name}): the call cannot be pickled to send it to the ranks: {exc}")
 
 
 def _loopback_store(timeout: float) -> dist.TCPStore:
@@ -194,17 +232,31 @@ def _is_peer_loss(record: dict | None) -> bool:
 
 
 def _stop(procs: list) -> None:
-    """SIGTERM every live rank, SIGKILL what is left after a grace period, and reap them all."""
-    live = [p for p in procs if p.is_alive()]
-    for proc in live:
-        proc.terminate()
+    """SIGTERM each rank's process group (the rank and whatever it started), SIGKILL what is left after a grace
+    period, and reap the ranks. Also after a success: a worker or pool a rank left behind goes with it."""
+    started = [p for p in procs if p.pid is not None]
+    for proc in started:
+        _signal_rank(proc, signal.SIGTERM)
     deadline = time.monotonic() + STOP_GRACE_S
-    for proc in live:
+    for proc in started:
         proc.join(max(0.0, deadline - time.monotonic()))
-    for proc in live:
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+    for proc in started:
+        _signal_rank(proc, signal.SIGKILL)
+        proc.join()
+
+
+def _signal_rank(proc: multiprocessing.process.BaseProcess, sig: signal.Signals) -> None:
+    """Signal a rank's process group (its id is the rank's pid), and the rank itself in case it has not made
+    its group yet; groups and ranks already gone are skipped."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if proc.exitcode is None:
+        try:
+            os.kill(proc.pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def _failure_exception(run_dir: str, procs: list, failures: list[tuple[int, str]]) -> BaseException:
@@ -286,23 +338,15 @@ def _watch_caller(lifeline: multiprocessing.connection.Connection) -> None:
         lifeline.recv_bytes()
     except (EOFError, OSError):
         pass
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.killpg(0, signal.SIGKILL)  # this rank's group: the rank and what it started
 
 
 def _rank_main(spec: RankSpec, caller: multiprocessing.connection.Connection) -> None:
     """Entry point of a rank process: set up the rank, run fn, record its result or its exception."""
-    threading.Thread(target=_watch_caller, args=(caller,), name="qaccel-lifeline", daemon=True).start()
     config = spec.config
-    os.environ.clear()
-    os.environ.update(spec.environ)
-    os.environ.update(
-        RANK=str(spec.rank),
-        LOCAL_RANK=str(spec.rank),
-        WORLD_SIZE=str(spec.world_size),
-        LOCAL_WORLD_SIZE=str(spec.world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(spec.port),
-    )
+    layout = Environment("plain", spec.rank, spec.rank, 0, spec.world_size, spec.world_size, 1, "127.0.0.1", spec.port)
+    worker.become_worker({**spec.environ, **rank_variables(layout), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(spec.port)})
+    threading.Thread(target=_watch_caller, args=(caller,), name="qaccel-lifeline", daemon=True).start()
     loopback = group.loopback_interface()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
     os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
@@ -312,7 +356,9 @@ def _rank_main(spec: RankSpec, caller: multiprocessing.connection.Connection) ->
         store = dist.TCPStore("127.0.0.1", spec.port, None, False, timeout=datetime.timedelta(seconds=config.timeout))
         with group.session(ctx, config.timeout, store=store):
             try:
-                fn, args, kwargs = pickle.loads(Path(spec.run_dir, "payload").read_bytes())
+                settings, fn, args, kwargs = pickle.loads(Path(spec.run_dir, "payload").read_bytes())
+                inherit.apply(settings)
+                inherit.adopt_script(settings, fn, args, kwargs)
                 result = fn(*args, **kwargs)
                 if spec.keep_result:
                     _write_atomic(Path(spec.run_dir, f"result-{spec.rank}"), _dumps_result(result, spec.rank))
@@ -326,15 +372,36 @@ def _rank_main(spec: RankSpec, caller: multiprocessing.connection.Connection) ->
         raise SystemExit(1) from None
 
 
+class _ResultPickler(cloudpickle.Pickler):
+    """cloudpickle, with prepared objects given back as the user's own (a DDP model as its module): the caller
+    has no process group to rebuild them in."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        plain = prepare.plain_object(obj)
+        if plain is not obj:
+            return _same, (plain,)
+        return super().reducer_override(obj)
+
+
+def _same(obj: Any) -> Any:
+    return obj
+
+
 def _dumps_result(result: Any, rank: int) -> bytes:
+    buffer = io.BytesIO()
     try:
-        return cloudpickle.dumps(result)
+        _ResultPickler(buffer).dump(result)
     except Exception as exc:
         raise TypeError(f"rank {rank}'s return value ({type(result).__name__}) cannot be pickled: {exc}") from exc
+    return buffer.getvalue()
 
 
 def _report(spec: RankSpec, exc: BaseException, caller: multiprocessing.connection.Connection) -> None:
-    """Write the exception for the caller, then tell it at once (teardown may still take a while)."""
+    """Write the exception for the caller, then tell it at once (teardown may still take a while).
+
+    The rank's output is flushed first: the caller stops it as soon as it hears, before exit would flush.
+    """
+    worker.flush_std_streams()
     try:
         exc_bytes: bytes | None = cloudpickle.dumps(exc)
     except Exception:

@@ -73,3 +73,12 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """The user's module inside a DDP wrapper (or the module itself)."""
     return model.module if isinstance(model, DistributedDataParallel) else model
 
+
+def plain_object(obj: Any) -> Any:
+    """What a prepared object is outside its rank: the user's module for a DDP model, the user's optimizer for
+    a prepared one; anything else is itself. (DDP cannot be unpickled where there is no process group.)"""
+    if isinstance(obj, DistributedDataParallel):
+        return obj.module
+    if isinstance(obj, PreparedOptimizer):
+        return obj.optimizer
+    return obj

@@ -208,3 +208,67 @@ def test_examples_run_on_the_gpu(example, args, tmp_path):
     assert proc.returncode == 0, proc.stderr
     if example != "quickstart.py":
         assert "on cuda:0" in proc.stdout, proc.stdout
+
+
+def test_ranks_inherit_the_callers_cuda_rng_and_start_with_cuda_uninitialised(tmp_path):
+    """A top-level torch.manual_seed seeds CUDA lazily: ranks draw what a seeded process draws on the GPU; once
+    the caller has drawn on the GPU, ranks continue from its states. The forkserver (torch and torch._dynamo
+    preloaded) must never have initialised CUDA, or no forked rank could use it."""
+    script = write_script(tmp_path, """
+        import torch
+        from qaccel import Accelerator
+        def draw():
+            fresh = not torch.cuda.is_initialized()
+            return fresh, torch.rand(3, device="cuda").tolist()
+        if __name__ == "__main__":
+            acc = Accelerator(nprocs=2, compute_setup="cpu")
+            torch.manual_seed(0)
+            seeded = acc.distribute(draw, all_results=True)()
+            torch.manual_seed(0)
+            want_seeded = torch.rand(3, device="cuda").tolist()
+            advanced = acc.distribute(draw, all_results=True)()
+            want_advanced = torch.rand(3, device="cuda").tolist()
+            print("OUT", seeded == [(True, want_seeded)] * 2, advanced == [(True, want_advanced)] * 2, flush=True)
+    """)
+    proc = run_script(script, timeout=150)
+    assert proc.returncode == 0, proc.stderr
+    assert "OUT True True" in proc.stdout, proc.stdout
+
+
+def test_forked_loader_workers_of_a_rank_that_uses_cuda_and_a_spawned_child_that_does(tmp_path):
+    """Children of a rank are forked (CUDA-safe as under torchrun: pinning runs in the rank, workers never touch
+    CUDA); a child that needs CUDA takes a spawn context and imports the script, as torchrun's grandchildren do."""
+    script = write_script(tmp_path, """
+        import multiprocessing
+        import torch
+        from torch.utils.data import DataLoader, Dataset
+        from qaccel import Accelerator
+
+        class Rows(Dataset):
+            def __len__(self):
+                return 32
+            def __getitem__(self, i):
+                return torch.full((4,), float(i))
+
+        def on_gpu(n):
+            return torch.ones(n, device="cuda").sum().item()
+
+        def work(acc):
+            torch.ones(1, device="cuda")  # CUDA is up in the rank before its workers are forked
+            loader = DataLoader(Rows(), batch_size=8, num_workers=2, pin_memory=True)
+            total = sum(batch.cuda(non_blocking=True).sum().item() for batch in acc.prepare(loader))
+            with multiprocessing.get_context("spawn").Pool(1) as pool:
+                spawned = pool.map(on_gpu, [3])
+            return total, spawned, multiprocessing.get_start_method()
+
+        if __name__ == "__main__":
+            acc = Accelerator(nprocs=2, compute_setup="cpu")
+            print("OUT", acc.distribute(work, all_results=True)(acc), flush=True)
+    """)
+    proc = run_script(script, timeout=150)
+    assert proc.returncode == 0, proc.stderr
+    assert "OUT " in proc.stdout, proc.stdout
+    out = eval(proc.stdout.split("OUT ", 1)[1])
+    assert sum(total for total, _, _ in out) == 4.0 * sum(range(32)), "the two ranks' shares make the dataset"
+    assert [spawned for _, spawned, _ in out] == [[3.0], [3.0]]
+    assert {method for _, _, method in out} == {"fork"}

@@ -12,7 +12,10 @@ import time
 import pytest
 import torch
 
-from procs import wait_dead
+import subprocess
+import sys
+
+from procs import script_env, wait_dead, write_script
 from qaccel import Accelerator, RankError, RankKilledError
 
 pytestmark = pytest.mark.timeout(120)
@@ -227,6 +230,67 @@ def test_unpicklable_exception_becomes_rank_error(acc):
 def test_unpicklable_result_is_reported(acc):
     with pytest.raises(TypeError, match="rank 0's return value .* cannot be pickled"):
         acc.distribute(lambda: threading.Lock())()
+
+
+def _train_and_return_prepared(a):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    model, optimizer = a.prepare(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    model(torch.ones(2, 3)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_a_prepared_model_and_optimizer_come_back_as_the_users_own(acc):
+    """A DDP model cannot be unpickled where there is no process group; the caller gets the module it wraps."""
+    model, optimizer = acc.distribute(_train_and_return_prepared)(acc)
+    assert type(model) is torch.nn.Linear and type(optimizer) is torch.optim.SGD
+    torch.manual_seed(0)
+    start = torch.nn.Linear(3, 1)
+    assert torch.equal(model.weight, start.weight - 2.0) and torch.equal(model.bias, start.bias - 2.0)
+    assert optimizer.param_groups[0]["params"][0] is model.weight, "the optimizer still steps the model"
+
+
+def test_an_argument_that_cannot_be_pickled_is_named(acc):
+    def train(model, lock, epochs=1):
+        return epochs
+
+    with pytest.raises(TypeError, match=r"distribute\(.*train\): argument 1 \('lock'\), a lock, cannot be pickled"):
+        acc.distribute(train)(torch.nn.Linear(1, 1), threading.Lock())
+    with pytest.raises(TypeError, match=r"keyword argument 'epochs', a lock, cannot be pickled"):
+        acc.distribute(train)(torch.nn.Linear(1, 1), None, epochs=threading.Lock())
+    assert acc.distribute(train)(torch.nn.Linear(1, 1), None, epochs=3) == 3
+
+
+@pytest.mark.parametrize("into", ["pipe", "file"])
+def test_everything_a_failing_rank_printed_reaches_the_caller(into, tmp_path):
+    """Without PYTHONUNBUFFERED a rank's stdout into a pipe or a file is block-buffered; the caller stops the ranks
+    as soon as one fails, before their exit would flush it."""
+    script = write_script(tmp_path, """
+        import sys
+        from qaccel import Accelerator
+        def work(acc):
+            print(f"rank {acc.rank} printed a line")
+            sys.stderr.write(f"rank {acc.rank} wrote to stderr\\n")
+            acc.wait_for_everyone()  # both ranks have printed
+            if acc.rank == 1:
+                print("rank 1 printed half a line", end="")
+                raise ValueError("rank 1 fails after printing")
+            acc.wait_for_everyone()  # rank 0 waits here, inside gloo, until the caller stops it
+        if __name__ == "__main__":
+            Accelerator(nprocs=2, compute_setup="cpu").distribute(work)(Accelerator(nprocs=2, compute_setup="cpu"))
+    """)
+    env = script_env()
+    env.pop("PYTHONUNBUFFERED", None)
+    out_path = tmp_path / "out.txt"
+    with open(out_path, "w") as out_file:
+        proc = subprocess.run([sys.executable, str(script)], stdout=subprocess.PIPE if into == "pipe" else out_file,
+                              stderr=subprocess.PIPE, text=True, env=env, timeout=90)
+    stdout = proc.stdout if into == "pipe" else out_path.read_text()
+    assert "ValueError: rank 1 fails after printing" in proc.stderr
+    for text in ("rank 1 printed a line", "rank 1 printed half a line", "rank 0 printed a line"):
+        assert text in stdout, stdout
+    assert "rank 1 wrote to stderr" in proc.stderr and "rank 0 wrote to stderr" in proc.stderr
 
 
 def test_system_exit_in_rank_propagates_as_system_exit(acc):

@@ -1,0 +1,126 @@
+"""Settings made at a script's top level reach the ranks of a plain launch as they reach torchrun's workers, which
+run that code themselves: logging, warnings filters, the default dtype and the global RNG states."""
+
+from __future__ import annotations
+
+import logging
+import logging.handlers
+import multiprocessing
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from procs import result_lines, run_script, run_torchrun, write_script
+from qaccel import inherit
+
+pytestmark = pytest.mark.timeout(180)
+
+TOP_LEVEL = """
+import json, logging, os, random, sys, warnings
+import numpy as np
+import torch
+from qaccel import Accelerator
+
+class Tagged(logging.Formatter):  # a formatter class defined in the script
+    def format(self, record):
+        return "TAG " + super().format(record)
+
+logging.basicConfig(level=logging.INFO, format="%(levelname)s|%(name)s|%(message)s")
+to_file = logging.FileHandler(sys.argv[1], mode="w")
+to_file.setFormatter(Tagged("%(name)s:%(message)s"))
+logging.getLogger("app").addHandler(to_file)
+logging.getLogger("noisy").setLevel(logging.ERROR)
+warnings.filterwarnings("ignore", message="silenced at the top")
+torch.set_default_dtype(torch.float64)
+torch.manual_seed(0)
+np.random.seed(1)
+random.seed(2)
+acc = Accelerator(nprocs=2, compute_setup="cpu")
+
+def work():
+    logging.getLogger("app").info("rank %d says hello", acc.rank)
+    logging.getLogger("noisy").warning("rank %d must not be heard", acc.rank)
+    logging.debug("below the root level")
+    warnings.warn("silenced at the top")
+    return {"dtype": str(torch.get_default_dtype()), "torch": torch.rand(2).tolist(), "numpy": np.random.rand(),
+            "random": random.random(), "weight": torch.nn.Linear(2, 1).weight.tolist(),
+            "torch_handlers": len(logging.getLogger("torch").handlers)}
+
+if __name__ == "__main__":
+    out = acc.distribute(work, all_results=True)()
+    if acc.is_main_process:
+        os.write(1, ("RESULT " + json.dumps({"ranks": out, "torch_handlers": len(logging.getLogger("torch").handlers)}) + "\\n").encode())
+"""
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The script under a plain launch and under torchrun: (stdout+stderr, result, log file) for each."""
+    tmp = tmp_path_factory.mktemp("inherit")
+    script = write_script(tmp, TOP_LEVEL)
+    out = {}
+    for name, run in (("python", run_script), ("torchrun", run_torchrun)):
+        log_file = tmp / f"{name}.log"
+        proc = run(script, str(log_file), timeout=150)
+        assert proc.returncode == 0, proc.stderr
+        [result] = result_lines(proc.stdout)
+        out[name] = (proc.stderr, result, log_file.read_text())
+    return out
+
+
+def test_rank_logging_looks_as_under_torchrun(runs):
+    for launcher, (stderr, _, _) in runs.items():
+        for rank in (0, 1):
+            assert f"INFO|app|rank {rank} says hello" in stderr, (launcher, stderr)
+        assert "must not be heard" not in stderr and "below the root level" not in stderr, launcher
+        assert "silenced at the top" not in stderr, launcher
+
+
+def test_a_file_handler_set_at_the_top_gets_every_ranks_records(runs):
+    _, _, text = runs["python"]
+    assert sorted(text.splitlines()) == ["TAG app:rank 0 says hello", "TAG app:rank 1 says hello"]
+
+
+def test_library_loggers_keep_their_own_handlers(runs):
+    _, result, _ = runs["python"]
+    assert [r["torch_handlers"] for r in result["ranks"]] == [result["torch_handlers"]] * 2, "no duplicated handler"
+
+
+def test_default_dtype_and_seeded_rngs_match_torchrun(runs):
+    plain = [{k: v for k, v in r.items() if k != "torch_handlers"} for r in runs["python"][1]["ranks"]]
+    torchrun = [{k: v for k, v in r.items() if k != "torch_handlers"} for r in runs["torchrun"][1]["ranks"]]
+    assert plain == torchrun
+    assert plain[0]["dtype"] == "torch.float64"
+    assert plain[0] == plain[1], "every rank starts from the caller's state, as every torchrun worker ran the same code"
+
+
+def test_capture_then_apply_restores_the_rng_states_and_leaves_handlers_alone():
+    torch_handlers = list(logging.getLogger("torch").handlers)
+    random.seed(5)
+    np.random.seed(5)
+    torch.manual_seed(5)
+    settings = inherit.capture()
+    want = (random.random(), np.random.rand(), torch.rand(1).item())
+    inherit.apply(settings)
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == want
+    assert logging.getLogger("torch").handlers == torch_handlers
+
+
+def test_a_handler_that_cannot_travel_is_reported_once():
+    """A QueueHandler on a multiprocessing queue (a common multi-process logging set-up) cannot be pickled."""
+    logger = logging.getLogger("qaccel-test-uncopyable")
+    queue = multiprocessing.get_context("spawn").Queue()
+    handler = logging.handlers.QueueHandler(queue)
+    logger.addHandler(handler)
+    try:
+        with pytest.warns(UserWarning, match="QueueHandler of logger 'qaccel-test-uncopyable' cannot be copied"):
+            inherit.capture()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            inherit.capture()
+    finally:
+        logger.removeHandler(handler)
+        queue.close()
