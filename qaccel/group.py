@@ -100,7 +100,8 @@ def env_store(ctx: RankContext, timeout: float) -> dist.Store:
     base = _env_store[1]
     base.set_timeout(datetime.timedelta(seconds=timeout))
     _in_place_sessions += 1
-    return dist.PrefixStore(f"qaccel/{_in_place_sessions}", base)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"qaccel/attempt_{attempt}/{_in_place_sessions}", base)
 
 
 def loopback_interface() -> str:
