@@ -45,7 +45,9 @@ from qaccel.config import Config
 from qaccel.environment import Environment, rank_variables
 from qaccel.errors import RankError, RankKilledError, RemoteTraceback, is_peer_loss, type_name
 
-PRELOAD = ["torch", "qaccel.launch"]
+# torch._dynamo: DistributedDataParallel's constructor imports it (with sympy, 1.3 s); preloaded, a fresh rank need
+# not import it again.
+PRELOAD = ["torch", "torch._dynamo", "qaccel.launch"]
 STOP_GRACE_S = 3.0
 UNIX_PATH_MAX = 107  # sun_path's 108 bytes, less the terminating NUL
 CAUSE_GRACE_S = 3.0

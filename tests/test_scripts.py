@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from procs import run_script, script_env, wait_dead, write_script
+from procs import left_in, run_script, script_env, wait_dead, write_script
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -131,7 +131,7 @@ def test_a_long_tmpdir_does_not_break_the_forkserver_socket(tmp_path):
     assert len(str(tmpdir)) > 107
     assert proc.returncode == 0, proc.stderr
     assert "OUT [0, 1]" in proc.stdout
-    assert list(tmpdir.iterdir()) == [], "nothing is left in TMPDIR"
+    assert left_in(tmpdir) == [], "nothing is left in TMPDIR"
 
 
 def test_private_run_directory_is_0700_and_removed(tmp_path):
@@ -164,7 +164,7 @@ def test_private_run_directory_is_0700_and_removed(tmp_path):
     assert out[0] == "['0o700']"
     assert out[1] == "raised failing on purpose ['0o700']"
     assert out[2] == "left []"
-    assert list(tmpdir.iterdir()) == []
+    assert left_in(tmpdir) == []
 
 
 def test_omp_num_threads_set_by_user_wins(tmp_path):
