@@ -109,7 +109,7 @@ def apply(inherited: Inherited) -> None:
     _set_rng_states(inherited.rng)
 
 
-def adopt_script(inherited: Inherited, fn: Any, args: tuple, kwargs: dict) -> None:
+def adopt_script(inherited: Inherited | None, fn: Any, args: tuple, kwargs: dict) -> None:
     """Give this rank's ``__main__`` the script's definitions that travelled with the call, and the script's name.
 
     cloudpickle rebuilds all ``__main__`` functions of one pickle around one shared globals dict, which holds
@@ -121,9 +121,9 @@ def adopt_script(inherited: Inherited, fn: Any, args: tuple, kwargs: dict) -> No
         for name, value in script_globals.items():
             if not name.startswith("__"):
                 setattr(main, name, value)
-    if inherited.main_file is not None:
+    if inherited is not None and inherited.main_file is not None:
         main.__file__ = inherited.main_file
-    if inherited.main_module is not None:
+    if inherited is not None and inherited.main_module is not None:
         main.__spec__ = importlib.machinery.ModuleSpec(inherited.main_module, None)
 
 

@@ -33,6 +33,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -122,12 +123,22 @@ def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, al
 
 
 def _dumps_payload(fn: Callable[..., Any], args: tuple, kwargs: dict) -> bytes:
-    """fn, its arguments and the caller's top-level settings, pickled; a failure names the argument at fault."""
+    """fn, its arguments and the caller's top-level settings, pickled; a failure names the argument at fault.
+
+    Settings that cannot travel (a warnings category of the script holding a lock, say) do not stop the launch:
+    the ranks then start with their own, and the caller is warned.
+    """
     settings = inherit.capture()
     try:
         return cloudpickle.dumps((settings, fn, args, kwargs))
     except Exception as exc:
-        raise _unpicklable(fn, args, kwargs, exc) from exc
+        try:
+            payload = cloudpickle.dumps((None, fn, args, kwargs))
+        except Exception:
+            raise _unpicklable(fn, args, kwargs, exc) from exc
+        warnings.warn(f"qaccel: the caller's top-level settings (logging, warnings filters, RNG states, ...) cannot "
+                      f"be sent to the ranks ({exc}); the ranks start with their own", stacklevel=4)
+        return payload
 
 
 def _unpicklable(fn: Callable[..., Any], args: tuple, kwargs: dict, exc: Exception) -> TypeError:
@@ -346,8 +357,10 @@ def _watch_caller(lifeline: multiprocessing.connection.Connection) -> None:
 def _rank_main(spec: RankSpec, caller: multiprocessing.connection.Connection) -> None:
     """Entry point of a rank process: set up the rank, run fn, record its result or its exception."""
     config = spec.config
-    layout = Environment("plain", spec.rank, spec.rank, 0, spec.world_size, spec.world_size, 1, "127.0.0.1", spec.port)
-    worker.become_worker({**spec.environ, **rank_variables(layout), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(spec.port)})
+    layout = Environment("plain", rank=spec.rank, local_rank=spec.rank, world_size=spec.world_size,
+                         local_world_size=spec.world_size)
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(spec.port)}
+    worker.become_worker({**spec.environ, **rank_variables(layout), **rendezvous})
     threading.Thread(target=_watch_caller, args=(caller,), name="qaccel-lifeline", daemon=True).start()
     loopback = group.loopback_interface()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
@@ -359,7 +372,8 @@ def _rank_main(spec: RankSpec, caller: multiprocessing.connection.Connection) ->
         with group.session(ctx, config.timeout, store=store):
             try:
                 settings, fn, args, kwargs = pickle.loads(Path(spec.run_dir, "payload").read_bytes())
-                inherit.apply(settings)
+                if settings is not None:
+                    inherit.apply(settings)
                 inherit.adopt_script(settings, fn, args, kwargs)
                 result = fn(*args, **kwargs)
                 if spec.keep_result:

@@ -124,3 +124,20 @@ def test_a_handler_that_cannot_travel_is_reported_once():
     finally:
         logger.removeHandler(handler)
         queue.close()
+
+
+def test_settings_that_cannot_travel_do_not_stop_the_launch(tmp_path):
+    script = write_script(tmp_path, """
+        import threading, warnings
+        from qaccel import Accelerator
+        class Chatty(UserWarning):
+            guard = threading.Lock()  # the class travels by value, and a lock cannot
+        warnings.simplefilter("ignore", Chatty)
+        if __name__ == "__main__":
+            acc = Accelerator(nprocs=2, compute_setup="cpu")
+            print("OUT", acc.distribute(lambda: acc.rank, all_results=True)(), flush=True)
+    """)
+    proc = run_script(script, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "OUT [0, 1]" in proc.stdout
+    assert "top-level settings (logging, warnings filters, RNG states, ...) cannot be sent" in proc.stderr
