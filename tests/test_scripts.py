@@ -160,7 +160,9 @@ def test_private_run_directory_is_0700_and_removed(tmp_path):
     """)
     proc = run_script(script, env=script_env(TMPDIR=str(tmpdir)))
     assert proc.returncode == 0, proc.stderr
-    out = proc.stdout.splitlines()
+    # torch 2.8-2.10 print "[Gloo] Rank N is connected to M peer ranks. ..." to stdout from every rank at each
+    # process-group init, and the ranks' pieces can interleave mid-line: keep only the lines this script prints.
+    out = [line for line in proc.stdout.splitlines() if line.startswith(("['", "raised ", "left "))]
     assert out[0] == "['0o700']"
     assert out[1] == "raised failing on purpose ['0o700']"
     assert out[2] == "left []"
@@ -197,7 +199,8 @@ def test_several_scripts_launching_at_the_same_time(tmp_path):
     outs = [p.communicate(timeout=150) for p in procs]
     for i, (p, (out, err)) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, err
-        assert out.strip() == f"sum {1 + 2 * i}"
+        # ignore torch 2.8-2.10's "[Gloo] Rank N is connected to ..." lines (see above)
+        assert [line for line in out.splitlines() if line.startswith("sum ")] == [f"sum {1 + 2 * i}"]
 
 
 REPORT_SCRIPT = """
