@@ -10,10 +10,9 @@ from typing import Any, Callable, Mapping, TypeVar
 
 import torch
 
-from qaccel import batch, checkpoint, collectives, group, launch, precision, prepare, ranks, seeding, training
+from qaccel import batch, checkpoint, collectives, group, in_place, launch, precision, prepare, ranks, seeding, training
 from qaccel.config import make_config
-from qaccel.environment import Environment, detect, rank_variables
-from qaccel.errors import is_peer_loss, type_name
+from qaccel.environment import Environment, detect
 
 R = TypeVar("R")
 _warned_world_mismatch = False
@@ -54,9 +53,9 @@ class Accelerator:
             gradient_accumulation_steps, mixed_precision,
         )
         self._step_state: training.StepState | None = None
-        if env.kind in ("torchrun", "slurm") and nprocs > 1 and nprocs != env.world_size:
-            _warn_world_mismatch(nprocs, env)
-        if env.kind == "plain" and nprocs > 1 and group.current() is None:
+        if env.kind.started_by_launcher and nprocs > 1 and nprocs != env.world_size and env.rank == 0:
+            _warn_world_mismatch(nprocs, env)  # once per job, not once per rank
+        if env.kind.creates_processes and nprocs > 1 and group.current() is None:
             launch.warm_up(start_method)
 
     # ---- where this rank runs (valid in the caller and in every rank) ----
@@ -144,25 +143,10 @@ class Accelerator:
         return run
 
     def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, all_results: bool) -> Any:
-        if group.current() is not None:
-            result = fn(*args, **kwargs)
-            return collectives.gather_object(result, group.current()) if all_results else result
         env = detect()
-        if env.kind == "plain" and self._config.nprocs > 1:
+        if group.current() is None and env.kind.creates_processes and self._config.nprocs > 1:
             return launch.launch(fn, args, kwargs, self._config, all_results)
-        ctx = group.plan(self._config, env)
-        if env.kind == "slurm":
-            _export_rank_env(env)
-        needs_store = env.kind in ("torchrun", "slurm") and ctx.world_size > 1
-        store = group.env_store(ctx, self._config.timeout) if needs_store else None
-        with group.session(ctx, self._config.timeout, store=store):
-            try:
-                result = fn(*args, **kwargs)
-            except BaseException as exc:
-                if ctx.world_size > 1:
-                    exc.add_note(_in_place_note(exc, ctx.rank, ctx.world_size))
-                raise
-            return collectives.gather_object(result, ctx) if all_results else result
+        return in_place.run(fn, args, kwargs, self._config, env, all_results)
 
     # ---- collectives (identity in a single process) ----
 
@@ -356,20 +340,3 @@ def _warn_world_mismatch(nprocs: int, env: Environment) -> None:
             f"Accelerator(nprocs={nprocs}) but {env.kind} started {env.world_size} ranks; following {env.kind}",
             stacklevel=3,
         )
-
-
-def _export_rank_env(env: Environment) -> None:
-    """Give an srun task the variables torch's env:// rendezvous and user code expect; user-set ones win."""
-    if env.master_addr is None or env.master_port is None:
-        raise RuntimeError("SLURM step detected but no node list / job id to derive MASTER_ADDR/MASTER_PORT from")
-    os.environ.setdefault("MASTER_ADDR", env.master_addr)
-    os.environ.setdefault("MASTER_PORT", str(env.master_port))
-    os.environ.update(rank_variables(env))
-
-
-def _in_place_note(exc: BaseException, rank: int, world_size: int) -> str:
-    """Which rank raised; under torchrun or srun each rank logs alone, so say when the cause is elsewhere."""
-    note = f"[qaccel] raised on rank {rank} of {world_size}"
-    if is_peer_loss(type_name(exc), str(exc)):
-        note += " because it lost contact with another rank: the cause is most likely in that rank's log"
-    return note

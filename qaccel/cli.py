@@ -13,13 +13,14 @@ import torch
 import torch.distributed as dist
 
 import qaccel
+from qaccel import group
 from qaccel.accelerator import Accelerator
 from qaccel.config import cuda_device_count
 from qaccel.environment import detect
 
 
 def _accelerator(args: argparse.Namespace) -> Accelerator:
-    return Accelerator(nprocs=args.nprocs, compute_setup=args.compute_setup, timeout=args.timeout)
+    return Accelerator(nprocs=1 if args.nprocs is None else args.nprocs, compute_setup=args.compute_setup, timeout=args.timeout)
 
 
 def env_report(args: argparse.Namespace) -> int:
@@ -34,33 +35,29 @@ def env_report(args: argparse.Namespace) -> int:
         ("nccl", "available" if dist.is_nccl_available() else "not available"),
         ("gloo", "available" if dist.is_gloo_available() else "not available"),
         ("mpi", "available" if dist.is_mpi_available() else "not available"),
-        ("environment", env.kind),
+        ("environment", str(env.kind)),
     ]
     acc = _accelerator(args)
     if env.is_launched:
         lines.append(("this process", f"rank {acc.rank} of {acc.world_size} (local {acc.local_rank}, node {acc.node_rank} of {env.num_nodes})"))
         lines.append(("rendezvous", f"{env.master_addr}:{env.master_port}" if env.master_addr else "from the launcher"))
+        local = env.local_world_size
     else:
-        plan = "fn runs in this process (nprocs=1)" if acc.world_size == 1 else (
-            f"{acc.world_size} ranks on this node, forked from a torch-preloaded forkserver")
-        lines.append(("would start", plan))
+        if args.nprocs is None:
+            lines.append(("nprocs", "your script's Accelerator(nprocs=N) decides; shown: N=1, "
+                                    "`qaccel env --nprocs N` shows the plan for N"))
+        lines.append(("would start", f"{acc.world_size} ranks on this node, forked from a torch-preloaded forkserver"
+                      if acc.world_size > 1 else "nothing: fn runs in this process"))
         lines.append(("rendezvous", "TCPStore on 127.0.0.1, port picked by the kernel" if acc.world_size > 1 else "none (one process)"))
-    lines += [("device", str(acc.device)), ("backend", acc.backend), ("log device", str(acc.log_device))]
-    lines.append(("threads per rank", _threads(acc)))
+        local = acc.world_size
+    device_key = "device (rank 0)" if acc.world_size > 1 and not env.is_launched else "device"
+    lines += [(device_key, str(acc.device)), ("backend", acc.backend), ("log device", str(acc.log_device))]
+    threads, why = group.thread_budget(local)
+    lines.append(("threads per rank", f"{threads if threads is not None else torch.get_num_threads()} ({why})"))
     width = max(len(k) for k, _ in lines)
     for key, value in lines:
         print(f"{key:<{width}}  {value}")
     return 0
-
-
-def _threads(acc: Accelerator) -> str:
-    if "OMP_NUM_THREADS" in os.environ:
-        return f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} (yours)"
-    env = detect()
-    local = env.local_world_size if env.is_launched else acc.world_size
-    if local < 2:
-        return f"torch default ({torch.get_num_threads()})"
-    return f"{max(1, len(os.sched_getaffinity(0)) // local)} (cores // {local} local ranks)"
 
 
 # ---- qaccel test: each check runs fn on every rank; these functions travel to the ranks by reference ----
@@ -158,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, help_text in (("env", "show versions, the detected environment and what qaccel would use"),
                             ("test", "run a short real distributed smoke test")):
         p = sub.add_parser(name, help=help_text)
-        p.add_argument("--nprocs", type=int, default=2 if name == "test" else 1, help="ranks to start in a plain process")
+        p.add_argument("--nprocs", type=int, default=2 if name == "test" else None,
+                       help="ranks to start in a plain process (env: the plan for N; default: what nprocs=1 starts)")
         p.add_argument("--compute-setup", default="auto", choices=["auto", "cpu", "gpu"])
         p.add_argument("--timeout", type=float, default=60.0, help="seconds a collective may wait")
     args = parser.parse_args(argv)

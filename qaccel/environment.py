@@ -5,6 +5,7 @@ Launch code asks this first so it can run in place when ranks already exist inst
 
 from __future__ import annotations
 
+import enum
 import itertools
 import os
 import re
@@ -12,19 +13,41 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["Environment", "detect", "parse_nodelist", "parse_tasks_per_node", "rank_variables", "slurm_port"]
+__all__ = ["Environment", "Kind", "detect", "parse_nodelist", "parse_tasks_per_node", "rank_variables", "slurm_port"]
 
-_PLAIN = "plain"
-_TORCHRUN = "torchrun"
-_SLURM = "slurm"
-_INITIALIZED = "initialized"
+
+class Kind(enum.StrEnum):
+    """How this process came to run: decides whether distribute() starts ranks and where a rank's layout comes from.
+
+    A ``StrEnum``, so it prints and compares as its name ("torchrun").
+    """
+
+    PLAIN = "plain"  # python script.py: distribute() starts the ranks itself
+    TORCHRUN = "torchrun"  # torchrun started the ranks and exported their layout (RANK, WORLD_SIZE, ...)
+    SLURM = "slurm"  # each task of an srun step is a rank; its layout comes from SLURM_* variables
+    INITIALIZED = "initialized"  # the user already made a process group: run in it, make none
+
+    @property
+    def creates_processes(self) -> bool:
+        """True when distribute() must start the ranks; otherwise they exist and fn runs in place."""
+        return self is Kind.PLAIN
+
+    @property
+    def started_by_launcher(self) -> bool:
+        """True when a launcher (torchrun, srun) chose the world: qaccel makes the group from its variables."""
+        return self in (Kind.TORCHRUN, Kind.SLURM)
+
+    @property
+    def exports_rank_variables(self) -> bool:
+        """True when qaccel must export torchrun's variables (RANK, MASTER_ADDR, ...) for torch and user code."""
+        return self is Kind.SLURM
 
 
 @dataclass(frozen=True)
 class Environment:
     """The rank layout this process finds itself in."""
 
-    kind: str
+    kind: Kind
     rank: int = 0
     local_rank: int = 0
     node_rank: int = 0
@@ -37,13 +60,17 @@ class Environment:
     @property
     def is_launched(self) -> bool:
         """True when the ranks already exist, so work must run in place rather than spawn."""
-        return self.kind != _PLAIN
+        return not self.kind.creates_processes
 
 
 def rank_variables(env: Environment) -> dict[str, str]:
-    """The variables torchrun gives a worker about its place in the world; qaccel's ranks and srun tasks get them
-    too, so user code and torch's env:// rendezvous read the same names under every launcher."""
+    """The variables torchrun gives a worker about its place in the world (the rendezvous address too, when
+    known); qaccel's ranks and srun tasks get them, so user code and torch's env:// read the same names everywhere."""
+    rendezvous = {} if env.master_addr is None else {"MASTER_ADDR": env.master_addr}
+    if env.master_port is not None:
+        rendezvous["MASTER_PORT"] = str(env.master_port)
     return {
+        **rendezvous,
         "RANK": str(env.rank),
         "LOCAL_RANK": str(env.local_rank),
         "WORLD_SIZE": str(env.world_size),
@@ -64,7 +91,7 @@ def detect(environ: Mapping[str, str] | None = None) -> Environment:
         found = probe(env)
         if found is not None:
             return found
-    return Environment(kind=_PLAIN)
+    return Environment(kind=Kind.PLAIN)
 
 
 def _initialized(env: Mapping[str, str]) -> Environment | None:
@@ -75,17 +102,17 @@ def _initialized(env: Mapping[str, str]) -> Environment | None:
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    return _launcher_layout(env, _INITIALIZED, dist.get_rank(), dist.get_world_size())
+    return _launcher_layout(env, Kind.INITIALIZED, dist.get_rank(), dist.get_world_size())
 
 
 def _torchrun(env: Mapping[str, str]) -> Environment | None:
     """torchrun (torchelastic) exports the whole layout, so take it verbatim."""
     if "TORCHELASTIC_RUN_ID" not in env:
         return None
-    return _launcher_layout(env, _TORCHRUN, _int(env, "RANK", 0), _int(env, "WORLD_SIZE", 1))
+    return _launcher_layout(env, Kind.TORCHRUN, _int(env, "RANK", 0), _int(env, "WORLD_SIZE", 1))
 
 
-def _launcher_layout(env: Mapping[str, str], kind: str, rank: int, world_size: int) -> Environment:
+def _launcher_layout(env: Mapping[str, str], kind: Kind, rank: int, world_size: int) -> Environment:
     """The layout torchrun-style variables describe around a known rank and world (one node when silent)."""
     local_world_size = _int(env, "LOCAL_WORLD_SIZE", world_size)
     node_key = "GROUP_RANK" if "GROUP_RANK" in env else "NODE_RANK"
@@ -124,7 +151,7 @@ def _slurm(env: Mapping[str, str]) -> Environment | None:
         master_port = slurm_port(job_id)
 
     return Environment(
-        kind=_SLURM,
+        kind=Kind.SLURM,
         rank=_int(env, "SLURM_PROCID", 0),
         local_rank=_int(env, "SLURM_LOCALID", 0),
         node_rank=node_rank,

@@ -17,6 +17,20 @@ def is_peer_loss(exc_type: str, message: str) -> bool:
     return exc_type.startswith("torch.distributed.Dist") or any(s in message for s in _PEER_LOSS)
 
 
+def raised_note(rank: int, world_size: int, exc_type: str, message: str, *, launched: bool) -> str:
+    """The note an exception gets naming the rank it came from, for ranks qaccel launched and ranks run in place.
+
+    In place (torchrun, srun) each rank logs alone, so a symptom says the cause is in another rank's log.
+    """
+    note = f"[qaccel] raised on rank {rank} of {world_size}"
+    if is_peer_loss(exc_type, message):
+        note += " because it lost contact with another rank"
+        note += " (remote traceback above)" if launched else ": the cause is most likely in that rank's log"
+    elif launched:
+        note += " (remote traceback above)"
+    return note
+
+
 class QaccelError(RuntimeError):
     """Base class for qaccel's own errors."""
 

@@ -110,17 +110,24 @@ def loopback_interface() -> str:
     return next((n for n in names if n.startswith("lo")), "lo")
 
 
-def apply_thread_budget(local_world_size: int) -> None:
-    """Share the cores between this node's ranks, unless the user chose with OMP_NUM_THREADS.
-
-    The user's value is applied here too: a forkserver rank imported torch before it saw the variable.
-    """
+def thread_budget(local_world_size: int) -> tuple[int | None, str]:
+    """CPU threads for each of this node's ranks and why: the user's OMP_NUM_THREADS, else the cores shared
+    between the ranks; None with one rank (torch's own default stands)."""
     chosen = os.environ.get("OMP_NUM_THREADS", "")
     if chosen.isdigit() and int(chosen) > 0:
-        torch.set_num_threads(int(chosen))
-    elif local_world_size > 1:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        torch.set_num_threads(max(1, cores // local_world_size))
+        return int(chosen), f"OMP_NUM_THREADS={chosen} (yours)"
+    if local_world_size < 2:
+        return None, "torch's default"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // local_world_size), f"{cores} cores // {local_world_size} local ranks"
+
+
+def apply_thread_budget(local_world_size: int) -> None:
+    """Set this rank's thread budget. The user's value is applied too: a forkserver rank imported torch before it
+    saw the variable."""
+    threads, _ = thread_budget(local_world_size)
+    if threads is not None:
+        torch.set_num_threads(threads)
 
 
 @contextmanager

@@ -32,7 +32,6 @@ import socket
 import tempfile
 import threading
 import time
-import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,8 +42,9 @@ import torch.distributed as dist
 
 from qaccel import group, inherit, prepare, worker
 from qaccel.config import Config
-from qaccel.environment import Environment, rank_variables
-from qaccel.errors import RankError, RankKilledError, RemoteTraceback, is_peer_loss, type_name
+from qaccel.environment import Environment, Kind, rank_variables
+from qaccel.errors import RankError, RankKilledError, RemoteTraceback, raised_note
+from qaccel.failures import ErrorReport, RankFailure, root_cause
 
 # torch._dynamo: DistributedDataParallel's constructor imports it (with sympy, 1.3 s); preloaded, a fresh rank need
 # not import it again.
@@ -117,7 +117,7 @@ def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, al
                 reader.close()
             del store
         if failures:
-            raise _failure_exception(run_dir, procs, failures)
+            raise _failure_exception(run_dir, config.nprocs, failures)
         results = [_read_result(run_dir, rank) for rank in range(config.nprocs if all_results else 1)]
     return results if all_results else results[0]
 
@@ -201,8 +201,8 @@ def _start_without_main(proc: multiprocessing.process.BaseProcess) -> None:
             multiprocessing.spawn.get_preparation_data = original
 
 
-def _supervise(procs: list, readers: list, run_dir: str) -> list[tuple[int, str]]:
-    """Wait for every rank; return at the first failure that can be a cause. Failures: (rank, "error" | "exit").
+def _supervise(procs: list, readers: list, run_dir: str) -> list[RankFailure]:
+    """Wait for every rank; return at the first failure that can be a cause (empty: all succeeded).
 
     When the first failures are only peers losing their connection, listen CAUSE_GRACE_S longer: the rank that
     broke the group usually reports just after them (its ``finally`` blocks run first), and stopping it then
@@ -210,7 +210,7 @@ def _supervise(procs: list, readers: list, run_dir: str) -> list[tuple[int, str]
     """
     sentinels = {proc.sentinel: rank for rank, proc in enumerate(procs)}
     open_readers = {reader: rank for rank, reader in enumerate(readers)}
-    failures: list[tuple[int, str]] = []
+    failures: list[RankFailure] = []
     deadline: float | None = None
     while sentinels:
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -219,29 +219,22 @@ def _supervise(procs: list, readers: list, run_dir: str) -> list[tuple[int, str]
             break  # the grace period is over: the symptoms are all there is
         for ready in ready_now:
             if ready in open_readers:
+                rank = open_readers.pop(ready)
                 try:
                     ready.recv()
-                    failures.append((open_readers[ready], "error"))
+                    failures.append(RankFailure(rank, _read_report(run_dir, rank)))
                 except EOFError:
                     pass
-                del open_readers[ready]
             elif ready in sentinels:
                 rank = sentinels.pop(ready)
                 procs[rank].join()
                 if procs[rank].exitcode != 0:
-                    failures.append((rank, "exit"))
+                    failures.append(RankFailure(rank, _read_report(run_dir, rank), procs[rank].exitcode))
         if failures:
-            if any(not _is_peer_loss(_read_error(run_dir, rank)) for rank, _ in failures):
+            if not all(f.is_symptom for f in failures):
                 return failures
             deadline = deadline or time.monotonic() + CAUSE_GRACE_S
     return failures
-
-
-def _is_peer_loss(record: dict | None) -> bool:
-    """True for an error that only says a peer went away (None: the rank died without reporting, a cause)."""
-    if record is None:
-        return False
-    return is_peer_loss(record["type"], record["message"])
 
 
 def _stop(procs: list) -> None:
@@ -272,46 +265,42 @@ def _signal_rank(proc: multiprocessing.process.BaseProcess, sig: signal.Signals)
             pass
 
 
-def _failure_exception(run_dir: str, procs: list, failures: list[tuple[int, str]]) -> BaseException:
+def _failure_exception(run_dir: str, world_size: int, seen: list[RankFailure]) -> BaseException:
     """The exception to raise in the caller: the root cause, with rank and remote traceback attached.
 
-    A rank that died without reporting (signal, bare exit) is the cause: a raise elsewhere cannot kill it.
-    Otherwise the earliest raise that is not a peer-loss symptom wins, else the earliest raise.
+    Read once the ranks are stopped: a rank seen dying may have reported just before, and ranks stopped on the
+    way may have reported too (those count only if they did: being stopped is not a failure).
     """
-    records = [r for r in (_read_error(run_dir, rank) for rank in range(len(procs))) if r is not None]
-    silent = [rank for rank, kind in failures if kind == "exit" and _read_error(run_dir, rank) is None]
-    if silent:
-        rank = silent[0]
-        code = procs[rank].exitcode
+    seen_ranks = {f.rank for f in seen}
+    failures = [RankFailure(f.rank, _read_report(run_dir, f.rank), f.exitcode) for f in seen]
+    failures += [RankFailure(rank, report) for rank in range(world_size)
+                 if rank not in seen_ranks and (report := _read_report(run_dir, rank)) is not None]
+    cause = root_cause(failures)
+    if cause.report is None:
+        code = cause.exitcode
         if code is not None and code < 0:
-            exc: BaseException = RankKilledError(rank, signal.Signals(-code).name)
+            exc: BaseException = RankKilledError(cause.rank, signal.Signals(-code).name)
         else:
-            exc = RankError(f"rank {rank} exited with code {code} without returning or raising", rank)
+            exc = RankError(f"rank {cause.rank} exited with code {code} without returning or raising", cause.rank)
     else:
-        record = min(records, key=lambda r: (_is_peer_loss(r), r["time"]))
-        exc = _rebuild(record)
-        exc.add_note(f"[qaccel] raised on rank {record['rank']} of {len(procs)} (remote traceback above)")
-        rank = record["rank"]
-    others = [f"rank {r['rank']}: {r['type']}" for r in records if r["rank"] != rank]
+        exc = _rebuild(cause.report)
+        exc.add_note(raised_note(cause.rank, world_size, cause.report.type, cause.report.message, launched=True))
+    others = sorted((f for f in failures if f is not cause and f.report is not None), key=lambda f: f.rank)
     if others:
-        exc.add_note("[qaccel] also failed after it: " + "; ".join(others))
+        exc.add_note("[qaccel] also failed after it: " + "; ".join(f"rank {f.rank}: {f.report.type}" for f in others))
     return exc
 
 
-def _rebuild(record: dict) -> BaseException:
+def _rebuild(report: ErrorReport) -> BaseException:
     """The rank's own exception object when it survives pickling, else a RankError carrying its text."""
     try:
-        exc = pickle.loads(record["exc"]) if record["exc"] is not None else None
+        exc = pickle.loads(report.exc) if report.exc is not None else None
     except Exception:
         exc = None
     if not isinstance(exc, BaseException):
-        exc = RankError(
-            f"rank {record['rank']} raised {record['type']}: {record['message']}",
-            record["rank"],
-            record["type"],
-            record["traceback"],
-        )
-    exc.__cause__ = RemoteTraceback(f"Traceback from rank {record['rank']}:\n{record['traceback']}")
+        exc = RankError(f"rank {report.rank} raised {report.type}: {report.message}", report.rank, report.type,
+                        report.traceback)
+    exc.__cause__ = RemoteTraceback(f"Traceback from rank {report.rank}:\n{report.traceback}")
     return exc
 
 
@@ -326,7 +315,7 @@ def _read_result(run_dir: str, rank: int) -> Any:
         raise RankError(f"rank {rank}'s result could not be unpickled in the caller: {exc!r}", rank) from exc
 
 
-def _read_error(run_dir: str, rank: int) -> dict | None:
+def _read_report(run_dir: str, rank: int) -> ErrorReport | None:
     path = Path(run_dir, f"error-{rank}")
     return pickle.loads(path.read_bytes()) if path.exists() else None
 
@@ -357,10 +346,9 @@ def _watch_caller(lifeline: multiprocessing.connection.Connection) -> None:
 def _rank_main(spec: RankSpec, caller: multiprocessing.connection.Connection) -> None:
     """Entry point of a rank process: set up the rank, run fn, record its result or its exception."""
     config = spec.config
-    layout = Environment("plain", rank=spec.rank, local_rank=spec.rank, world_size=spec.world_size,
-                         local_world_size=spec.world_size)
-    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(spec.port)}
-    worker.become_worker({**spec.environ, **rank_variables(layout), **rendezvous})
+    layout = Environment(Kind.PLAIN, rank=spec.rank, local_rank=spec.rank, world_size=spec.world_size,
+                         local_world_size=spec.world_size, master_addr="127.0.0.1", master_port=spec.port)
+    worker.become_worker({**spec.environ, **rank_variables(layout)})
     threading.Thread(target=_watch_caller, args=(caller,), name="qaccel-lifeline", daemon=True).start()
     loopback = group.loopback_interface()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
@@ -418,19 +406,7 @@ def _report(spec: RankSpec, exc: BaseException, caller: multiprocessing.connecti
     The rank's output is flushed first: the caller stops it as soon as it hears, before exit would flush.
     """
     worker.flush_std_streams()
-    try:
-        exc_bytes: bytes | None = cloudpickle.dumps(exc)
-    except Exception:
-        exc_bytes = None
-    record = {
-        "rank": spec.rank,
-        "time": time.time(),
-        "type": type_name(exc),
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(exc)),
-        "exc": exc_bytes,
-    }
-    _write_atomic(Path(spec.run_dir, f"error-{spec.rank}"), pickle.dumps(record))
+    _write_atomic(Path(spec.run_dir, f"error-{spec.rank}"), pickle.dumps(ErrorReport.of(spec.rank, exc)))
     try:
         caller.send(spec.rank)
     except OSError:

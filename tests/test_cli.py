@@ -20,8 +20,18 @@ def test_env_reports_versions_and_plan():
     proc = _qaccel("env", "--nprocs", "2", "--compute-setup", "cpu")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    for needle in ("qaccel ", "torch ", "environment       plain", "would start       2 ranks", "backend           gloo", "device            cpu"):
+    for needle in ("qaccel ", "torch ", "environment       plain", "would start       2 ranks", "backend           gloo",
+                   "device (rank 0)   cpu", "threads per rank  "):
         assert needle in out, out
+    assert "nprocs  " not in out  # asked: no hint needed
+
+
+def test_env_without_nprocs_says_the_script_decides_and_how_to_ask():
+    proc = _qaccel("env", "--compute-setup", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    assert "your script's Accelerator(nprocs=N) decides" in proc.stdout
+    assert "`qaccel env --nprocs N`" in proc.stdout
+    assert "would start       nothing: fn runs in this process" in proc.stdout
 
 
 def test_env_under_slurm_variables():

@@ -68,10 +68,11 @@ def test_good_arguments_resolve():
     assert acc._config.timeout == 5.0
 
 
-def test_torchrun_world_mismatch_warns_once(monkeypatch):
+@pytest.mark.parametrize("rank", [0, 1])
+def test_torchrun_world_mismatch_warns_once_per_job_on_rank_0(monkeypatch, rank):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("LOCAL_RANK", str(rank))
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setattr(qaccel.accelerator, "_warned_world_mismatch", False)
@@ -79,5 +80,6 @@ def test_torchrun_world_mismatch_warns_once(monkeypatch):
         warnings.simplefilter("always")
         acc = Accelerator(nprocs=4, compute_setup="cpu")
         Accelerator(nprocs=4, compute_setup="cpu")
-    assert [str(w.message) for w in caught] == ["Accelerator(nprocs=4) but torchrun started 2 ranks; following torchrun"]
-    assert (acc.rank, acc.world_size) == (1, 2)
+    expected = ["Accelerator(nprocs=4) but torchrun started 2 ranks; following torchrun"] if rank == 0 else []
+    assert [str(w.message) for w in caught] == expected
+    assert (acc.rank, acc.world_size) == (rank, 2)

@@ -1,0 +1,44 @@
+"""Run fn as this process's rank when the ranks already exist: under torchrun, in an srun step, inside a group
+the user made, inside a rank qaccel started (a nested distribute), or alone (nprocs=1).
+
+The launcher's counterpart: here no process is started, only the process group is made (and torn down).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+from qaccel import collectives, group
+from qaccel.config import Config
+from qaccel.environment import Environment, rank_variables
+from qaccel.errors import raised_note, type_name
+
+
+def run(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, env: Environment, all_results: bool) -> Any:
+    """``fn(*args, **kwargs)`` here, as this process's rank; its result (or every rank's, by rank)."""
+    running = group.current()
+    if running is not None:  # a distribute() inside a distributed fn: already a rank of a live group
+        result = fn(*args, **kwargs)
+        return collectives.gather_object(result, running) if all_results else result
+    ctx = group.plan(config, env)
+    if env.kind.exports_rank_variables:
+        _export_rank_variables(env)
+    needs_store = env.kind.started_by_launcher and ctx.world_size > 1
+    store = group.env_store(ctx, config.timeout) if needs_store else None
+    with group.session(ctx, config.timeout, store=store):
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as exc:
+            if ctx.world_size > 1:
+                exc.add_note(raised_note(ctx.rank, ctx.world_size, type_name(exc), str(exc), launched=False))
+            raise
+        return collectives.gather_object(result, ctx) if all_results else result
+
+
+def _export_rank_variables(env: Environment) -> None:
+    """Give an srun task the variables torch's env:// rendezvous and user code expect (user-set MASTER_* win:
+    detect() read them)."""
+    if env.master_addr is None or env.master_port is None:
+        raise RuntimeError("SLURM step detected but no node list / job id to derive MASTER_ADDR/MASTER_PORT from")
+    os.environ.update(rank_variables(env))
