@@ -11,7 +11,8 @@ Each rank then sets itself up as a torchrun worker would be (qaccel/worker.py) a
 caller's top-level code made (qaccel/inherit.py). A rank leads its own process group, so stopping it stops what it
 started (DataLoader workers, pools), as torchrun's agent does.
 
-Files that carry fn, results and errors live in a private temporary directory (mode 0700) removed afterwards.
+Files that carry fn, results and errors live in a private temporary directory (mode 0700, qaccel/run_dir.py)
+removed afterwards, or by a later launch if the caller was killed.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from qaccel.config import Config
 from qaccel.environment import Environment, Kind, rank_variables
 from qaccel.errors import RankError, RankKilledError, RemoteTraceback, raised_note
 from qaccel.failures import ErrorReport, RankFailure, root_cause
+from qaccel.run_dir import run_directory, write_atomic
 
 # torch._dynamo: DistributedDataParallel's constructor imports it (with sympy, 1.3 s); preloaded, a fresh rank need
 # not import it again.
@@ -96,8 +98,8 @@ def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, al
     ctx = multiprocessing.get_context(config.start_method)
     environ = dict(os.environ)  # the forkserver's copy dates from its start; ranks get the caller's of now
     payload = _dumps_payload(fn, args, kwargs)
-    with tempfile.TemporaryDirectory(prefix="qaccel-") as run_dir:
-        _write_atomic(Path(run_dir, "payload"), payload)
+    with run_directory() as run_dir:
+        write_atomic(Path(run_dir, "payload"), payload)
         store = _loopback_store(config.timeout)
         port = store.port
         procs, readers = [], []
@@ -320,13 +322,6 @@ def _read_report(run_dir: str, rank: int) -> ErrorReport | None:
     return pickle.loads(path.read_bytes()) if path.exists() else None
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write to a temporary name then rename, so a reader never sees a half-written file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 # ---- inside a rank process ----
 
 
@@ -365,7 +360,7 @@ def _rank_main(spec: RankSpec, caller: multiprocessing.connection.Connection) ->
                 inherit.adopt_script(settings, fn, args, kwargs)
                 result = fn(*args, **kwargs)
                 if spec.keep_result:
-                    _write_atomic(Path(spec.run_dir, f"result-{spec.rank}"), _dumps_result(result, spec.rank))
+                    write_atomic(Path(spec.run_dir, f"result-{spec.rank}"), _dumps_result(result, spec.rank))
             except BaseException as exc:
                 _report(spec, exc, caller)  # before teardown, which may take a while
                 reported = True
@@ -406,7 +401,7 @@ def _report(spec: RankSpec, exc: BaseException, caller: multiprocessing.connecti
     The rank's output is flushed first: the caller stops it as soon as it hears, before exit would flush.
     """
     worker.flush_std_streams()
-    _write_atomic(Path(spec.run_dir, f"error-{spec.rank}"), pickle.dumps(ErrorReport.of(spec.rank, exc)))
+    write_atomic(Path(spec.run_dir, f"error-{spec.rank}"), pickle.dumps(ErrorReport.of(spec.rank, exc)))
     try:
         caller.send(spec.rank)
     except OSError:
