@@ -17,6 +17,7 @@ removed afterwards, or by a later launch if the caller was killed.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import inspect
 import io
@@ -36,7 +37,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import cloudpickle
 import torch.distributed as dist
@@ -75,7 +76,26 @@ def warm_up(start_method: str) -> None:
     if start_method == "forkserver":
         _fit_socket_dir()
         multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
-        multiprocessing.forkserver.ensure_running()
+        with _sigint_ignored():
+            multiprocessing.forkserver.ensure_running()
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """Ignore SIGINT while the forkserver is started, so that it starts with SIGINT ignored.
+
+    A Ctrl-C reaches the whole foreground process group, the forkserver included; while it imports torch it
+    would print a second KeyboardInterrupt traceback next to the caller's. Python installs no KeyboardInterrupt
+    handler in a process that starts with SIGINT ignored. (A Ctrl-C during these few milliseconds is lost.)
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may change signal handlers
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _fit_socket_dir() -> None:

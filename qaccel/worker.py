@@ -8,6 +8,8 @@
   is also what makes an epoch's workers start in milliseconds. It is CUDA-safe in the way torchrun's is: workers
   forked from a rank that uses CUDA must not use CUDA themselves (torch raises "Cannot re-initialize CUDA in
   forked subprocess"); DataLoader workers don't, and pinning runs in a thread of the rank.
+- **Ctrl-C raises KeyboardInterrupt**, as in any Python process: the forkserver it was forked from ignores SIGINT
+  (so that a Ctrl-C while it imports torch does not print a second traceback), and that setting is undone here.
 - **Output that survives a stop**: stdout is line-buffered (each line reaches the caller whole and at once, so
   lines of two ranks never split each other), both streams are flushed before a failure is reported, and
   SIGTERM flushes them before the rank dies.
@@ -33,6 +35,7 @@ def become_worker(environ: dict[str, str]) -> None:
     if sys.stdout is not None and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)
     signal.signal(signal.SIGTERM, _flush_then_die)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def flush_std_streams() -> None:

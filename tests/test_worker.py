@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(180)
 
 def test_dataset_and_pool_functions_defined_in_the_script_reach_the_ranks_children(tmp_path):
     script = write_script(tmp_path, """
-        import json, multiprocessing, os
+        import json, multiprocessing, os, signal
         import torch
         from torch.utils.data import DataLoader, Dataset
         from qaccel import Accelerator
@@ -46,7 +46,8 @@ def test_dataset_and_pool_functions_defined_in_the_script_reach_the_ranks_childr
                 cubes += pool.map(cube, [4])
             return {"seen": seen, "workers_parent_is_rank": parents == {os.getpid()}, "cubes": cubes,
                     "start_method": multiprocessing.get_start_method(),
-                    "group_leader": os.getpgid(0) == os.getpid() == os.getsid(0)}
+                    "group_leader": os.getpgid(0) == os.getpid() == os.getsid(0),
+                    "ctrl_c_raises": signal.getsignal(signal.SIGINT) is signal.default_int_handler}
 
         if __name__ == "__main__":
             acc = Accelerator(nprocs=2, compute_setup="cpu")
@@ -57,7 +58,7 @@ def test_dataset_and_pool_functions_defined_in_the_script_reach_the_ranks_childr
     out = json.loads(proc.stdout.split("OUT ", 1)[1])
     assert sorted(out[0]["seen"] + out[1]["seen"]) == [i * i for i in range(16)]
     for rank in out:
-        assert rank["workers_parent_is_rank"] and rank["group_leader"], rank
+        assert rank["workers_parent_is_rank"] and rank["group_leader"] and rank["ctrl_c_raises"], rank
         assert (rank["cubes"], rank["start_method"]) == ([0, 1, 8, 27, 64], "fork")
 
 

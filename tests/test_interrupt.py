@@ -1,0 +1,68 @@
+"""Ctrl-C (SIGINT to the foreground process group) at any moment of a plain launch's start-up gives one clean
+KeyboardInterrupt traceback, from the caller, and leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from procs import script_env, wait_dead, write_script
+
+pytestmark = pytest.mark.timeout(180)
+
+SCRIPT = """
+import sys, time
+from qaccel import Accelerator
+
+def work():
+    print("rank running", flush=True)
+    time.sleep(60)
+
+if __name__ == "__main__":
+    acc = Accelerator(nprocs=2, compute_setup="cpu")
+    print("made", flush=True)
+    acc.distribute(work)()
+"""
+
+
+def _marked(mark: str) -> list[int]:
+    """Processes whose environment carries ``mark``: the caller, its forkserver, the ranks (all get its env)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if mark.encode() in (proc / "environ").read_bytes():
+                    pids.append(int(proc.name))
+            except OSError:
+                pass
+    return pids
+
+
+@pytest.mark.parametrize("moment", ["forkserver importing", "forkserver importing later", "ranks running"])
+def test_ctrl_c_during_start_up_gives_one_traceback_and_leaves_nothing(tmp_path, moment):
+    script = write_script(tmp_path, SCRIPT)
+    mark = f"QACCEL_TEST_MARK={uuid.uuid4().hex}"
+    env = script_env(**dict([mark.split("=")]))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)  # its own group: our SIGINT plays the terminal's Ctrl-C
+    try:
+        assert proc.stdout.readline().strip() == "made"
+        if moment == "ranks running":
+            assert proc.stdout.readline().strip() == "rank running"
+        else:
+            time.sleep(0.1 if moment == "forkserver importing" else 0.8)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == -signal.SIGINT, err
+    assert err.count("Traceback (most recent call last)") == 1, err
+    assert err.rstrip().splitlines()[-1] == "KeyboardInterrupt", err
+    assert wait_dead(_marked(mark), timeout=30) == []
