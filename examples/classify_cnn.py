@@ -5,8 +5,8 @@
     srun -n 2 python examples/classify_cnn.py                          # each SLURM task is a rank
 
 Options: --epochs N (the total, also when resuming), --nprocs N (ignored under torchrun/srun, whose world size
-wins), --out PATH (where the main process saves the trained weights; default classify_cnn.pt in the temporary
-directory), --accumulate K (an optimizer update every K batches), --bf16 (bf16 mixed precision, CPU or GPU),
+wins), --out PATH (where the main process saves the trained weights; default classify_cnn.pt in the working
+directory; the path is printed), --accumulate K (an optimizer update every K batches), --bf16 (bf16 mixed precision, CPU or GPU),
 --checkpoint DIR (save_state after every epoch) and --resume (load_state from DIR first and train the
 remaining epochs).
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import tempfile
 
 import torch
 import torch.nn.functional as F
@@ -147,7 +146,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nprocs", type=int, default=2, help="ranks to start under plain python (default 2)")
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "classify_cnn.pt"))
+    parser.add_argument("--out", default="classify_cnn.pt", help="where to save the weights (default: ./classify_cnn.pt)")
     parser.add_argument("--accumulate", type=int, default=1, metavar="K", help="batches per optimizer update")
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (the model stays float32)")
     parser.add_argument("--checkpoint", metavar="DIR", help="save_state(DIR) after every epoch")
@@ -180,7 +179,7 @@ def main() -> None:
     if acc.is_main_process:
         state = torch.load(args.out, weights_only=True)
         Net().load_state_dict(state)  # loads into a plain Net: saved without the DDP wrapper
-        print(f"saved {sum(t.numel() for t in state.values()):,} weights to {args.out}")
+        print(f"saved {sum(t.numel() for t in state.values()):,} weights to {os.path.abspath(args.out)}")
         if result["seen"] != 1000 or result["accuracy"] < 0.8:
             raise SystemExit(f"unexpected result: {result}")
 

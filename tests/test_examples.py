@@ -65,4 +65,9 @@ def test_regression_refuses_float64_with_bf16(tmp_path):
 def test_classify_cnn_evaluates_every_sample_once_and_saves_once(tmp_path):
     out = _run([sys.executable, str(REPO / "examples/classify_cnn.py"), "--out", str(tmp_path / "cnn.pt")], tmp_path)
     assert out.count("test accuracy") == 1 and "on 1000 samples (test split: 1000)" in out
-    assert (tmp_path / "cnn.pt").exists()
+    assert (tmp_path / "cnn.pt").exists() and f"weights to {tmp_path / 'cnn.pt'}" in out
+
+
+def test_classify_cnn_saves_into_the_working_directory_by_default(tmp_path):
+    out = _run([sys.executable, str(REPO / "examples/classify_cnn.py"), "--epochs", "1"], tmp_path)
+    assert f"weights to {tmp_path / 'classify_cnn.pt'}" in out and (tmp_path / "classify_cnn.pt").exists()
