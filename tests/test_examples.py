@@ -71,3 +71,10 @@ def test_classify_cnn_evaluates_every_sample_once_and_saves_once(tmp_path):
 def test_classify_cnn_saves_into_the_working_directory_by_default(tmp_path):
     out = _run([sys.executable, str(REPO / "examples/classify_cnn.py"), "--epochs", "1"], tmp_path)
     assert f"weights to {tmp_path / 'classify_cnn.pt'}" in out and (tmp_path / "classify_cnn.pt").exists()
+
+
+def test_torchrun_world_mismatch_is_warned_once_per_job(tmp_path):
+    proc = subprocess.run([*TORCHRUN, str(REPO / "examples/quickstart.py"), "--epochs", "2", "--nprocs", "4"],
+                          capture_output=True, text=True, timeout=200, env=script_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stderr.count("Accelerator(nprocs=4) but torchrun started 2 ranks; following torchrun") == 1, proc.stderr
