@@ -16,10 +16,10 @@ from torch.utils.data import DataLoader, TensorDataset
 from qaccel import Accelerator
 from procs import REPO, run_script, script_env, write_script
 
-pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)"),
-    pytest.mark.timeout(180),
-]
+pytestmark = pytest.mark.timeout(180)
+
+if not torch.cuda.is_available():  # the whole file at once, so ``-rs`` gives the reason once, not per test
+    pytest.skip("needs a CUDA GPU (run tests/test_cuda.py on a GPU machine)", allow_module_level=True)
 
 
 def _mlp() -> torch.nn.Module:
