@@ -78,3 +78,31 @@ def test_torchrun_world_mismatch_is_warned_once_per_job(tmp_path):
                           capture_output=True, text=True, timeout=200, env=script_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stderr.count("Accelerator(nprocs=4) but torchrun started 2 ranks; following torchrun") == 1, proc.stderr
+
+
+ONCE = {  # each example's lines that must appear exactly once, however it was started
+    "quickstart.py": (["--epochs", "4"], ["final mean loss"]),
+    "regression.py": (["--epochs", "4"], ["validation loss"]),
+    "classify_cnn.py": (["--epochs", "1"], ["test accuracy", "saved "]),
+}
+
+
+def _once(out, example):
+    for needle in ONCE[example][1]:
+        assert out.count(needle) == 1, out
+
+
+def test_classify_cnn_prints_once_under_torchrun(tmp_path):
+    _once(_run([*TORCHRUN, str(REPO / "examples/classify_cnn.py"), *ONCE["classify_cnn.py"][0]], tmp_path),
+          "classify_cnn.py")
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("example", sorted(ONCE))
+def test_examples_print_once_under_srun(slurm_cluster, tmp_path, example):
+    from test_slurm import _env as slurm_env
+
+    proc = slurm_cluster.srun(["-N1", "-n2", "--chdir", str(tmp_path), "python", str(REPO / "examples" / example),
+                               *ONCE[example][0]], timeout=200, env=slurm_env(slurm_cluster))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _once(proc.stdout, example)

@@ -38,6 +38,7 @@ def test_quick_start_prints_once_under_torchrun(tmp_path):
     _printed_once(run_torchrun(_quick_start(tmp_path), cwd=tmp_path, timeout=200))
 
 
+@pytest.mark.slurm
 def test_quick_start_prints_once_under_srun(slurm_cluster, tmp_path):
     from test_slurm import _env as slurm_env
 
