@@ -17,16 +17,6 @@ from qaccel import Accelerator, group, ranks
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def acc():
-    return Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
-
-
-@pytest.fixture
-def single():
-    return Accelerator(nprocs=1, compute_setup="cpu")
-
-
 # ---- seeds ----
 
 
