@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -64,27 +65,34 @@ def run_script(path: Path, *args: str, timeout: float = 120, env: dict | None = 
     )
 
 
+def torchrun_cmd(log_dir: Path, *torchrun_args: str) -> list[str]:
+    """``torchrun --log-dir log_dir torchrun_args``: without --log-dir torchrun makes a ``torchelastic_*`` directory
+    in the system temp dir for every run and leaves it there."""
+    return [sys.executable, "-m", "torch.distributed.run", "--log-dir", str(log_dir), *torchrun_args]
+
+
 def run_torchrun(script: Path, *args: str, nprocs: int = 2, torchrun_args: tuple = (), timeout: float = 150,
                  env: dict | None = None, cwd=None):
-    """Run ``torchrun --standalone --nproc_per_node nprocs script args`` to completion.
+    """Run ``torchrun --standalone --nproc_per_node nprocs script args`` to completion, its log dir removed after.
 
     On timeout torchrun gets SIGTERM, which it passes on to its workers (each in a session of its own, out of
     reach of a kill of torchrun alone), then the TimeoutExpired is raised.
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs),
-           *torchrun_args, str(script), *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or script_env(),
-                            cwd=cwd or Path(script).parent)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.terminate()
+    with tempfile.TemporaryDirectory(prefix="torchrun-logs-", ignore_cleanup_errors=True) as log_dir:
+        cmd = [*torchrun_cmd(Path(log_dir), "--standalone", "--nproc_per_node", str(nprocs), *torchrun_args),
+               str(script), *args]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env or script_env(), cwd=cwd or Path(script).parent)
         try:
-            proc.communicate(timeout=30)
-        finally:
-            proc.kill()
-            proc.wait()
-        raise
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                proc.communicate(timeout=30)
+            finally:
+                proc.kill()
+                proc.wait()
+            raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 

@@ -4,11 +4,10 @@ process group the user made is reused and left alone."""
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 
-from procs import REPORT_SCRIPT, report_results, script_env, write_script
+from procs import REPORT_SCRIPT, report_results, script_env, torchrun_cmd, write_script
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -16,7 +15,7 @@ pytestmark = pytest.mark.timeout(180)
 def test_torchrun_standalone_runs_in_place(tmp_path):
     script = write_script(tmp_path, REPORT_SCRIPT)
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), "tr"],
+        [*torchrun_cmd(tmp_path / "torchelastic", "--standalone", "--nproc_per_node", "2"), str(script), "tr"],
         capture_output=True, text=True, timeout=150, env=script_env(), cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
@@ -41,7 +40,7 @@ def test_torchrun_rank_error_names_rank(tmp_path):
             acc.distribute(work)()
     """)
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
+        [*torchrun_cmd(tmp_path / "torchelastic", "--standalone", "--nproc_per_node", "2"), str(script)],
         capture_output=True, text=True, timeout=150, env=script_env(), cwd=tmp_path,
     )
     assert proc.returncode != 0
@@ -63,7 +62,7 @@ def test_existing_process_group_is_reused_and_not_destroyed(tmp_path):
             dist.destroy_process_group()
     """)
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
+        [*torchrun_cmd(tmp_path / "torchelastic", "--standalone", "--nproc_per_node", "2"), str(script)],
         capture_output=True, text=True, timeout=150, env=script_env(), cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr

@@ -11,14 +11,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
-from procs import script_env, wait_dead, write_script
+from procs import script_env, torchrun_cmd, wait_dead, write_script
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -113,7 +112,7 @@ def hosts(tmp_path_factory) -> Iterator[dict]:
 def _torchrun_on_both(hosts: dict, tmp_path: Path, *args: str, timeout: float = 90) -> list[tuple[int, str, str]]:
     """Start the same torchrun on both hosts at once; (returncode, stdout, stderr) per host."""
     script = write_script(tmp_path, SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+    cmd = [*torchrun_cmd(tmp_path / "torchelastic"), "--nnodes", "2", "--nproc_per_node", "1",
            "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{hosts['addrs'][0]}:29400", "--rdzv_id", "qaccel",  # port in hostA's own stack
            "--rdzv_conf", "join_timeout=30,read_timeout=30", "--max-restarts", "0", str(script), *args]
     procs = []
