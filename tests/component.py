@@ -42,7 +42,7 @@ def unavailable(reason: str, environ: Mapping[str, str] = os.environ) -> NoRetur
 
 def slurm_missing(announce: Announce) -> str | None:
     """None when SLURM is installed (as root, after installing it), else why the slurm tests cannot run."""
-    from slurm_cluster import SlurmError, ensure_installed, missing_binaries
+    from slurm_cluster import SlurmError, ensure_installed, missing_binaries  # here: slurm_cluster imports this module
 
     if not missing_binaries():
         return None

@@ -12,7 +12,8 @@ def test_ci_is_on(value):
     assert in_ci({"CI": value})
 
 
-@pytest.mark.parametrize("environ", [{}, {"CI": ""}, {"CI": "false"}, {"CI": "0"}, {"CI": "no"}, {"GITHUB_ACTIONS": "true"}])
+@pytest.mark.parametrize("environ", [{}, {"CI": ""}, {"CI": "false"}, {"CI": "0"}, {"CI": "no"},
+                                     {"GITHUB_ACTIONS": "true"}])
 def test_ci_is_off(environ):
     assert not in_ci(environ)
 

@@ -1,4 +1,5 @@
-"""set_seed: Python, NumPy and torch draws reproduced, per-rank seeds, bad seeds rejected; on a real 2-rank gloo world."""
+"""set_seed: Python, NumPy and torch draws reproduced, per-rank seeds, bad seeds rejected; on real 2-rank gloo
+worlds."""
 
 from __future__ import annotations
 
