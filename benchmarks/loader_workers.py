@@ -97,11 +97,12 @@ def spawned(epochs: int) -> list[float]:
 
 def torchrun(epochs: int) -> list[float]:
     """This script's --torchrun-rank mode under torchrun; rank 0 prints the times as its last line."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD),
-         os.path.abspath(__file__), "--torchrun-rank", str(epochs)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    with tempfile.TemporaryDirectory() as log_dir:  # else torchrun leaves a torchelastic_* dir in the temp dir
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--log-dir", log_dir, "--standalone", "--nproc_per_node",
+             str(WORLD), os.path.abspath(__file__), "--torchrun-rank", str(epochs)],
+            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout + proc.stderr)
         raise RuntimeError(f"torchrun exited with code {proc.returncode}")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -62,27 +65,34 @@ def run_script(path: Path, *args: str, timeout: float = 120, env: dict | None = 
     )
 
 
+def torchrun_cmd(log_dir: Path, *torchrun_args: str) -> list[str]:
+    """``torchrun --log-dir log_dir torchrun_args``: without --log-dir torchrun makes a ``torchelastic_*`` directory
+    in the system temp dir for every run and leaves it there."""
+    return [sys.executable, "-m", "torch.distributed.run", "--log-dir", str(log_dir), *torchrun_args]
+
+
 def run_torchrun(script: Path, *args: str, nprocs: int = 2, torchrun_args: tuple = (), timeout: float = 150,
                  env: dict | None = None, cwd=None):
-    """Run ``torchrun --standalone --nproc_per_node nprocs script args`` to completion.
+    """Run ``torchrun --standalone --nproc_per_node nprocs script args`` to completion, its log dir removed after.
 
     On timeout torchrun gets SIGTERM, which it passes on to its workers (each in a session of its own, out of
     reach of a kill of torchrun alone), then the TimeoutExpired is raised.
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nprocs),
-           *torchrun_args, str(script), *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or script_env(),
-                            cwd=cwd or Path(script).parent)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.terminate()
+    with tempfile.TemporaryDirectory(prefix="torchrun-logs-", ignore_cleanup_errors=True) as log_dir:
+        cmd = [*torchrun_cmd(Path(log_dir), "--standalone", "--nproc_per_node", str(nprocs), *torchrun_args),
+               str(script), *args]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env or script_env(), cwd=cwd or Path(script).parent)
         try:
-            proc.communicate(timeout=30)
-        finally:
-            proc.kill()
-            proc.wait()
-        raise
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                proc.communicate(timeout=30)
+            finally:
+                proc.kill()
+                proc.wait()
+            raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
@@ -91,3 +101,57 @@ def result_lines(stdout: str) -> list:
     import json
 
     return [json.loads(line.split(" ", 1)[1]) for line in stdout.splitlines() if line.startswith("RESULT ")]
+
+
+# A script whose ranks each report who they are, as one line "RESULT {json} initialized_after <bool>"; run under
+# torchrun (tests/test_torchrun.py) and as srun tasks (tests/test_slurm_variables.py).
+REPORT_SCRIPT = """
+import json, os, sys
+import torch.distributed as dist
+from qaccel import Accelerator
+
+acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
+
+def work(tag):
+    total = acc.all_reduce_dict({"r": acc.rank}, op="sum")["r"]
+    return {"rank": acc.rank, "local": acc.local_rank, "node": acc.node_rank, "world": acc.world_size,
+            "sum": total, "tag": tag, "pid": os.getpid(), "env_rank": os.environ.get("RANK")}
+
+if __name__ == "__main__":
+    out = acc.distribute(work)(sys.argv[1])
+    again = acc.distribute(work)(sys.argv[1])  # a second group in the same process must work too
+    assert {**again, "pid": 0} == {**out, "pid": 0}, (again, out)
+    # one write(2) per line: ranks share torchrun's stdout pipe, and an unbuffered print() writes piece by piece
+    os.write(1, f"RESULT {json.dumps(out)} initialized_after {dist.is_initialized()}\\n".encode())
+"""
+
+
+def report_results(stdout):
+    """The JSON objects of REPORT_SCRIPT's ``RESULT`` lines, in order."""
+    return [json.loads(line.split(" ", 1)[1].rsplit(" initialized_after", 1)[0]) for line in stdout.splitlines() if line.startswith("RESULT")]
+
+
+def free_job_id() -> str:
+    """A job id whose derived port (15000 + last 4 digits) is free right now; tests only."""
+    for job in range(48000 + os.getpid() % 1000, 60000, 7):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", 15000 + job % 10000))
+                return str(job)
+            except OSError:
+                continue
+    raise RuntimeError("no free port in the SLURM range")
+
+
+def srun_env(rank: int, job_id: str, **extra: str) -> dict:
+    """The environment srun gives task ``rank`` of a 2-task step on one node (without a real SLURM)."""
+    env = script_env(
+        SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_NTASKS="2",
+        SLURM_STEP_NUM_TASKS="2", SLURM_STEP_ID="0", SLURM_STEP_NUM_NODES="1", SLURM_NNODES="1",
+        SLURM_STEP_TASKS_PER_NODE="2", SLURM_TASKS_PER_NODE="2", SLURM_NODELIST="localhost",
+        SLURM_STEP_NODELIST="localhost", SLURM_JOB_ID=job_id, SLURM_JOB_NAME="train",
+    )
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        env.pop(key, None)
+    env.update(extra)
+    return env

@@ -42,8 +42,11 @@ import time
 import uuid
 import weakref
 from pathlib import Path
+from typing import Callable
 
-__all__ = ["LocalSlurm", "SlurmError", "ensure_installed"]
+from component import apt_get_install
+
+__all__ = ["LocalSlurm", "SlurmError", "ensure_installed", "missing_binaries"]
 
 DAEMON_BINARIES = ("slurmctld", "slurmd", "munged")
 CLIENT_BINARIES = ("srun", "sbatch", "squeue", "sinfo", "scontrol", "scancel")
@@ -75,29 +78,19 @@ def _which(name: str) -> str | None:
     return None
 
 
-def _missing_binaries() -> list[str]:
+def missing_binaries() -> list[str]:
+    """The SLURM and munge programs the cluster needs that are not installed."""
     return [b for b in (*DAEMON_BINARIES, *CLIENT_BINARIES, "mungekey") if _which(b) is None]
 
 
-def ensure_installed(timeout: float = 600.0) -> None:
-    """Install SLURM + munge with apt if any binary is missing (``apt-get update`` only
-    if the first install attempt fails).  Raises SlurmError if still missing."""
-    if not _missing_binaries():
-        return
-    if shutil.which("apt-get") is None:
-        raise SlurmError(f"SLURM binaries missing ({_missing_binaries()}) and no apt-get")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    install = ["apt-get", "install", "-y", "--no-install-recommends", *APT_PACKAGES]
-    r = subprocess.run(install, env=env, capture_output=True, text=True, timeout=timeout)
-    if r.returncode != 0:
-        u = subprocess.run(["apt-get", "update"], env=env, capture_output=True, text=True,
-                           timeout=timeout)
-        r = subprocess.run(install, env=env, capture_output=True, text=True, timeout=timeout)
-        if r.returncode != 0:
-            raise SlurmError(
-                f"{' '.join(install)} failed (rc={r.returncode}) after apt-get update "
-                f"(rc={u.returncode}):\n{_tail(r.stdout + r.stderr, 3000)}")
-    missing = _missing_binaries()
+def ensure_installed(timeout: float = 600.0, announce: Callable[[str], None] = print) -> None:
+    """Install SLURM + munge with apt if any binary is missing, saying so first through ``announce`` (one process
+    at a time; ``apt-get update`` only if the first install attempt fails).  Raises SlurmError if still missing."""
+    try:
+        apt_get_install(APT_PACKAGES, missing_binaries, announce, timeout)
+    except RuntimeError as e:
+        raise SlurmError(str(e)) from None
+    missing = missing_binaries()
     if missing:
         raise SlurmError(f"after apt install, still missing: {missing}")
 
@@ -274,7 +267,7 @@ class LocalSlurm:
     def start(self) -> "LocalSlurm":
         if self._procs:
             raise SlurmError("already started")
-        missing = _missing_binaries()
+        missing = missing_binaries()
         if missing:
             raise SlurmError(f"SLURM binaries missing: {missing} (see ensure_installed())")
         t0 = time.monotonic()

@@ -63,11 +63,6 @@ def _assert_bitwise(a, b):
         assert torch.equal(x, y)
 
 
-@pytest.fixture(scope="module")
-def acc():
-    return Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
-
-
 def test_three_epochs_equal_two_plus_save_plus_a_fresh_run_of_one(acc, tmp_path):
     straight = acc.distribute(_run, all_results=True)(acc, str(tmp_path / "a"), 3)
     acc.distribute(_run)(acc, str(tmp_path / "b"), 2)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from procs import script_env
+from procs import script_env, torchrun_cmd
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -57,9 +57,9 @@ def test_bad_arguments_exit_2_with_message():
     assert "nprocs must be a positive int; got 0" in proc.stderr
 
 
-def test_smoke_test_under_torchrun_passes_on_every_rank():
+def test_smoke_test_under_torchrun_passes_on_every_rank(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "qaccel", "test", "--compute-setup", "cpu"],
+        [*torchrun_cmd(tmp_path / "torchelastic", "--standalone", "--nproc_per_node", "2"), "-m", "qaccel", "test", "--compute-setup", "cpu"],
         capture_output=True, text=True, timeout=150, env=script_env(),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr

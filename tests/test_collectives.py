@@ -14,11 +14,6 @@ from qaccel import Accelerator
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def acc():
-    return Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
-
-
 def _metrics(rank):
     return {
         "loss": 1.0 + rank,  # float

@@ -7,11 +7,13 @@ import sys
 
 import pytest
 
-from procs import REPO, script_env
+from procs import REPO, script_env, torchrun_cmd
 
 pytestmark = pytest.mark.timeout(240)
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+def _torchrun(tmp_path):
+    return torchrun_cmd(tmp_path / "torchelastic", "--standalone", "--nproc_per_node", "2")
 
 
 REGRESSION = [sys.executable, str(REPO / "examples/regression.py")]
@@ -25,14 +27,14 @@ def _run(cmd, tmp_path):
 
 @pytest.mark.parametrize("launcher", ["python", "torchrun"])
 def test_quickstart(launcher, tmp_path):
-    head = [sys.executable] if launcher == "python" else TORCHRUN
+    head = [sys.executable] if launcher == "python" else _torchrun(tmp_path)
     out = _run([*head, str(REPO / "examples/quickstart.py"), "--epochs", "10"], tmp_path)
     assert out.count("final mean loss") == 1 and "(2 ranks)" in out
 
 
 @pytest.mark.parametrize("launcher", ["python", "torchrun"])
 def test_regression(launcher, tmp_path):
-    head = [sys.executable] if launcher == "python" else TORCHRUN
+    head = [sys.executable] if launcher == "python" else _torchrun(tmp_path)
     out = _run([*head, str(REPO / "examples/regression.py"), "--epochs", "10"], tmp_path)
     assert out.count("validation loss") == 1 and "2 rank(s)" in out
 

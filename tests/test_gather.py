@@ -14,11 +14,6 @@ pytestmark = pytest.mark.timeout(120)
 Pair = namedtuple("Pair", ["first", "second"])
 
 
-@pytest.fixture(scope="module")
-def acc():
-    return Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
-
-
 def _on_both(acc, fn, *args):
     return acc.distribute(fn, all_results=True)(acc, *args)
 

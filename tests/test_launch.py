@@ -21,11 +21,6 @@ from qaccel import Accelerator, RankError, RankKilledError
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def acc():
-    return Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
-
-
 def _ranks(acc):
     return (acc.rank, acc.world_size)
 

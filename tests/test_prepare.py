@@ -23,11 +23,6 @@ from qaccel.data import BatchShard
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.fixture(scope="module")
-def acc():
-    return Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
-
-
 # ---- the equivalence contract: N ranks x batch b == 1 process x batch N*b ----
 
 

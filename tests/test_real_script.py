@@ -50,6 +50,7 @@ def test_torchrun_runs_the_real_script_to_the_same_parameters(reference, tmp_pat
     assert _checked(proc)["hash"] == reference
 
 
+@pytest.mark.slurm
 def test_srun_runs_the_real_script_to_the_same_parameters(reference, slurm_cluster, tmp_path):
     from test_slurm import _env as slurm_env
 

@@ -10,10 +10,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from procs import REPO, result_lines, run_torchrun
+from procs import REPO, free_job_id, result_lines, run_torchrun, srun_env
 from qaccel import Accelerator
 from scripts.sessions import session
-from test_scripts import _free_job_id, _srun_env
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -58,8 +57,8 @@ def test_a_second_session_under_torchrun_starts_clean(tmp_path):
 
 
 def test_a_second_session_in_srun_tasks_starts_clean(tmp_path):
-    job = _free_job_id()
-    procs = [subprocess.Popen([sys.executable, str(SESSIONS), str(tmp_path)], env=_srun_env(r, job),
+    job = free_job_id()
+    procs = [subprocess.Popen([sys.executable, str(SESSIONS), str(tmp_path)], env=srun_env(r, job),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [err for _, err in outs]

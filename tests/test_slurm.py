@@ -9,7 +9,7 @@ import pytest
 
 from procs import REPO, write_script
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(180)]
 
 SCRIPT = """
 import json, os, sys

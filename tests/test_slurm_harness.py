@@ -10,6 +10,8 @@ import pytest
 
 from slurm_cluster import LocalSlurm, SlurmError
 
+pytestmark = pytest.mark.slurm
+
 STEP_VARS = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_STEP_ID",
              "SLURM_STEP_NUM_TASKS", "SLURM_NODELIST", "SLURM_JOB_ID", "SLURM_STEP_NODELIST")
 

@@ -8,19 +8,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
-from procs import script_env, wait_dead, write_script
+from component import unavailable
+from procs import script_env, torchrun_cmd, wait_dead, write_script
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.two_hosts, pytest.mark.timeout(180)]
 
 HOSTS = ("hostA", "hostB")
 
@@ -45,10 +44,10 @@ if __name__ == "__main__":
 
 
 def _ip(*args: str) -> None:
-    """``ip args``; any failure means this machine cannot simulate hosts: skip, saying exactly why."""
+    """``ip args``; any failure means this machine cannot simulate hosts: say exactly why (skip, or fail in CI)."""
     proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
     if proc.returncode != 0:
-        pytest.skip(f"cannot simulate two hosts: `ip {' '.join(args)}` failed: {proc.stderr.strip()}")
+        unavailable(f"cannot simulate two hosts: `ip {' '.join(args)}` failed: {proc.stderr.strip()}")
 
 
 def _on_host(ns: str, name: str, etc: Path, *argv: str) -> list[str]:
@@ -75,12 +74,8 @@ def _teardown(namespaces: list[str]) -> None:
 
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory) -> Iterator[dict]:
-    """Two namespaces and a veth pair, names and subnet unique to this pytest process; always removed."""
-    if os.geteuid() != 0:
-        pytest.skip("cannot simulate two hosts: network namespaces need root")
-    for tool, package in (("ip", "iproute2"), ("unshare", "util-linux")):
-        if shutil.which(tool) is None:
-            pytest.skip(f"cannot simulate two hosts: `{tool}` not found (package {package})")
+    """Two namespaces and a veth pair, names and subnet unique to this pytest process; always removed.
+    Root and the tools were checked before (conftest.py)."""
     pid = os.getpid()
     namespaces = [f"qaccel{pid}{c}" for c in "ab"]
     addrs = [f"10.200.{pid % 250 + 1}.{i}" for i in (1, 2)]  # per run too, though each pair is isolated
@@ -103,7 +98,7 @@ def hosts(tmp_path_factory) -> Iterator[dict]:
         probe = subprocess.run(_on_host(namespaces[0], HOSTS[0], etc, "hostname"),
                                capture_output=True, text=True, timeout=30)
         if probe.stdout.strip() != HOSTS[0]:
-            pytest.skip(f"cannot simulate two hosts: private hostname and /etc/hosts mount failed "
+            unavailable(f"cannot simulate two hosts: private hostname and /etc/hosts mount failed "
                         f"(exit {probe.returncode}): {probe.stdout.strip()} {probe.stderr.strip()}")
         yield dict(namespaces=namespaces, addrs=addrs, etc=etc)
     finally:
@@ -113,7 +108,7 @@ def hosts(tmp_path_factory) -> Iterator[dict]:
 def _torchrun_on_both(hosts: dict, tmp_path: Path, *args: str, timeout: float = 90) -> list[tuple[int, str, str]]:
     """Start the same torchrun on both hosts at once; (returncode, stdout, stderr) per host."""
     script = write_script(tmp_path, SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+    cmd = [*torchrun_cmd(tmp_path / "torchelastic"), "--nnodes", "2", "--nproc_per_node", "1",
            "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{hosts['addrs'][0]}:29400", "--rdzv_id", "qaccel",  # port in hostA's own stack
            "--rdzv_conf", "join_timeout=30,read_timeout=30", "--max-restarts", "0", str(script), *args]
     procs = []

@@ -1,79 +1,17 @@
-"""Seeds, main-process-first, split_between_processes and checkpoint saving, on real 2-rank gloo worlds."""
+"""main_process_first, local_main_process_first and split_between_processes (qaccel/ranks.py), on real 2-rank gloo
+worlds."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import random
 import time
 
-import numpy as np
 import pytest
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
-from qaccel import Accelerator, group, ranks
+from qaccel import group, ranks
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def acc():
-    return Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
-
-
-@pytest.fixture
-def single():
-    return Accelerator(nprocs=1, compute_setup="cpu")
-
-
-# ---- seeds ----
-
-
-def _draws():
-    return random.random(), float(np.random.rand()), torch.rand(3)
-
-
-def _seeded_draws(seed):
-    Accelerator(nprocs=1, compute_setup="cpu").set_seed(seed)
-    return _draws()
-
-
-def _assert_same_draws(got, want):
-    assert got[:2] == want[:2]
-    assert torch.equal(got[2], want[2])
-
-
-def test_set_seed_reproduces_python_numpy_and_torch_draws():
-    first, second = _seeded_draws(3), _seeded_draws(3)
-    _assert_same_draws(first, second)
-    other = _seeded_draws(4)
-    assert first[0] != other[0] and first[1] != other[1] and not torch.equal(first[2], other[2])
-
-
-def _rank_draws(a, device_specific):
-    a.set_seed(7, device_specific=device_specific)
-    return _draws()
-
-
-def test_device_specific_seed_differs_by_rank(acc):
-    shared = acc.distribute(_rank_draws, all_results=True)(acc, False)
-    _assert_same_draws(shared[0], _seeded_draws(7))
-    _assert_same_draws(shared[1], _seeded_draws(7))
-    specific = acc.distribute(_rank_draws, all_results=True)(acc, True)
-    _assert_same_draws(specific[0], _seeded_draws(7))
-    _assert_same_draws(specific[1], _seeded_draws(8))
-
-
-@pytest.mark.parametrize("seed", [-1, 2**32, 1.5, "3", None, True])
-def test_bad_seed_raises(single, seed):
-    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*32 - 1\]; got"):
-        single.set_seed(seed)
-
-
-def test_largest_seed_is_accepted(single):
-    single.set_seed(2**32 - 1)
-    single.set_seed(np.int64(5))
 
 
 # ---- main_process_first ----
@@ -248,86 +186,3 @@ def test_split_rejects_what_it_cannot_split(single):
     with pytest.raises(ValueError, match="a 0-dim tensor has no dim 0 to split"):
         with single.split_between_processes(torch.tensor(1.0)):
             pass
-
-
-# ---- saving ----
-
-
-def _save_from_every_rank(a, directory):
-    a.save({"from": a.rank}, directory / "shared.pt")
-    a.save({"from": a.rank}, directory / f"rank{a.rank}.pt")
-    a.wait_for_everyone()
-    return torch.load(directory / "shared.pt", weights_only=True)
-
-
-def test_save_writes_once_from_the_main_process(acc, tmp_path):
-    read_back = acc.distribute(_save_from_every_rank, all_results=True)(acc, tmp_path)
-    assert read_back == [{"from": 0}, {"from": 0}]
-    assert sorted(os.listdir(tmp_path)) == ["rank0.pt", "shared.pt"]
-
-
-def _failing_save(obj, f, *args, **kwargs):
-    f.write(b"half a checkpoint")
-    raise OSError("disk full")
-
-
-def test_interrupted_save_keeps_the_previous_file(single, tmp_path, monkeypatch):
-    path = tmp_path / "state.pt"
-    single.save({"step": 1}, path)
-    monkeypatch.setattr(torch, "save", _failing_save)
-    with pytest.raises(OSError, match="disk full"):
-        single.save({"step": 2}, path)
-    with pytest.raises(OSError, match="disk full"):
-        single.save({"step": 2}, tmp_path / "new.pt")
-    monkeypatch.undo()
-    assert torch.load(path, weights_only=True) == {"step": 1}
-    assert os.listdir(tmp_path) == ["state.pt"]
-
-
-def test_save_accepts_a_bare_file_name(single, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    single.save([1, 2], "here.pt")
-    assert torch.load(tmp_path / "here.pt", weights_only=True) == [1, 2]
-
-
-def _model():
-    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
-
-
-def _prepared_state_dict(a, directory):
-    torch.manual_seed(0)
-    model = a.prepare(_model())
-    assert isinstance(model, DistributedDataParallel)
-    state = a.get_state_dict(model)
-    _model().load_state_dict(state, strict=True)
-    a.save_model(model, directory)
-    return state
-
-
-def test_get_state_dict_and_save_model_of_a_ddp_model(acc, tmp_path):
-    directory = tmp_path / "checkpoints" / "final"
-    states = acc.distribute(_prepared_state_dict, all_results=True)(acc, directory)
-    assert list(states[0]) == ["0.weight", "0.bias", "2.weight", "2.bias"]
-    assert os.listdir(directory) == ["model.pt"]
-    loaded = torch.load(directory / "model.pt", weights_only=True)
-    plain = _model()
-    plain.load_state_dict(loaded, strict=True)
-    for key, value in plain.state_dict().items():
-        assert torch.equal(value, states[0][key]) and torch.equal(value, states[1][key])
-
-
-def test_get_state_dict_strips_torch_compile(single):
-    model = _model()
-    compiled = torch.compile(model)
-    assert next(iter(compiled.state_dict())).startswith("_orig_mod.")
-    state = single.get_state_dict(compiled)
-    assert list(state) == list(model.state_dict())
-    _model().load_state_dict(state, strict=True)
-
-
-def test_save_model_round_trip_in_one_process(single, tmp_path):
-    model = _model()
-    single.save_model(model, tmp_path)
-    single.save_model(model, tmp_path)  # the directory may exist
-    loaded = torch.load(tmp_path / "model.pt", weights_only=True)
-    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())

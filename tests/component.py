@@ -1,0 +1,138 @@
+"""Tests that need a real component: a local SLURM (marker ``slurm``) or two simulated hosts (marker ``two_hosts``).
+
+Whether the component can run here, installing what it needs with apt-get when root, and what happens when it
+cannot: the test is skipped with the reason, or fails under CI=true, so that CI never passes without it.
+Not a test module; conftest.py applies it to every marked test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from typing import Callable, Iterator, Mapping, NoReturn, Sequence
+
+import pytest
+
+Announce = Callable[[str], None]
+
+SLURM_NEEDS_ROOT = ("SLURM is not installed, and installing it (apt-get) needs root; "
+                    "-m 'not slurm' leaves these tests out")
+TWO_HOSTS_NEED_ROOT = ("two simulated hosts need root (network namespaces); "
+                       "-m 'not two_hosts' leaves these tests out")
+TWO_HOST_TOOLS = {"ip": "iproute2", "unshare": "util-linux"}
+
+
+def in_ci(environ: Mapping[str, str] = os.environ) -> bool:
+    """CI=true, as GitHub Actions, GitLab CI and most other CI services set it."""
+    return environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+def unavailable(reason: str, environ: Mapping[str, str] = os.environ) -> NoReturn:
+    """The test's real component cannot run here: skip, saying ``reason``, or fail in CI."""
+    __tracebackhide__ = True
+    if in_ci(environ):
+        pytest.fail(f"{reason} [CI=true: a test whose real component cannot run fails]", pytrace=False)
+    pytest.skip(reason)
+
+
+def slurm_missing(announce: Announce) -> str | None:
+    """None when SLURM is installed (as root, after installing it), else why the slurm tests cannot run."""
+    from slurm_cluster import SlurmError, ensure_installed, missing_binaries  # here: slurm_cluster imports this module
+
+    if not missing_binaries():
+        return None
+    if os.geteuid() != 0:
+        return SLURM_NEEDS_ROOT
+    try:
+        ensure_installed(announce=announce)
+    except SlurmError as e:
+        return f"SLURM could not be installed: {e}"
+    return None
+
+
+def two_hosts_missing(announce: Announce) -> str | None:
+    """None when two hosts can be simulated (as root, after installing ip and unshare), else why not."""
+    if os.geteuid() != 0:
+        return TWO_HOSTS_NEED_ROOT
+
+    def missing() -> list[str]:
+        return [tool for tool in TWO_HOST_TOOLS if shutil.which(tool) is None]
+
+    try:
+        apt_get_install(sorted({TWO_HOST_TOOLS[tool] for tool in missing()}), missing, announce)
+    except RuntimeError as e:
+        return f"cannot simulate two hosts: {e}"
+    probe = f"qaccelprobe{os.getpid()}"  # root in a container may still be refused network namespaces
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=30)
+    if made.returncode != 0:
+        return f"cannot simulate two hosts: `ip netns add` failed: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "delete", probe], capture_output=True, timeout=30)
+    return None
+
+
+def report(environ: Mapping[str, str] = os.environ) -> list[str]:
+    """Lines for pytest's header: what the slurm and two_hosts tests will find, before they run."""
+    from slurm_cluster import missing_binaries
+
+    root = os.geteuid() == 0
+    cannot = "they fail (CI=true)" if in_ci(environ) else "they are skipped"
+    if not missing_binaries():
+        slurm = "SLURM installed"
+    elif root:
+        slurm = "SLURM not installed: installing it with apt-get (root) before the first test"
+    else:
+        slurm = f"SLURM not installed and not root: {cannot}"
+    tools = [tool for tool in TWO_HOST_TOOLS if shutil.which(tool) is None]
+    if not root:
+        hosts = f"not root: {cannot}"
+    elif tools:
+        hosts = f"root; {', '.join(tools)} missing: installing with apt-get before the first test"
+    else:
+        hosts = "root, ip and unshare found"
+    return [f"slurm tests: {slurm}", f"two_hosts tests: {hosts}"]
+
+
+def apt_get_install(packages: Sequence[str], missing: Callable[[], list[str]], announce: Announce,
+                    timeout: float = 600.0) -> None:
+    """Install ``packages`` with apt-get if ``missing()`` names anything, saying so first through ``announce``.
+
+    pytest-xdist workers may all get here: one installs while the others wait on a lock, then find nothing missing.
+    ``apt-get update`` runs only if the first attempt fails. Raises RuntimeError if apt-get cannot install them.
+    """
+    if not missing():
+        return
+    if shutil.which("apt-get") is None:
+        raise RuntimeError(f"{', '.join(missing())} missing and no apt-get to install {' '.join(packages)}")
+    with _install_lock():
+        if not missing():
+            return  # another worker installed them while this one waited
+        announce(f"installing {' '.join(packages)} with apt-get (root) for the tests that need them ...")
+        start = time.monotonic()
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        install = ["apt-get", "install", "-y", "--no-install-recommends", *packages]
+        r = subprocess.run(install, env=env, capture_output=True, text=True, timeout=timeout)
+        if r.returncode != 0:
+            u = subprocess.run(["apt-get", "update"], env=env, capture_output=True, text=True, timeout=timeout)
+            r = subprocess.run(install, env=env, capture_output=True, text=True, timeout=timeout)
+            if r.returncode != 0:
+                out = r.stdout + r.stderr
+                raise RuntimeError(f"{' '.join(install)} failed (rc={r.returncode}) after apt-get update "
+                                   f"(rc={u.returncode}):\n{out if len(out) <= 3000 else '...' + out[-3000:]}")
+        announce(f"apt-get install {' '.join(packages)}: done in {time.monotonic() - start:.0f} s")
+
+
+@contextlib.contextmanager
+def _install_lock() -> Iterator[None]:
+    """One installing process at a time on this machine."""
+    path = os.path.join(tempfile.gettempdir(), "qaccel-tests-apt-get.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)

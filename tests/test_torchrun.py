@@ -1,0 +1,69 @@
+"""Scripts under torchrun --standalone: each worker is a rank run in place, a rank's error names the rank, a
+process group the user made is reused and left alone."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from procs import REPORT_SCRIPT, report_results, script_env, torchrun_cmd, write_script
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_torchrun_standalone_runs_in_place(tmp_path):
+    script = write_script(tmp_path, REPORT_SCRIPT)
+    proc = subprocess.run(
+        [*torchrun_cmd(tmp_path / "torchelastic", "--standalone", "--nproc_per_node", "2"), str(script), "tr"],
+        capture_output=True, text=True, timeout=150, env=script_env(), cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    results = sorted(report_results(proc.stdout), key=lambda r: r["rank"])
+    assert [(r["rank"], r["local"], r["world"], r["sum"], r["env_rank"]) for r in results] == [
+        (0, 0, 2, 1, "0"),
+        (1, 1, 2, 1, "1"),
+    ]
+    assert len({r["pid"] for r in results}) == 2
+    assert "initialized_after False" in proc.stdout
+
+
+def test_torchrun_rank_error_names_rank(tmp_path):
+    script = write_script(tmp_path, """
+        from qaccel import Accelerator
+        acc = Accelerator(compute_setup="cpu", timeout=30)
+        def work():
+            if acc.rank == 1:
+                raise ValueError("only rank 1")
+            acc.wait_for_everyone()
+        if __name__ == "__main__":
+            acc.distribute(work)()
+    """)
+    proc = subprocess.run(
+        [*torchrun_cmd(tmp_path / "torchelastic", "--standalone", "--nproc_per_node", "2"), str(script)],
+        capture_output=True, text=True, timeout=150, env=script_env(), cwd=tmp_path,
+    )
+    assert proc.returncode != 0
+    assert "ValueError: only rank 1" in proc.stderr
+    assert "[qaccel] raised on rank 1 of 2" in proc.stderr
+
+
+def test_existing_process_group_is_reused_and_not_destroyed(tmp_path):
+    script = write_script(tmp_path, """
+        import os, torch, torch.distributed as dist
+        from qaccel import Accelerator
+        if __name__ == "__main__":
+            dist.init_process_group("gloo")
+            acc = Accelerator(compute_setup="cpu")
+            r = acc.distribute(lambda: acc.all_reduce_dict({"x": dist.get_rank() + 1}, op="sum")["x"])()
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            os.write(1, f"OUT {r} {dist.is_initialized()} {t.item()}\\n".encode())  # one write: ranks share the pipe
+            dist.destroy_process_group()
+    """)
+    proc = subprocess.run(
+        [*torchrun_cmd(tmp_path / "torchelastic", "--standalone", "--nproc_per_node", "2"), str(script)],
+        capture_output=True, text=True, timeout=150, env=script_env(), cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("OUT 3 True 2.0") == 2
