@@ -76,7 +76,7 @@ def test_classify_cnn_saves_into_the_working_directory_by_default(tmp_path):
 
 
 def test_torchrun_world_mismatch_is_warned_once_per_job(tmp_path):
-    proc = subprocess.run([*TORCHRUN, str(REPO / "examples/quickstart.py"), "--epochs", "2", "--nprocs", "4"],
+    proc = subprocess.run([*_torchrun(tmp_path), str(REPO / "examples/quickstart.py"), "--epochs", "2", "--nprocs", "4"],
                           capture_output=True, text=True, timeout=200, env=script_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stderr.count("Accelerator(nprocs=4) but torchrun started 2 ranks; following torchrun") == 1, proc.stderr
@@ -95,7 +95,7 @@ def _once(out, example):
 
 
 def test_classify_cnn_prints_once_under_torchrun(tmp_path):
-    _once(_run([*TORCHRUN, str(REPO / "examples/classify_cnn.py"), *ONCE["classify_cnn.py"][0]], tmp_path),
+    _once(_run([*_torchrun(tmp_path), str(REPO / "examples/classify_cnn.py"), *ONCE["classify_cnn.py"][0]], tmp_path),
           "classify_cnn.py")
 
 

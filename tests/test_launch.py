@@ -111,7 +111,10 @@ def _pid_file(tmp_path, rank):
 
 
 def _record_pid(tmp_path, rank):
-    _pid_file(tmp_path, rank).write_text(str(os.getpid()))
+    """Atomically: a rank may be stopped mid-write, and an empty pid file is not a pid."""
+    tmp = _pid_file(tmp_path, rank).with_suffix(".tmp")
+    tmp.write_text(str(os.getpid()))
+    os.replace(tmp, _pid_file(tmp_path, rank))
 
 
 def _recorded_pids(tmp_path, n=2):
