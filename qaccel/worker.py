@@ -11,8 +11,11 @@
 - **Ctrl-C raises KeyboardInterrupt**, as in any Python process: the forkserver it was forked from ignores SIGINT
   (so that a Ctrl-C while it imports torch does not print a second traceback), and that setting is undone here.
 - **Output that survives a stop**: stdout is line-buffered (each line reaches the caller whole and at once, so
-  lines of two ranks never split each other), both streams are flushed before a failure is reported, and
-  SIGTERM flushes them before the rank dies.
+  lines of two ranks never split each other), and both streams are flushed before a failure is reported.
+- **SIGTERM kills at once** (its default action, as in a torchrun worker). A Python-level handler would run only
+  between bytecodes: a rank blocked in a collective would wait for the SIGKILL, and a forked child that inherits
+  it can miss the signal while it starts, which left ``multiprocessing.Pool.__exit__`` waiting forever for a
+  worker about 1 run in 6.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import multiprocessing
 import os
 import signal
 import sys
-from types import FrameType
 
 CHILD_START_METHOD = "fork"
 
@@ -34,7 +36,6 @@ def become_worker(environ: dict[str, str]) -> None:
     multiprocessing.set_start_method(CHILD_START_METHOD, force=True)
     if sys.stdout is not None and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)
-    signal.signal(signal.SIGTERM, _flush_then_die)
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
@@ -46,10 +47,3 @@ def flush_std_streams() -> None:
                 stream.flush()
         except Exception:  # noqa: BLE001 - a rank on its way out must not fail on its output
             pass
-
-
-def _flush_then_die(signum: int, frame: FrameType | None) -> None:
-    """SIGTERM: write out what the rank printed, then die of the signal as the default action would."""
-    flush_std_streams()
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)

@@ -127,3 +127,27 @@ def test_dataloader_workers_die_with_their_rank(stop, tmp_path):
     finally:
         caller.kill()
         caller.wait()
+
+
+def test_pools_opened_and_closed_in_a_rank_never_hang(tmp_path):
+    """Pool.__exit__ stops its workers with SIGTERM and waits for them: a worker still starting when the pool
+    closes must die of it (a Python-level SIGTERM handler inherited from the rank made it miss the signal)."""
+    script = write_script(tmp_path, """
+        import multiprocessing
+        from qaccel import Accelerator
+
+        def cube(n):
+            return n ** 3
+
+        def work():
+            for _ in range(40):
+                with multiprocessing.Pool(2) as pool:
+                    assert pool.map(cube, range(4)) == [0, 1, 8, 27]
+            return "closed"
+
+        if __name__ == "__main__":
+            print(Accelerator(nprocs=2, compute_setup="cpu").distribute(work, all_results=True)(), flush=True)
+    """)
+    proc = run_script(script, timeout=100)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "['closed', 'closed']"
