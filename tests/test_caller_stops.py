@@ -22,7 +22,8 @@ from qaccel import Accelerator
 acc = Accelerator(nprocs=2, compute_setup="cpu")
 
 def work(out):
-    Path(out, f"pid-{acc.rank}").write_text(str(os.getpid()))
+    Path(out, f"pid-{acc.rank}.tmp").write_text(str(os.getpid()))
+    os.replace(Path(out, f"pid-{acc.rank}.tmp"), Path(out, f"pid-{acc.rank}"))  # never seen half-written
     time.sleep(120)
 
 if __name__ == "__main__":
@@ -32,7 +33,10 @@ if __name__ == "__main__":
 
 def _start_and_wait_for_ranks(tmp_path):
     script = write_script(tmp_path, PID_SCRIPT)
-    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=script_env(), stderr=subprocess.PIPE, text=True)
+    tmpdir = tmp_path / "tmp"  # a killed caller's run directory stays there, not in /tmp, until a next launch
+    tmpdir.mkdir()
+    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=script_env(TMPDIR=str(tmpdir)),
+                              stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and len(list(tmp_path.glob("pid-*"))) < 2:
         time.sleep(0.05)
