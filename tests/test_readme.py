@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from procs import REPO, run_script, run_torchrun, script_env
+from procs import REPO, run_script, run_torchrun
 
 pytestmark = pytest.mark.timeout(240)
 
