@@ -383,23 +383,27 @@ class LocalSlurm:
         return self.run(["srun", *args], timeout, env=env, cwd=cwd)
 
     def sbatch(self, script_path: str | os.PathLike, args: list[str] = (), *,
-               env: dict | None = None, cwd: str | os.PathLike | None = None) -> int:
+               env: dict | None = None, cwd: str | os.PathLike | None = None,
+               script_args: list[str] = ()) -> int:
         """Submit a batch script; output goes to ``<root>/jobs/<jobid>.out`` (stdout and
-        stderr together) unless ``args`` give --output.  Returns the job id."""
+        stderr together) unless ``args`` give --output.  ``args`` are sbatch options,
+        ``script_args`` the batch script's own arguments (after its path).  Returns the job id."""
         assert self.root is not None, "cluster not started"
         jobs = self.root / "jobs"
         jobs.mkdir(exist_ok=True)
-        cmd = ["sbatch", "--parsable", f"--output={jobs}/%j.out", *args, str(script_path)]
+        cmd = ["sbatch", "--parsable", f"--output={jobs}/%j.out", *args, str(script_path),
+               *script_args]
         r = self.run(cmd, 30.0, env=env, cwd=cwd, check=True)
         return int(r.stdout.strip().split(";")[0])
 
     def sbatch_wait(self, script_path: str | os.PathLike, timeout: float = 60.0,
                     args: list[str] = (), *, env: dict | None = None,
-                    cwd: str | os.PathLike | None = None) -> tuple[int, str]:
+                    cwd: str | os.PathLike | None = None,
+                    script_args: list[str] = ()) -> tuple[int, str]:
         """Submit, poll ``squeue`` every 0.2 s until the job has left the queue, and
         return ``(job_id, output_text)``.  On timeout the job is cancelled and
         SlurmError is raised with the daemons' log tails."""
-        job_id = self.sbatch(script_path, args, env=env, cwd=cwd)
+        job_id = self.sbatch(script_path, args, env=env, cwd=cwd, script_args=script_args)
         self.wait_job(job_id, timeout)
         return job_id, self.job_output(job_id)
 
