@@ -4,5 +4,6 @@ __version__ = "0.1.0"
 
 from qaccel.accelerator import Accelerator
 from qaccel.errors import QaccelError, RankError, RankKilledError
+from qaccel.stopping import Preempted
 
-__all__ = ["Accelerator", "QaccelError", "RankError", "RankKilledError", "__version__"]
+__all__ = ["Accelerator", "Preempted", "QaccelError", "RankError", "RankKilledError", "__version__"]

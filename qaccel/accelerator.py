@@ -5,12 +5,15 @@ from __future__ import annotations
 import datetime
 import functools
 import os
+import signal
 import warnings
 from typing import Any, Callable, Mapping, TypeVar
 
 import torch
 
-from qaccel import batch, checkpoint, collectives, group, in_place, launch, precision, prepare, ranks, seeding, training
+from qaccel import (
+    batch, checkpoint, collectives, group, in_place, launch, precision, prepare, ranks, seeding, stopping, training,
+)
 from qaccel.config import make_config
 from qaccel.environment import Environment, detect
 
@@ -32,6 +35,9 @@ class Accelerator:
         start_method: "forkserver" (fast, CUDA-safe; default) or "spawn" (a fresh interpreter per rank).
         gradient_accumulation_steps: micro-steps per optimizer update under ``accumulate()``.
         mixed_precision: "no", "bf16" (CPU and CUDA) or "fp16" (CUDA, with a gradient scaler).
+        max_restarts: in a plain launch, how many times to restart all ranks after a rank fails (torchrun's
+            ``--max-restarts`` for a plain ``python script.py``); with resume() they continue from the newest
+            checkpoint. Under torchrun and srun, the launcher's own restarts and requeues apply instead.
     """
 
     def __init__(
@@ -46,11 +52,12 @@ class Accelerator:
         start_method: str = "forkserver",
         gradient_accumulation_steps: int = 1,
         mixed_precision: str = "no",
+        max_restarts: int = 0,
     ) -> None:
         env = detect()
         self._config = make_config(
             nprocs, compute_setup, log_setup, backend, dtype, timeout, start_method, env,
-            gradient_accumulation_steps, mixed_precision,
+            gradient_accumulation_steps, mixed_precision, max_restarts,
         )
         self._step_state: training.StepState | None = None
         if env.kind.started_by_launcher and nprocs > 1 and nprocs != env.world_size and env.rank == 0:
@@ -114,6 +121,21 @@ class Accelerator:
     @property
     def mixed_precision(self) -> str:
         return self._config.mixed_precision
+
+    @property
+    def max_restarts(self) -> int:
+        return self._config.max_restarts
+
+    @property
+    def restart_count(self) -> int:
+        """How many times the ranks were restarted after a failure: torchrun's, or qaccel's own in a plain launch
+        (``TORCHELASTIC_RESTART_COUNT`` in both). 0 in the first attempt and in the caller."""
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken so far (of the first prepared optimizer), counting those before a resume."""
+        return self._steps().updates
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_step_state": None}  # step state (scaler, counters) belongs to one process
@@ -217,14 +239,60 @@ class Accelerator:
         """``torch.save`` on the main process only, atomically (a crash never leaves a half-written file)."""
         checkpoint.save(obj, path, self._ctx())
 
-    def save_state(self, directory: str | os.PathLike) -> None:
+    def save_state(self, directory: str | os.PathLike | None = None, *, keep: int | None = None) -> str:
         """Checkpoint prepared models, optimizers, LR schedulers and loaders, the fp16 scaler, every rank's RNG
-        states and registered objects into ``directory``, atomically. Call it on every rank."""
-        checkpoint.save_state(directory, self._steps(), self._ctx())
+        states, registered objects and the step count, atomically; returns the checkpoint's path. Call it on
+        every rank.
 
-    def load_state(self, directory: str | os.PathLike) -> None:
-        """Restore a save_state() checkpoint into the objects prepared (and registered) in this run, in order."""
-        checkpoint.load_state(directory, self._steps(), self._ctx())
+        ``keep=K`` makes ``directory`` a folder of checkpoints named by step (``checkpoint_<step>``) of which the
+        K newest stay. Without a directory, it saves into the folder given to resume(), keeping as many as it said.
+        """
+        steps = self._steps()
+        if directory is None:
+            if steps.checkpoints is None:
+                raise ValueError("save_state() needs a directory, or a resume(directory) call before it")
+            directory, resume_keep = steps.checkpoints
+            keep = resume_keep if keep is None else keep
+        return checkpoint.save_state(directory, steps, self._ctx(), _keep(keep))
+
+    def load_state(self, directory: str | os.PathLike | None = None, *, missing_ok: bool = False) -> str | None:
+        """Restore a save_state() checkpoint into the objects prepared (and registered) in this run, in order.
+
+        ``directory`` is a checkpoint, or a folder of them whose newest complete one is read (a half-written
+        one never is). Returns the path read; with ``missing_ok``, None if there is none yet.
+        """
+        steps = self._steps()
+        if directory is None:
+            if steps.checkpoints is None:
+                raise ValueError("load_state() needs a directory, or a resume(directory) call before it")
+            directory = steps.checkpoints[0]
+        return checkpoint.load_state(directory, steps, self._ctx(), missing_ok)
+
+    def resume(
+        self, directory: str | os.PathLike, keep: int | None = 3, *, requeue_signal: int | str | None = "SIGUSR1"
+    ) -> str | None:
+        """Make ``directory`` this run's checkpoint folder, continue from its newest checkpoint if there is one,
+        and stop cleanly on a signal. Returns the checkpoint loaded (None on a first start).
+
+        Afterwards save_state() with no argument saves into ``directory`` as ``checkpoint_<step>``, keeping the
+        ``keep`` newest (None: all). On SIGTERM or ``requeue_signal`` every rank finishes its step, the state is
+        saved there, and Preempted (a SystemExit) is raised; after ``requeue_signal`` in a SLURM job, rank 0 also
+        requeues the job (``scontrol requeue``), which then resumes here. Call it on every rank, after prepare()
+        and register_for_checkpointing(), before the loop; iterate ``range(loader.epoch, epochs)``.
+        """
+        self._inside_ranks("resume()")
+        keep = _keep(keep)
+        requeue = None if requeue_signal is None else stopping.signal_number(requeue_signal, "requeue_signal")
+        steps, ctx = self._steps(), self._ctx()
+        steps.checkpoints = (os.fspath(directory), keep)
+        loaded = checkpoint.load_state(directory, steps, ctx, missing_ok=True)
+        if steps.stopper is None:
+            stopping.arm({signal.SIGTERM} | ({requeue} if requeue is not None else set()))
+            steps.stopper = stopping.Stopper(ctx, self.save_state, requeue)
+            run = group.current_run()
+            if run is not None:
+                run.closers.append(steps.stopper.close)
+        return loaded
 
     def register_for_checkpointing(self, *objs: Any) -> None:
         """Add objects with state_dict()/load_state_dict() to what save_state() writes."""
@@ -260,15 +328,19 @@ class Accelerator:
         Several objects come back as a tuple in the same order; anything else passes through unchanged.
         LR schedulers come back as they are: step them as before, once per optimizer step.
         """
-        if group.current() is None and not detect().is_launched and self._config.nprocs > 1:
-            raise RuntimeError(
-                "prepare() must run inside the function you distribute: here, in the caller, it would shard "
-                "for rank 0 only and every rank would get that shard"
-            )
+        self._inside_ranks("prepare()")
         ctx = self._ctx()
         steps = self._steps()
         out = tuple(prepare.prepare_one(obj, ctx, self.dtype, self.mixed_precision, steps) for obj in objs)
         return out[0] if len(out) == 1 else out
+
+    def _inside_ranks(self, what: str) -> None:
+        """Raise if called in the caller of a launch that starts ranks: it would act for rank 0 only."""
+        if group.current() is None and not detect().is_launched and self._config.nprocs > 1:
+            raise RuntimeError(
+                f"{what} must run inside the function you distribute: here, in the caller, it would act for rank 0 "
+                "only (prepare() would give every rank rank 0's shard)"
+            )
 
     # ---- the training step ----
 
@@ -330,6 +402,12 @@ class Accelerator:
     def prepare_batch(self, data: Any) -> Any:
         """Move a batch to this rank's device, casting floating-point tensors to ``dtype``; labels keep theirs."""
         return batch.prepare_batch(data, self.device, self.dtype)
+
+
+def _keep(keep: int | None) -> int | None:
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep must be a positive int (checkpoints to keep) or None (keep all); got {keep!r}")
+    return keep
 
 
 def _warn_world_mismatch(nprocs: int, env: Environment) -> None:

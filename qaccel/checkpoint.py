@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 import random
+import re
 import secrets
 import shutil
 from typing import Any
@@ -17,6 +19,8 @@ from qaccel.group import RankContext
 from qaccel.training import StepState
 
 MODEL_FILE = "model.pt"
+MARKER_FILE = "qaccel_state.json"  # written last: a checkpoint folder holding it is complete
+_NUMBERED = re.compile(r"checkpoint_(\d+)")
 
 
 def save(obj: Any, path: str | os.PathLike, ctx: RankContext) -> None:
@@ -32,11 +36,19 @@ def save(obj: Any, path: str | os.PathLike, ctx: RankContext) -> None:
 
 def _write(obj: Any, path: str | os.PathLike) -> None:
     """torch.save through a temporary file beside ``path``, fsynced and renamed onto it."""
+    _write_with(lambda f: torch.save(obj, f), path)
+
+
+def _write_bytes(data: bytes, path: str | os.PathLike) -> None:
+    _write_with(lambda f: f.write(data), path)
+
+
+def _write_with(write: Any, path: str | os.PathLike) -> None:
     path = os.path.abspath(os.fspath(path))
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
     try:
         with open(tmp, "xb") as f:
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -70,22 +82,28 @@ def save_model(model: torch.nn.Module, directory: str | os.PathLike, ctx: RankCo
     save(get_state_dict(model), os.path.join(directory, MODEL_FILE), ctx)
 
 
-def save_state(directory: str | os.PathLike, state: StepState, ctx: RankContext) -> None:
+def save_state(directory: str | os.PathLike, state: StepState, ctx: RankContext, keep: int | None = None) -> str:
     """Checkpoint everything a resumed run needs, atomically: models, optimizers, schedulers, the fp16 scaler,
-    every rank's RNG states, loader positions and registered objects.
+    every rank's RNG states, loader positions, registered objects and the step count. Returns the path written.
 
-    Every rank sends its RNG states to rank 0, which writes all parts into a temporary directory beside
-    ``directory`` and swaps it in. A crash before the swap leaves the previous checkpoint untouched; a crash between
-    the swap's two renames leaves it as ``<directory>.old-*``, which load_state() falls back to.
+    With ``keep`` set, ``directory`` holds numbered checkpoints: this one goes to ``checkpoint_<step>`` and only the
+    ``keep`` newest complete ones stay. Every rank sends its RNG states to rank 0, which writes all parts into a
+    temporary directory beside the target and swaps it in. A crash before the swap leaves the previous checkpoint
+    untouched; a crash between the swap's two renames leaves it as ``<target>.old-*``, which load_state() falls
+    back to.
     """
     directory = os.path.abspath(os.fspath(directory))
+    target = directory if keep is None else os.path.join(directory, f"checkpoint_{state.updates:08d}")
     rng_states = collectives.gather_object(_rng_state(), ctx)
     if ctx.rank == 0:
-        _write_checkpoint(directory, state, rng_states)
+        _write_checkpoint(target, state, rng_states, ctx.world_size)
+        if keep is not None:
+            _prune(directory, keep)
     collectives.barrier(ctx)
+    return target
 
 
-def _write_checkpoint(directory: str, state: StepState, rng_states: list[dict[str, Any]]) -> None:
+def _write_checkpoint(directory: str, state: StepState, rng_states: list[dict[str, Any]], world_size: int) -> None:
     """Rank 0 alone writes everything (peers sent their RNG states), so a failure here cannot pull a directory
     from under a peer that is still writing: the caller sees this error, not a peer's FileNotFoundError."""
     for stale in glob.glob(f"{glob.escape(directory)}.tmp-*"):  # left by a save that was killed
@@ -96,6 +114,8 @@ def _write_checkpoint(directory: str, state: StepState, rng_states: list[dict[st
         _write_parts(tmp, state)
         for rank, rng in enumerate(rng_states):
             _write(rng, os.path.join(tmp, f"random_states_{rank}.pt"))
+        marker = {"format": 1, "step": state.updates, "world_size": world_size}
+        _write_bytes(json.dumps(marker).encode(), os.path.join(tmp, MARKER_FILE))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -105,6 +125,49 @@ def _write_checkpoint(directory: str, state: StepState, rng_states: list[dict[st
     os.rename(tmp, directory)
     if old:
         shutil.rmtree(old)
+
+
+def _prune(directory: str, keep: int) -> None:
+    """Remove all but the ``keep`` newest complete checkpoints of ``directory``, and backups already replaced."""
+    complete = _numbered(directory)
+    for _, path in complete[:-keep]:
+        shutil.rmtree(path)
+    kept = {path for _, path in complete[-keep:]}
+    for path in glob.glob(os.path.join(glob.escape(directory), "checkpoint_*.old-*")):
+        if path not in kept:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _numbered(directory: str) -> list[tuple[int, str]]:
+    """(step, path) of the complete checkpoints in ``directory``, oldest first. A save that died between its two
+    renames counts through its ``.old-*`` backup, as long as no checkpoint of that step replaced it."""
+    found: dict[int, str] = {}
+    try:
+        names = sorted(os.listdir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    for name in names:  # "checkpoint_N" sorts before its "checkpoint_N.old-*"
+        match = _NUMBERED.match(name)
+        path = os.path.join(directory, name)
+        if match is None or not os.path.isfile(os.path.join(path, MARKER_FILE)):
+            continue
+        step = int(match.group(1))
+        if match.end() == len(name) or (name[match.end():].startswith(".old-") and step not in found):
+            found[step] = path
+    return sorted(found.items())
+
+
+def newest_checkpoint(directory: str | os.PathLike) -> str | None:
+    """The checkpoint load_state(directory) reads: ``directory`` itself if it is one, else the newest complete
+    ``checkpoint_<step>`` in it; None if there is none."""
+    directory = os.path.abspath(os.fspath(directory))
+    if os.path.isfile(os.path.join(directory, MARKER_FILE)) or os.path.isfile(os.path.join(directory, "model_0.pt")):
+        return directory
+    numbered = _numbered(directory)
+    if numbered:
+        return numbered[-1][1]
+    backups = sorted(glob.glob(f"{glob.escape(directory)}.old-*"), key=os.path.getmtime)
+    return backups[-1] if backups else None  # a save died between its two renames: the previous checkpoint
 
 
 def _write_parts(tmp: str, state: StepState) -> None:
@@ -122,12 +185,23 @@ def _write_parts(tmp: str, state: StepState) -> None:
         _write(state.scaler.state_dict(), os.path.join(tmp, "scaler.pt"))
 
 
-def load_state(directory: str | os.PathLike, state: StepState, ctx: RankContext) -> None:
-    """Restore what save_state() wrote into the objects prepared (and registered) in this run, in order."""
-    directory = _existing_checkpoint(os.path.abspath(os.fspath(directory)))
+def load_state(
+    directory: str | os.PathLike, state: StepState, ctx: RankContext, missing_ok: bool = False
+) -> str | None:
+    """Restore what save_state() wrote into the objects prepared (and registered) in this run, in order.
+
+    ``directory`` is a checkpoint or a folder of numbered ones (the newest complete one is read). Returns the path
+    read; with ``missing_ok``, None when there is no checkpoint yet (a first start).
+    """
+    found = newest_checkpoint(directory)
+    if found is None:
+        if missing_ok:
+            return None
+        raise FileNotFoundError(f"no checkpoint at {os.path.abspath(os.fspath(directory))}")
+    directory = found
     for kind, objects in (("model", [prepare.unwrap_model(m) for m in state.models]), ("optimizer", state.optimizers),
                           ("scheduler", state.schedulers), ("loader", state.loaders), ("registered", state.registered)):
-        saved = len(glob.glob(os.path.join(directory, f"{kind}_*.pt")))
+        saved = len(glob.glob(os.path.join(glob.escape(directory), f"{kind}_*.pt")))
         if saved != len(objects):
             raise ValueError(
                 f"{directory} holds {saved} {kind} state(s) but this run prepared/registered {len(objects)}; "
@@ -141,15 +215,11 @@ def load_state(directory: str | os.PathLike, state: StepState, ctx: RankContext)
     if not os.path.exists(rng_file):
         raise ValueError(f"{directory} has no RNG states for rank {ctx.rank}: it was saved by a smaller world")
     _set_rng_state(_read(rng_file, ctx))
-
-
-def _existing_checkpoint(directory: str) -> str:
-    if os.path.isdir(directory):
-        return directory
-    backups = sorted(glob.glob(f"{glob.escape(directory)}.old-*"), key=os.path.getmtime)
-    if backups:
-        return backups[-1]  # a save died between its two renames: this is the previous checkpoint
-    raise FileNotFoundError(f"no checkpoint at {directory}")
+    marker = os.path.join(directory, MARKER_FILE)
+    if os.path.exists(marker):
+        with open(marker, "rb") as f:
+            state.updates = int(json.load(f)["step"])
+    return directory
 
 
 def _read(path: str, ctx: RankContext, weights_only: bool = True) -> Any:

@@ -29,6 +29,7 @@ class Config:
     start_method: str
     gradient_accumulation_steps: int = 1
     mixed_precision: str = "no"
+    max_restarts: int = 0
 
 
 def _backends() -> tuple[str, ...]:
@@ -57,6 +58,7 @@ def make_config(
     env: Environment,
     gradient_accumulation_steps: int = 1,
     mixed_precision: str = "no",
+    max_restarts: int = 0,
 ) -> Config:
     """Check every argument and resolve the 'auto' choices; raises ValueError/TypeError/RuntimeError."""
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
@@ -103,7 +105,10 @@ def make_config(
             f"mixed_precision={mixed_precision!r} runs float32 models in half precision; with dtype={dtype} use "
             "mixed_precision='no' (or dtype=None/torch.float32)"
         )
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"max_restarts must be a non-negative int; got {max_restarts!r}")
     log_device_type = device_type if log_setup == "auto" else "cpu"
     return Config(
-        nprocs, device_type, log_device_type, backend, dtype, float(timeout), start_method, steps, mixed_precision
+        nprocs, device_type, log_device_type, backend, dtype, float(timeout), start_method, steps, mixed_precision,
+        max_restarts,
     )

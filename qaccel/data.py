@@ -110,10 +110,15 @@ class PreparedDataLoader(DataLoader):
     IterableDataset is sharded by batch: each rank reads the stream and keeps every N-th batch.
     """
 
-    def __init__(self, loader: DataLoader, ctx: RankContext, seed: int, marks: LoopMarks) -> None:
+    def __init__(self, loader: DataLoader, ctx: RankContext, seed: int, steps: Any) -> None:
         kwargs = {name: getattr(loader, name) for name in _CARRIED}
         dataset = loader.dataset
-        self._marks = marks
+        self._steps = steps  # the session's training.StepState: loop marks, optimizer updates, the stopper
+        self._marks = steps.marks
+        # Step boundaries of a loop that trains (an optimizer stepped in it) are where a signal may stop the run:
+        # the updates count seen at the last one, and whether this loader's loop trains (evaluation loops don't,
+        # and may run on rank 0 alone, so they must not take part in the ranks' agreement).
+        self._seen = [0, False]
         self._device = ctx.device
         self._rank, self._world = ctx.rank, ctx.world_size
         self._epoch = 0
@@ -147,6 +152,12 @@ class PreparedDataLoader(DataLoader):
         object.__setattr__(self, "drop_last", drop_last)
         object.__setattr__(self, "sampler", getattr(batch_sampler, "sampler", loader.sampler))
 
+    @property
+    def epoch(self) -> int:
+        """The epoch being iterated, or outside a loop the one the next loop runs (after load_state(), the saved
+        one): ``for epoch in range(loader.epoch, epochs)`` resumes where a run stopped."""
+        return self._position[0] if self._position is not None else self._epoch
+
     def set_epoch(self, epoch: int) -> None:
         """Make the next ``iter()`` epoch ``epoch`` (to resume a run at the order it had reached)."""
         self._epoch = epoch
@@ -175,6 +186,12 @@ class PreparedDataLoader(DataLoader):
         return super().__len__()
 
     def __iter__(self) -> Iterator[Any]:
+        steps, seen = self._steps, self._seen
+        if steps.stopper is not None and seen[1] and steps.updates != seen[0]:
+            seen[0] = steps.updates
+            steps.stopper.boundary()  # between epochs: may save and raise Preempted
+        if not seen[1]:
+            seen[0] = steps.updates
         epoch, self._epoch = self._epoch, self._epoch + 1
         self._generator.manual_seed(self._seed + epoch)
         sampler = self._user_sampler
@@ -207,6 +224,9 @@ class PreparedDataLoader(DataLoader):
                 step += 1
                 position[1] = skip + step
                 yield batch.prepare_batch(item, device, None)
+                if steps.stopper is not None and steps.updates != seen[0]:  # the step's body is done
+                    seen[0], seen[1] = steps.updates, True
+                    steps.stopper.boundary()  # may save and raise Preempted
         finally:
             marks.remainder, marks.end_of_epoch = outer
             self._position = None

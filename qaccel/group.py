@@ -41,6 +41,14 @@ class Run:
 
     ctx: RankContext
     _states: dict[int, tuple[Any, Any]] = field(default_factory=dict)
+    # Called once as the session ends, with whether fn returned: e.g. a stop agreement in flight is awaited
+    # before the group goes, and signal handlers are given back.
+    closers: list[Callable[[bool], None]] = field(default_factory=list)
+
+    def close(self, finished: bool) -> None:
+        closers, self.closers = self.closers, []
+        for close in closers:
+            close(finished)
 
     def state_for(self, owner: Any, make: Callable[[], Any]) -> Any:
         """``owner``'s state in this run, made on first use (the owner is kept alive, so its id stays unique)."""
@@ -137,7 +145,8 @@ def session(ctx: RankContext, timeout: float, store: dist.Store | None = None) -
     A group the caller had already initialised is reused and left alone.
     """
     owns_group = False
-    token = _RUN.set(Run(ctx))
+    run = Run(ctx)
+    token = _RUN.set(run)
     try:
         if ctx.device.type == "cuda":
             torch.cuda.set_device(ctx.device)
@@ -152,9 +161,11 @@ def session(ctx: RankContext, timeout: float, store: dist.Store | None = None) -
             )
             owns_group = True
         yield ctx
+        run.close(finished=True)
         if owns_group:
             _quiesce(ctx)
     finally:
+        run.close(finished=False)
         _RUN.reset(token)
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()

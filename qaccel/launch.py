@@ -21,6 +21,7 @@ import contextlib
 import datetime
 import inspect
 import io
+import itertools
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
@@ -31,9 +32,11 @@ import pickle
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
+import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +51,7 @@ from qaccel.environment import Environment, Kind, rank_variables
 from qaccel.errors import RankError, RankKilledError, RemoteTraceback, raised_note
 from qaccel.failures import ErrorReport, RankFailure, root_cause
 from qaccel.run_dir import run_directory, write_atomic
+from qaccel.stopping import Preempted
 
 # torch._dynamo: DistributedDataParallel's constructor imports it (with sympy, 1.3 s); preloaded, a fresh rank need
 # not import it again.
@@ -113,35 +117,118 @@ def _fit_socket_dir() -> None:
 
 
 def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, all_results: bool) -> Any:
-    """Run ``fn(*args, **kwargs)`` on ``config.nprocs`` new ranks; return rank 0's result (or all, by rank)."""
+    """Run ``fn(*args, **kwargs)`` on ``config.nprocs`` new ranks; return rank 0's result (or all, by rank).
+
+    After a rank fails, all ranks are started again, up to ``config.max_restarts`` times (not after a Ctrl-C, a
+    signal, or a Preempted stop); each attempt's ranks see its number in ``TORCHELASTIC_RESTART_COUNT``.
+    """
     warm_up(config.start_method)
     ctx = multiprocessing.get_context(config.start_method)
     environ = dict(os.environ)  # the forkserver's copy dates from its start; ranks get the caller's of now
+    environ["TORCHELASTIC_MAX_RESTARTS"] = str(config.max_restarts)
     payload = _dumps_payload(fn, args, kwargs)
-    with run_directory() as run_dir:
+    procs: list = []
+    with _forwarding_signals(procs) as received, run_directory() as run_dir:
         write_atomic(Path(run_dir, "payload"), payload)
-        store = _loopback_store(config.timeout)
-        port = store.port
-        procs, readers = [], []
-        try:
-            for rank in range(config.nprocs):
-                reader, writer = ctx.Pipe(duplex=True)
-                spec = RankSpec(run_dir, rank, config.nprocs, port, config, all_results or rank == 0, environ)
-                proc = ctx.Process(target=_rank_main, args=(spec, writer), name=f"qaccel-rank-{rank}")
-                _start_without_main(proc)
-                writer.close()
-                procs.append(proc)
-                readers.append(reader)
-            failures = _supervise(procs, readers, run_dir)
-        finally:
-            _stop(procs)
-            for reader in readers:
-                reader.close()
-            del store
-        if failures:
-            raise _failure_exception(run_dir, config.nprocs, failures)
-        results = [_read_result(run_dir, rank) for rank in range(config.nprocs if all_results else 1)]
-    return results if all_results else results[0]
+        for attempt in itertools.count():
+            environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
+            failures = _attempt(ctx, procs, run_dir, config, all_results, environ, received)
+            if not failures:
+                results = [_read_result(run_dir, rank) for rank in range(config.nprocs if all_results else 1)]
+                return results if all_results else results[0]
+            failure, rank = _failure_exception(run_dir, config.nprocs, failures)
+            if received or isinstance(failure, Preempted) or attempt >= config.max_restarts:
+                break
+            print("".join(traceback.format_exception(failure)).rstrip(), file=sys.stderr)
+            print(f"qaccel: rank {rank} failed ({type(failure).__name__}); restarting all {config.nprocs} ranks "
+                  f"(restart {attempt + 1} of {config.max_restarts})", file=sys.stderr, flush=True)
+            _clear_reports(run_dir)
+        if attempt:
+            failure.add_note(f"[qaccel] the failure of the last attempt, after {attempt} restart(s)")
+        if not received or isinstance(failure, Preempted):
+            raise failure
+    _die_of(received[0])  # the ranks ended because the caller was told to stop: end the way it was told
+
+
+def _attempt(ctx: Any, procs: list, run_dir: str, config: Config, all_results: bool, environ: dict[str, str],
+             received: list[int]) -> list[RankFailure]:
+    """Start the ranks, wait for them, stop them; the failures seen (none: every rank returned)."""
+    store = _loopback_store(config.timeout)
+    procs.clear()
+    readers = []
+    failures: list[RankFailure] = [RankFailure(-1)]  # until _supervise says otherwise (e.g. a start failed)
+    try:
+        for rank in range(config.nprocs):
+            reader, writer = ctx.Pipe(duplex=True)
+            spec = RankSpec(run_dir, rank, config.nprocs, store.port, config, all_results or rank == 0, dict(environ))
+            proc = ctx.Process(target=_rank_main, args=(spec, writer), name=f"qaccel-rank-{rank}")
+            _start_without_main(proc)
+            writer.close()
+            procs.append(proc)
+            readers.append(reader)
+        if received:  # a signal came while the ranks were starting: they get it too
+            _forward(procs, received[0])
+        failures = _supervise(procs, readers, run_dir)
+        return failures
+    finally:
+        _stop(procs, failed=bool(failures))
+        for reader in readers:
+            reader.close()
+        del store
+
+
+def _clear_reports(run_dir: str) -> None:
+    for path in Path(run_dir).glob("error-*"):
+        path.unlink()
+    for path in Path(run_dir).glob("result-*"):
+        path.unlink()
+
+
+# Signals the caller passes on to its ranks (they lead process groups of their own, so a signal sent to the
+# caller's group does not reach them): a scheduler's or a user's request to stop, which ranks that called
+# resume() answer by saving and raising Preempted. Ctrl-C's SIGINT reaches them through the terminal as before.
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+
+@contextlib.contextmanager
+def _forwarding_signals(procs: list) -> Iterator[list[int]]:
+    """While ranks run, pass FORWARDED_SIGNALS the caller gets (where it has no handler of its own) on to them;
+    the list yielded holds the signal received, if any."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def forward(signum: int, frame: Any) -> None:
+        if not received:
+            received.append(signum)
+        _forward(procs, signum)
+
+    previous = {}
+    for sig in FORWARDED_SIGNALS:
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            previous[sig] = signal.signal(sig, forward)
+    try:
+        yield received
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _forward(procs: list, signum: int) -> None:
+    for proc in procs:
+        if proc.pid is not None and proc.exitcode is None:
+            try:
+                os.kill(proc.pid, signum)
+            except ProcessLookupError:
+                pass
+
+
+def _die_of(signum: int) -> None:
+    """End this process as ``signum``'s default action would have (the ranks were stopped and cleaned up first)."""
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    raise SystemExit(128 + signum)  # for a signal whose default action is not to terminate
 
 
 def _dumps_payload(fn: Callable[..., Any], args: tuple, kwargs: dict) -> bytes:
@@ -253,16 +340,30 @@ def _supervise(procs: list, readers: list, run_dir: str) -> list[RankFailure]:
                 if procs[rank].exitcode != 0:
                     failures.append(RankFailure(rank, _read_report(run_dir, rank), procs[rank].exitcode))
         if failures:
-            if not all(f.is_symptom for f in failures):
+            if not all(f.is_symptom or _is_stop(f) for f in failures):
                 return failures
             deadline = deadline or time.monotonic() + CAUSE_GRACE_S
     return failures
 
 
-def _stop(procs: list) -> None:
-    """SIGTERM each rank's process group (the rank and whatever it started), SIGKILL what is left after a grace
-    period, and reap the ranks. Also after a success: a worker or pool a rank left behind goes with it."""
+def _is_stop(failure: RankFailure) -> bool:
+    """A rank that saved and raised Preempted: its peers are doing the same, let them finish."""
+    return failure.report is not None and failure.report.type == f"{Preempted.__module__}.Preempted"
+
+
+def _stop(procs: list, failed: bool) -> None:
+    """Stop each rank's process group (the rank and whatever it started), also after a success: a worker or pool
+    a rank left behind goes with it. SIGTERM first, SIGKILL for what is left after a grace period.
+
+    After a failure a rank still running is SIGKILLed at once, as its peers are gone: one that called resume()
+    would take SIGTERM as a request to save at its next step (which it cannot reach), and meanwhile its DataLoader
+    would report its workers' deaths. Nothing it saved is lost: checkpoints are written aside and renamed.
+    """
     started = [p for p in procs if p.pid is not None]
+    if failed:
+        for proc in started:
+            if proc.exitcode is None:
+                _signal_rank(proc, signal.SIGKILL, group=False)
     for proc in started:
         _signal_rank(proc, signal.SIGTERM)
     deadline = time.monotonic() + STOP_GRACE_S
@@ -273,13 +374,14 @@ def _stop(procs: list) -> None:
         proc.join()
 
 
-def _signal_rank(proc: multiprocessing.process.BaseProcess, sig: signal.Signals) -> None:
+def _signal_rank(proc: multiprocessing.process.BaseProcess, sig: signal.Signals, group: bool = True) -> None:
     """Signal a rank's process group (its id is the rank's pid), and the rank itself in case it has not made
     its group yet; groups and ranks already gone are skipped."""
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+    if group:
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
     if proc.exitcode is None:
         try:
             os.kill(proc.pid, sig)
@@ -287,8 +389,8 @@ def _signal_rank(proc: multiprocessing.process.BaseProcess, sig: signal.Signals)
             pass
 
 
-def _failure_exception(run_dir: str, world_size: int, seen: list[RankFailure]) -> BaseException:
-    """The exception to raise in the caller: the root cause, with rank and remote traceback attached.
+def _failure_exception(run_dir: str, world_size: int, seen: list[RankFailure]) -> tuple[BaseException, int]:
+    """The exception to raise in the caller and its rank: the root cause, with rank and remote traceback attached.
 
     Read once the ranks are stopped: a rank seen dying may have reported just before, and ranks stopped on the
     way may have reported too (those count only if they did: being stopped is not a failure).
@@ -310,7 +412,7 @@ def _failure_exception(run_dir: str, world_size: int, seen: list[RankFailure]) -
     others = sorted((f for f in failures if f is not cause and f.report is not None), key=lambda f: f.rank)
     if others:
         exc.add_note("[qaccel] also failed after it: " + "; ".join(f"rank {f.rank}: {f.report.type}" for f in others))
-    return exc
+    return exc, cause.rank
 
 
 def _rebuild(report: ErrorReport) -> BaseException:

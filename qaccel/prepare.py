@@ -31,7 +31,7 @@ def prepare_one(obj: Any, ctx: RankContext, dtype: torch.dtype | None, mixed_pre
         return prepared
     if isinstance(obj, DataLoader) and not isinstance(obj, data.PreparedDataLoader):
         seed = collectives.broadcast(data.shared_seed(obj), 0, ctx)
-        loader = data.PreparedDataLoader(obj, ctx, seed, steps.marks)
+        loader = data.PreparedDataLoader(obj, ctx, seed, steps)
         steps.loaders.append(loader)
         return loader
     if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and not any(obj is s for s in steps.schedulers):

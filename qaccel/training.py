@@ -29,6 +29,9 @@ class StepState:
     loaders: list[Any] = field(default_factory=list)
     registered: list[Any] = field(default_factory=list)
     marks: data.LoopMarks = field(default_factory=data.LoopMarks)
+    updates: int = 0  # steps of the first prepared optimizer, over resumes too (the Accelerator's ``step``)
+    checkpoints: tuple[str, int | None] | None = None  # resume()'s folder and keep: save_state()'s default
+    stopper: Any = None  # a stopping.Stopper once resume() armed the stop on a signal
 
 
 class PreparedOptimizer(torch.optim.Optimizer):
@@ -73,9 +76,12 @@ class PreparedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         self.step_was_skipped = False
-        if not self._steps.sync_gradients:
+        steps = self._steps
+        if not steps.sync_gradients:
             return None
-        scaler = self._steps.scaler
+        if steps.optimizers and steps.optimizers[0] is self:
+            steps.updates += 1
+        scaler = steps.scaler
         if scaler is None:
             return self.optimizer.step(closure)
         scale = scaler.get_scale()

@@ -1,0 +1,175 @@
+"""Stopping cleanly on a signal: after SIGTERM (or the warning signal a cluster sends before a time limit or a
+preemption) every rank finishes its step, saves state, and leaves; under SLURM the job is also requeued.
+
+Ranks receive a signal at slightly different moments, possibly in different steps, so none may act on its own.
+Each prepared training loop asks at its step boundaries (qaccel/data.py); the ranks combine what they received
+with one small asynchronous all-reduce (MAX of the signal number), started at one boundary and read at the next.
+All ranks read the same value at the same boundary, so all stop after the same step, with no collective in the
+critical path of a step.
+
+The handler only notes the signal: a Python-level handler in a forked child (a DataLoader worker, a pool worker)
+would keep it from dying of the SIGTERM its parent sends, so forked children get back the previous handlers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from qaccel.group import RankContext
+
+# The signal clusters are usually told to send ahead of a time limit or a preemption (sbatch --signal=B:USR1@60).
+DEFAULT_REQUEUE_SIGNAL = signal.SIGUSR1
+
+_received = 0  # the first armed signal this process received since it armed them; 0: none
+_previous: dict[int, Any] = {}  # armed signal -> the handler it had before
+_owner_pid = 0
+
+
+class Preempted(SystemExit):
+    """Training stopped after a signal, and its state is saved in ``checkpoint``: run again to resume from it.
+
+    A SystemExit, so a user's ``except Exception`` does not swallow it and, uncaught, the process exits quietly with
+    128 + the signal's number, as if the signal had ended it (rank 0 prints what happened).
+    """
+
+    def __init__(self, signal_name: str, checkpoint: str, requeued: bool = False) -> None:
+        super().__init__(128 + signal.Signals[signal_name].value)
+        self.signal_name = signal_name
+        self.checkpoint = checkpoint
+        self.requeued = requeued
+
+    def __str__(self) -> str:
+        text = f"stopped by {self.signal_name} after saving state to {self.checkpoint}"
+        return text + ("; the SLURM job was requeued and will resume from it" if self.requeued else "")
+
+    def __reduce__(self):
+        return (type(self), (self.signal_name, self.checkpoint, self.requeued))
+
+
+def signal_number(value: int | str | signal.Signals, name: str) -> signal.Signals:
+    """``value`` as a signal ("SIGUSR1", "USR1", 10 or signal.SIGUSR1); ValueError naming ``name`` otherwise."""
+    try:
+        if isinstance(value, str):
+            return signal.Signals[value if value.startswith("SIG") else "SIG" + value]
+        if isinstance(value, int) and not isinstance(value, bool):
+            return signal.Signals(value)
+    except (KeyError, ValueError):
+        pass
+    raise ValueError(f"{name} must be a signal name such as 'SIGUSR1' or a signal number; got {value!r}")
+
+
+def arm(signals: set[signal.Signals]) -> None:
+    """Note ``signals`` instead of dying of them, from now until disarm()."""
+    global _owner_pid
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("resume() installs signal handlers, which Python allows only in the main thread")
+    _owner_pid = os.getpid()
+    for sig in signals:
+        if sig not in _previous:
+            _previous[sig] = signal.signal(sig, _note)
+
+
+def disarm() -> None:
+    """Give the armed signals back their previous handlers and forget any signal received."""
+    global _received
+    for sig, handler in _previous.items():
+        signal.signal(sig, handler)
+    _previous.clear()
+    _received = 0
+
+
+def received() -> int:
+    """The armed signal this process received first (0: none)."""
+    return _received
+
+
+def _note(signum: int, frame: Any) -> None:
+    global _received
+    if os.getpid() != _owner_pid:  # a forked child, signalled before its at-fork reset ran: die as it should
+        signal.signal(signum, _previous.get(signum, signal.SIG_DFL))
+        os.kill(os.getpid(), signum)
+        return
+    if not _received:
+        _received = signum
+
+
+def _child_defaults() -> None:
+    """In a forked child: the handlers the parent had before arming."""
+    if not _previous:
+        return
+    try:
+        for sig, handler in _previous.items():
+            signal.signal(sig, handler)
+    except ValueError:  # forked from a thread other than the main one: _note's pid check covers it
+        return
+    _previous.clear()
+
+
+os.register_at_fork(after_in_child=_child_defaults)
+
+
+class Stopper:
+    """One session's agreement on when to stop, and the stop itself: save, requeue (SLURM), raise Preempted."""
+
+    def __init__(self, ctx: RankContext, save: Callable[[], str], requeue_signal: signal.Signals | None) -> None:
+        self.ctx = ctx
+        self.save = save
+        self.requeue_signal = requeue_signal
+        self.flag = torch.zeros(1, dtype=torch.int32)
+        self.pending: Any = None
+        # The flag lives on the CPU; NCCL reduces only GPU tensors, so NCCL worlds use a gloo group for it.
+        self.group = dist.new_group(backend="gloo") if ctx.world_size > 1 and ctx.backend != "gloo" else None
+
+    def boundary(self) -> None:
+        """Called by every rank at the same step boundaries: stop here if the ranks agreed a signal came."""
+        if self.ctx.world_size == 1:
+            signum = _received
+        else:
+            signum = 0
+            if self.pending is not None:
+                self.pending.wait()
+                self.pending = None
+                signum = int(self.flag.item())
+            if not signum:
+                self.flag.fill_(_received)
+                self.pending = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        if signum:
+            self._stop(signal.Signals(signum))
+
+    def close(self, finished: bool) -> None:
+        """End of the session: let an agreement in flight complete (unless the session failed) and disarm."""
+        try:
+            if finished and self.pending is not None:
+                self.pending.wait()
+        finally:
+            self.pending = None
+            disarm()
+
+    def _stop(self, sig: signal.Signals) -> None:
+        path = self.save()
+        requeued = sig == self.requeue_signal and "SLURM_JOB_ID" in os.environ
+        if requeued and self.ctx.rank == 0:
+            requeued = _requeue(os.environ["SLURM_JOB_ID"])
+        if self.ctx.rank == 0:
+            print(f"qaccel: {Preempted(sig.name, path, requeued)}", file=sys.stderr, flush=True)
+        raise Preempted(sig.name, path, requeued)
+
+
+def _requeue(job_id: str) -> bool:
+    """``scontrol requeue`` this SLURM job (once: rank 0 only); False, with the reason printed, if SLURM refused."""
+    try:
+        done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        print(f"qaccel: could not requeue SLURM job {job_id}: {exc}", file=sys.stderr, flush=True)
+        return False
+    if done.returncode != 0:
+        print(f"qaccel: scontrol requeue {job_id} failed: {done.stderr.strip()}", file=sys.stderr, flush=True)
+    return done.returncode == 0
