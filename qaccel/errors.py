@@ -17,6 +17,18 @@ def is_peer_loss(exc_type: str, message: str) -> bool:
     return exc_type.startswith("torch.distributed.Dist") or any(s in message for s in _PEER_LOSS)
 
 
+def is_symptom(exc: BaseException) -> bool:
+    """True when ``exc``, or an exception it was raised from or while handling, only says a peer went away."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if is_peer_loss(type_name(current), str(current)):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
 def raised_note(rank: int, world_size: int, exc_type: str, message: str, *, launched: bool) -> str:
     """The note an exception gets naming the rank it came from, for ranks qaccel launched and ranks run in place.
 

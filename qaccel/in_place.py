@@ -7,12 +7,15 @@ The launcher's counterpart: here no process is started, only the process group i
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Callable
 
-from qaccel import collectives, group
+from qaccel import collectives, group, launcher_report
 from qaccel.config import Config
 from qaccel.environment import Environment, rank_variables
 from qaccel.errors import raised_note, type_name
+
+_NOTE_PREFIX = "[qaccel] raised on rank "
 
 
 def run(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, env: Environment, all_results: bool) -> Any:
@@ -25,15 +28,28 @@ def run(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, env: 
     if env.kind.exports_rank_variables:
         _export_rank_variables(env)
     needs_store = env.kind.started_by_launcher and ctx.world_size > 1
-    store = group.env_store(ctx, config.timeout) if needs_store else None
-    with group.session(ctx, config.timeout, store=store):
-        try:
-            result = fn(*args, **kwargs)
-        except BaseException as exc:
-            if ctx.world_size > 1:
-                exc.add_note(raised_note(ctx.rank, ctx.world_size, type_name(exc), str(exc), launched=False))
-            raise
-        return collectives.gather_object(result, ctx) if all_results else result
+    recorded = None  # the exception written to torchrun's error file, if any
+    try:
+        store = group.env_store(ctx, config.timeout) if needs_store else None
+        with group.session(ctx, config.timeout, store=store):
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:
+                raised_at = time.time()
+                if ctx.world_size > 1:
+                    exc.add_note(raised_note(ctx.rank, ctx.world_size, type_name(exc), str(exc), launched=False))
+                # now, before the group is torn down and a peer can see the broken connection and fail first
+                if launcher_report.record_cause(exc, raised_at):
+                    recorded = exc
+                raise
+            return collectives.gather_object(result, ctx) if all_results else result
+    except BaseException as exc:
+        # errors of the session itself too: a peer's loss seen in gather_object or in the closing barrier
+        if ctx.world_size > 1 and not any(str(n).startswith(_NOTE_PREFIX) for n in getattr(exc, "__notes__", ())):
+            exc.add_note(raised_note(ctx.rank, ctx.world_size, type_name(exc), str(exc), launched=False))
+        if exc is not recorded and not launcher_report.hold_symptom(exc, ctx.rank, ctx.world_size):
+            launcher_report.record_cause(exc)
+        raise
 
 
 def _export_rank_variables(env: Environment) -> None:
