@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -72,11 +73,8 @@ def hold_symptom(exc: BaseException, rank: int, world_size: int, hold_s: float =
     the rank that raised exits first (the launcher usually stops this one during the wait); True if held."""
     if world_size < 2 or not isinstance(exc, Exception) or not is_symptom(exc):
         return False
-    first_line = (str(exc).strip().splitlines() or [""])[0]
-    if len(first_line) > 200:
-        first_line = first_line[:200] + "..."
     line = (f"[qaccel] rank {rank} of {world_size} lost contact with another rank ({type(exc).__name__}: "
-            f"{first_line}); the cause is most likely in that rank's log. This rank leaves in {hold_s:g} s, "
+            f"{_gist(str(exc))}); the cause is most likely in that rank's log. This rank leaves in {hold_s:g} s, "
             "unless the launcher stops it first.\n")
     try:
         sys.stdout.flush()
@@ -89,3 +87,10 @@ def hold_symptom(exc: BaseException, rank: int, world_size: int, hold_s: float =
         pass
     time.sleep(hold_s)
     return True
+
+
+def _gist(message: str, limit: int = 160) -> str:
+    """The first sentence of an error message, without gloo's ``[source/file.cc:123] `` prefix."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", (message.strip().splitlines() or [""])[0])
+    text = text.split(". ", 1)[0]
+    return text if len(text) <= limit else text[:limit] + "..."
