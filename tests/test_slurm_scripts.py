@@ -4,7 +4,10 @@ Each test overrides only what a CPU-only cluster needs (``--gpus-per-node=0``, `
 worker count, and the rendezvous host/port since n1/n2 do not resolve) and passes a tiny training script as the
 template's argument. Every rank takes two real DDP steps on its own data and reports one ``RESULT`` line; the
 tests check the ranks, their nodes, the world size, an all-reduced sum and that the trained weights are the same on
-every rank and equal to training on all ranks' data at once, plus the job's final state.
+every rank and equal to training on all ranks' data at once, plus the job's final state. With a rank raising on one
+node, the multi-node templates must end the whole job (--kill-on-bad-exit) instead of leaving the others blocked.
+After every job, no process carrying the job's environment may still run, and torchrun's files are in the job's
+TMPDIR (the test's directory), not in /tmp.
 """
 
 from __future__ import annotations
