@@ -289,6 +289,8 @@ class Accelerator:
         if steps.stopper is None:
             stopping.arm({signal.SIGTERM} | ({requeue} if requeue is not None else set()))
             steps.stopper = stopping.Stopper(ctx, self.save_state, requeue)
+            for loader in steps.loaders:
+                stopping.shield_workers(loader)
             run = group.current_run()
             if run is not None:
                 run.closers.append(steps.stopper.close)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from qaccel import collectives, data, precision
+from qaccel import collectives, data, precision, stopping
 from qaccel.group import RankContext
 from qaccel.training import PreparedOptimizer, StepState
 
@@ -33,6 +33,8 @@ def prepare_one(obj: Any, ctx: RankContext, dtype: torch.dtype | None, mixed_pre
         seed = collectives.broadcast(data.shared_seed(obj), 0, ctx)
         loader = data.PreparedDataLoader(obj, ctx, seed, steps)
         steps.loaders.append(loader)
+        if steps.stopper is not None:  # prepared after resume()
+            stopping.shield_workers(loader)
         return loader
     if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and not any(obj is s for s in steps.schedulers):
         steps.schedulers.append(obj)

@@ -7,12 +7,16 @@ with one small asynchronous all-reduce (MAX of the signal number), started at on
 All ranks read the same value at the same boundary, so all stop after the same step, with no collective in the
 critical path of a step.
 
-The handler only notes the signal: a Python-level handler in a forked child (a DataLoader worker, a pool worker)
-would keep it from dying of the SIGTERM its parent sends, so forked children get back the previous handlers.
+The handler only notes the signal. Launchers signal a worker's whole process group (torchrun's agent) or every
+process of a step (SLURM), so a rank's children get the signal too, and a DataLoader worker dying of it would make
+its rank's loader raise before the step ends: DataLoader workers of an armed rank ignore the armed signals (they
+still exit with their rank). Other forked children (pool workers) get back SIGTERM's previous handler, as a
+Python-level handler would keep them from dying of the SIGTERM their pool sends, and ignore the requeue signal.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -102,15 +106,30 @@ def _note(signum: int, frame: Any) -> None:
 
 
 def _child_defaults() -> None:
-    """In a forked child: the handlers the parent had before arming."""
+    """In a forked child: SIGTERM's handler from before arming; the requeue signal ignored."""
     if not _previous:
         return
     try:
         for sig, handler in _previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, handler if sig == signal.SIGTERM else signal.SIG_IGN)
     except ValueError:  # forked from a thread other than the main one: _note's pid check covers it
         return
     _previous.clear()
+
+
+def shield_workers(loader: Any) -> None:
+    """Make the DataLoader workers ``loader`` starts from now on ignore the armed signals (see the module's doc)."""
+    init = loader.worker_init_fn
+    if not (isinstance(init, functools.partial) and init.func is _ignoring):
+        loader.worker_init_fn = functools.partial(_ignoring, tuple(_previous), init)
+
+
+def _ignoring(signals: tuple[int, ...], init: Callable[[int], Any] | None, worker_id: int) -> None:
+    """A DataLoader worker's init: ignore ``signals``, then run the user's ``worker_init_fn``."""
+    for sig in signals:
+        signal.signal(sig, signal.SIG_IGN)
+    if init is not None:
+        init(worker_id)
 
 
 os.register_at_fork(after_in_child=_child_defaults)

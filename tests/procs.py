@@ -40,6 +40,40 @@ def left_in(tmpdir: Path) -> list[str]:
     return sorted(p.name for p in Path(tmpdir).iterdir() if not p.name.startswith("torchinductor_"))
 
 
+def marked_pids(mark: str) -> list[int]:
+    """Processes whose environment carries ``mark`` (a caller, its forkserver and its ranks all get its env)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if mark.encode() in (proc / "environ").read_bytes():
+                    pids.append(int(proc.name))
+            except OSError:
+                pass
+    return pids
+
+
+def signal_when(cmd: list[str], sig: int, ready: str, *, env: dict, cwd: Path, timeout: float = 120):
+    """Run ``cmd``, send it ``sig`` once its stderr shows ``ready``, and wait for it to end; a CompletedProcess
+    with text output. Output goes through files in ``cwd``, so nothing blocks on a full pipe."""
+    out_path, err_path = Path(cwd) / "signalled.out", Path(cwd) / "signalled.err"
+    deadline = time.monotonic() + timeout
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=cwd, start_new_session=True)
+        try:
+            while ready not in err_path.read_text():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"{ready!r} never came (exit {proc.poll()}):\n{err_path.read_text()}")
+                time.sleep(0.05)
+            proc.send_signal(sig)
+            proc.wait(max(1.0, deadline - time.monotonic()))
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out_path.read_text(), err_path.read_text())
+
+
 def script_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)

@@ -9,11 +9,10 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
-from procs import script_env, wait_dead, write_script
+from procs import marked_pids, script_env, wait_dead, write_script
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -30,19 +29,6 @@ if __name__ == "__main__":
     print("made", flush=True)
     acc.distribute(work)()
 """
-
-
-def _marked(mark: str) -> list[int]:
-    """Processes whose environment carries ``mark``: the caller, its forkserver, the ranks (all get its env)."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                if mark.encode() in (proc / "environ").read_bytes():
-                    pids.append(int(proc.name))
-            except OSError:
-                pass
-    return pids
 
 
 @pytest.mark.parametrize("moment", ["forkserver importing", "forkserver importing later", "ranks running"])
@@ -65,4 +51,4 @@ def test_ctrl_c_during_start_up_gives_one_traceback_and_leaves_nothing(tmp_path,
     assert proc.returncode == -signal.SIGINT, err
     assert err.count("Traceback (most recent call last)") == 1, err
     assert err.rstrip().splitlines()[-1] == "KeyboardInterrupt", err
-    assert wait_dead(_marked(mark), timeout=30) == []
+    assert wait_dead(marked_pids(mark), timeout=30) == []

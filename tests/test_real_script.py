@@ -1,13 +1,23 @@
 """A real training script (tests/scripts/real_train.py: a Dataset class in the script with num_workers=2, logging
-and seeds set at the top, a checkpoint every epoch) behaves the same under python, torchrun and a real srun:
-same ranks, same log lines, both DataLoader workers used, bitwise the same parameters. Under torchrun
---max-restarts, a run that crashes and restarts ends bitwise where an uninterrupted run does."""
+and seeds set at the top, a checkpoint every epoch, acc.resume()) behaves the same under python, torchrun and a real
+srun: same ranks, same log lines, both DataLoader workers used, bitwise the same parameters.
+
+Long runs that die end bitwise where an uninterrupted run does: a rank crashing under torchrun --max-restarts or
+a plain launch with max_restarts; SIGTERM to a plain launch or to torchrun, then a second run; SLURM's USR1
+warning (scancel --signal=USR1 --batch) to slurm/requeue.sbatch, which requeues itself and resumes."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
 import pytest
 
-from procs import REPO, result_lines, run_script, run_torchrun, script_env
+from procs import REPO, marked_pids, result_lines, run_script, run_torchrun, script_env, signal_when, torchrun_cmd, wait_dead
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -42,7 +52,8 @@ def reference(tmp_path_factory):
 def test_plain_launch_runs_the_real_script(reference, tmp_path):
     proc = run_script(REAL, "--ckpt", str(tmp_path / "ckpt"), env=_env(), cwd=tmp_path, timeout=200)
     assert _checked(proc)["hash"] == reference
-    assert (tmp_path / "ckpt" / "registered_0.pt").exists()
+    # a checkpoint after each of the 3 epochs (6 steps each), named by step; resume(keep=2) kept the last two
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["checkpoint_00000012", "checkpoint_00000018"]
 
 
 def test_torchrun_runs_the_real_script_to_the_same_parameters(reference, tmp_path):
@@ -72,3 +83,103 @@ def test_torchrun_restarts_resume_bitwise(reference, tmp_path):
     assert "rank 1 crashes at epoch 0 batch 3 on purpose" in proc.stderr
     assert "rank 1 crashes at epoch 1 batch 2 on purpose" in proc.stderr
     assert result["hash"] == reference
+
+
+def test_plain_max_restarts_resume_bitwise(reference, tmp_path):
+    """Accelerator(max_restarts=2) does for a plain launch what torchrun --max-restarts does, with the same
+    attempt numbers (acc.restart_count) and the failure printed before each restart."""
+    proc = run_script(REAL, "--ckpt", str(tmp_path / "ckpt"), "--crash-at", "0:3,1:2", "--max-restarts", "2",
+                      env=_env(), cwd=tmp_path, timeout=250)
+    result = _checked(proc)
+    assert (result["attempt"], result["resumed"]) == ("2", True), result
+    assert "RuntimeError: rank 1 crashes at epoch 0 batch 3 on purpose" in proc.stderr
+    assert "RuntimeError: rank 1 crashes at epoch 1 batch 2 on purpose" in proc.stderr
+    assert "qaccel: rank 1 failed (RuntimeError); restarting all 2 ranks (restart 1 of 2)" in proc.stderr
+    assert "(restart 2 of 2)" in proc.stderr
+    assert result["hash"] == reference
+
+
+def test_plain_max_restarts_used_up_raises_the_last_failure(tmp_path):
+    proc = run_script(REAL, "--ckpt", str(tmp_path / "ckpt"), "--crash-at", "0:1,0:2", "--max-restarts", "1",
+                      env=_env(), cwd=tmp_path, timeout=200)
+    assert proc.returncode == 1, proc.stderr
+    last = proc.stderr.rsplit("Traceback (most recent call last)", 1)[1]
+    assert "RuntimeError: rank 1 crashes at epoch 0 batch 2 on purpose" in last
+    assert "the failure of the last attempt, after 1 restart(s)" in last
+    assert proc.stderr.count("restarting all 2 ranks") == 1
+
+
+def _stopped_then_resumed(cmd, sig, tmp_path, env, exitcode):
+    """Signal ``cmd`` once its first epoch is saved; it must exit ``exitcode`` after saving mid-run, leave no
+    process behind, and a second run of ``cmd`` must resume from that checkpoint. The second run's output."""
+    mark = f"QACCEL_TEST_MARK_{uuid.uuid4().hex}"
+    env = {**env, mark: "1"}
+    first = signal_when(cmd, sig, "rank 1 epoch 1 loss", env=env, cwd=tmp_path, timeout=150)
+    assert first.returncode == exitcode, first.stderr
+    assert wait_dead(marked_pids(mark), timeout=10) == []
+    stopped = [line for line in first.stderr.splitlines() if line.startswith("qaccel: stopped by ")]
+    assert len(stopped) == 1, first.stderr  # said once, by rank 0
+    saved = stopped[0].split(" after saving state to ")[1]
+    assert saved.startswith(str(tmp_path / "ckpt" / "checkpoint_")) and os.path.isdir(saved), stopped
+    assert int(saved[-8:]) > 6, "stopped after the first epoch's checkpoint (step 6), not at it"
+    second = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=200)
+    for rank in range(2):
+        assert f"rank {rank} resumed from {saved} at epoch" in second.stderr, second.stderr
+    return second
+
+
+SLOW = ("--step-sleep", "0.25")  # 18 steps: about 5 s of training, so the signal lands mid-run
+
+
+def test_sigterm_to_a_plain_launch_saves_and_a_rerun_resumes_bitwise(reference, tmp_path):
+    cmd = [sys.executable, str(REAL), "--ckpt", str(tmp_path / "ckpt"), *SLOW]
+    second = _stopped_then_resumed(cmd, signal.SIGTERM, tmp_path, _env(), exitcode=128 + signal.SIGTERM)  # Preempted: a SystemExit
+    assert _checked(second)["hash"] == reference
+
+
+def test_sigterm_to_torchrun_saves_and_a_rerun_resumes_bitwise(reference, tmp_path):
+    cmd = [*torchrun_cmd(tmp_path / "logs", "--standalone", "--nproc_per_node", "2"), str(REAL),
+           "--ckpt", str(tmp_path / "ckpt"), *SLOW]
+    second = _stopped_then_resumed(cmd, signal.SIGTERM, tmp_path, _env(), exitcode=1)  # torchrun's own code
+    assert _checked(second)["hash"] == reference
+
+
+@pytest.mark.slurm
+def test_slurm_usr1_warning_saves_requeues_and_resumes_bitwise(reference, slurm_cluster, tmp_path):
+    """slurm/requeue.sbatch as submitted: USR1 to the batch shell (what --signal=B:USR1@180 sends before the time
+    limit) reaches every rank; they save, rank 0 requeues the job once, and the requeued job resumes."""
+    from test_slurm import _env as slurm_env
+
+    env = slurm_env(slurm_cluster)
+    env["OMP_NUM_THREADS"] = "1"
+    out = tmp_path / "job.out"
+    job = slurm_cluster.sbatch(
+        REPO / "slurm" / "requeue.sbatch",
+        ["--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1", f"--output={out}"],
+        env=env, cwd=tmp_path, script_args=[str(REAL), "--ckpt", str(tmp_path / "ckpt"), *SLOW],
+    )
+    _wait_for(lambda: out.exists() and "rank 1 epoch 1 loss" in out.read_text(), 120, out)
+    assert slurm_cluster.run(["scancel", "--signal=USR1", "--batch", str(job)]).returncode == 0
+    # SLURM holds a requeued job ~2 minutes (BeginTime) before it may start; as the cluster's admin, start it now
+    _wait_for(lambda: slurm_cluster.job_info(job).get("Restarts") == "1"
+              and slurm_cluster.job_info(job).get("JobState") == "PENDING", 60, out)
+    slurm_cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+    slurm_cluster.wait_job(job, timeout=150)
+    info = slurm_cluster.job_info(job)
+    text = out.read_text()
+    assert (info.get("JobState"), info.get("ExitCode"), info.get("Restarts")) == ("COMPLETED", "0:0", "1"), (info, text)
+    assert text.count("requeue.sbatch: job") == 2, text
+    stopped = [line for line in text.splitlines() if line.startswith("qaccel: stopped by SIGUSR1")]
+    assert len(stopped) == 1 and stopped[0].endswith("; the SLURM job was requeued and will resume from it"), text
+    saved = stopped[0].split(" after saving state to ")[1].split(";")[0]
+    assert f"rank 0 resumed from {saved} at epoch" in text and f"rank 1 resumed from {saved} at epoch" in text
+    [result] = result_lines(text)
+    assert result["hash"] == reference and result["resumed"], result
+
+
+def _wait_for(condition, timeout, out):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out; job output:\n{out.read_text() if out.exists() else '(none)'}")
+        time.sleep(0.2)

@@ -1,9 +1,11 @@
 """A training script written as people write them, run by the tests under python, torchrun and srun.
 
 Top-level set-up (logging, seeds, default dtype), a Dataset class defined here with num_workers=2, a model built
-inside the training function from the global RNG, a checkpoint every epoch and a resume from it. With
-``--crash-at E:B[,E:B...]`` rank 1 raises at epoch E, batch B of torchrun's attempt 0 (then of attempt 1, ...), as
-TORCHELASTIC_RESTART_COUNT counts them.
+inside the training function from the global RNG, a checkpoint every epoch, and ``acc.resume()``: it continues from
+the newest checkpoint, and on SIGTERM (or SLURM's USR1) every rank finishes its step, saves and stops. With
+``--crash-at E:B[,E:B...]`` rank 1 raises at epoch E, batch B of attempt 0 (then of attempt 1, ...), as
+``acc.restart_count`` counts them (torchrun --max-restarts, or ``--max-restarts`` for a plain launch).
+``--step-sleep`` slows each step so that a test can signal it mid-run.
 It prints one RESULT line (rank 0) with a hash of the final parameters' bytes.
 """
 
@@ -12,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 
 import numpy as np
 import torch
@@ -41,46 +44,30 @@ class Regression(Dataset):
         return self.x[i], self.y[i], get_worker_info().id
 
 
-class Progress:
-    """Epochs done, saved with the checkpoint."""
-
-    def __init__(self) -> None:
-        self.epoch = 0
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch = state["epoch"]
-
-
 def train(args, acc):
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
     loader = DataLoader(Regression(96), batch_size=8, shuffle=True, num_workers=2)
     model, optimizer, loader = acc.prepare(model, optimizer, loader)
-    progress = Progress()
-    acc.register_for_checkpointing(progress)
-    resumed = os.path.isdir(args.ckpt)
+    resumed = acc.resume(args.ckpt, keep=2)
     if resumed:
-        acc.load_state(args.ckpt)
-        log.info("rank %d resumed at epoch %d", acc.rank, progress.epoch)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        log.info("rank %d resumed from %s at epoch %d step %d", acc.rank, resumed, loader.epoch, acc.step)
+    attempt = acc.restart_count
     crashes = [tuple(map(int, point.split(":"))) for point in args.crash_at.split(",") if point]
-    crash = crashes[int(attempt)] if int(attempt) < len(crashes) else None
+    crash = crashes[attempt] if attempt < len(crashes) else None
     workers = set()
-    while progress.epoch < args.epochs:
+    for epoch in range(loader.epoch, args.epochs):
         for i, (x, y, worker) in enumerate(loader):
-            if crash == (progress.epoch, i) and acc.rank == 1:
-                raise RuntimeError(f"rank 1 crashes at epoch {progress.epoch} batch {i} on purpose")
+            if crash == (epoch, i) and acc.rank == 1:
+                raise RuntimeError(f"rank 1 crashes at epoch {epoch} batch {i} on purpose")
             loss = torch.nn.functional.mse_loss(model(x), y)
             optimizer.zero_grad()
             acc.backward(loss)
             optimizer.step()
             workers.update(worker.tolist())
-        progress.epoch += 1
-        log.info("rank %d epoch %d loss %.6f", acc.rank, progress.epoch, loss.item())
-        acc.save_state(args.ckpt)
+            time.sleep(args.step_sleep)
+        log.info("rank %d epoch %d loss %.6f", acc.rank, epoch + 1, loss.item())
+        acc.save_state()
     params = torch.cat([p.detach().reshape(-1) for p in acc.unwrap_model(model).parameters()])
     return {
         "rank": acc.rank,
@@ -88,8 +75,9 @@ def train(args, acc):
         "hash": hashlib.sha256(params.numpy().tobytes()).hexdigest(),
         "dtype": str(params.dtype),
         "workers": sorted(workers),
-        "resumed": resumed,
-        "attempt": attempt,
+        "resumed": resumed is not None,
+        "attempt": str(attempt),
+        "step": acc.step,
     }
 
 
@@ -99,8 +87,10 @@ if __name__ == "__main__":
     parser.add_argument("--nprocs", type=int, default=2)
     parser.add_argument("--ckpt", required=True)
     parser.add_argument("--crash-at", default="")
+    parser.add_argument("--max-restarts", type=int, default=0)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
     args = parser.parse_args()
-    acc = Accelerator(nprocs=args.nprocs, compute_setup="cpu", timeout=60)
+    acc = Accelerator(nprocs=args.nprocs, compute_setup="cpu", timeout=60, max_restarts=args.max_restarts)
     result = acc.distribute(train)(args, acc)
     if acc.is_main_process:
         os.write(1, f"RESULT {json.dumps(result)}\n".encode())  # one write: ranks may share the pipe
