@@ -248,12 +248,13 @@ class Accelerator:
         K newest stay. Without a directory, it saves into the folder given to resume(), keeping as many as it said.
         """
         steps = self._steps()
+        numbered = keep is not None
         if directory is None:
             if steps.checkpoints is None:
                 raise ValueError("save_state() needs a directory, or a resume(directory) call before it")
             directory, resume_keep = steps.checkpoints
-            keep = resume_keep if keep is None else keep
-        return checkpoint.save_state(directory, steps, self._ctx(), _keep(keep))
+            keep, numbered = resume_keep if keep is None else keep, True
+        return checkpoint.save_state(directory, steps, self._ctx(), _keep(keep), numbered)
 
     def load_state(self, directory: str | os.PathLike | None = None, *, missing_ok: bool = False) -> str | None:
         """Restore a save_state() checkpoint into the objects prepared (and registered) in this run, in order.

@@ -82,22 +82,24 @@ def save_model(model: torch.nn.Module, directory: str | os.PathLike, ctx: RankCo
     save(get_state_dict(model), os.path.join(directory, MODEL_FILE), ctx)
 
 
-def save_state(directory: str | os.PathLike, state: StepState, ctx: RankContext, keep: int | None = None) -> str:
+def save_state(
+    directory: str | os.PathLike, state: StepState, ctx: RankContext, keep: int | None = None, numbered: bool = False
+) -> str:
     """Checkpoint everything a resumed run needs, atomically: models, optimizers, schedulers, the fp16 scaler,
     every rank's RNG states, loader positions, registered objects and the step count. Returns the path written.
 
-    With ``keep`` set, ``directory`` holds numbered checkpoints: this one goes to ``checkpoint_<step>`` and only the
-    ``keep`` newest complete ones stay. Every rank sends its RNG states to rank 0, which writes all parts into a
+    ``numbered``: ``directory`` holds numbered checkpoints; this one goes to ``checkpoint_<step>``, and only the
+    ``keep`` newest complete ones stay (None: all). Every rank sends its RNG states to rank 0, which writes all parts into a
     temporary directory beside the target and swaps it in. A crash before the swap leaves the previous checkpoint
     untouched; a crash between the swap's two renames leaves it as ``<target>.old-*``, which load_state() falls
     back to.
     """
     directory = os.path.abspath(os.fspath(directory))
-    target = directory if keep is None else os.path.join(directory, f"checkpoint_{state.updates:08d}")
+    target = os.path.join(directory, f"checkpoint_{state.updates:08d}") if numbered else directory
     rng_states = collectives.gather_object(_rng_state(), ctx)
     if ctx.rank == 0:
         _write_checkpoint(target, state, rng_states, ctx.world_size)
-        if keep is not None:
+        if numbered and keep is not None:
             _prune(directory, keep)
     collectives.barrier(ctx)
     return target
@@ -128,14 +130,16 @@ def _write_checkpoint(directory: str, state: StepState, rng_states: list[dict[st
 
 
 def _prune(directory: str, keep: int) -> None:
-    """Remove all but the ``keep`` newest complete checkpoints of ``directory``, and backups already replaced."""
+    """Remove all but the ``keep`` newest complete checkpoints of ``directory``, backups already replaced, and what
+    killed saves left (rank 0, the only writer, has finished writing)."""
     complete = _numbered(directory)
     for _, path in complete[:-keep]:
         shutil.rmtree(path)
     kept = {path for _, path in complete[-keep:]}
-    for path in glob.glob(os.path.join(glob.escape(directory), "checkpoint_*.old-*")):
-        if path not in kept:
-            shutil.rmtree(path, ignore_errors=True)
+    for pattern in ("checkpoint_*.old-*", "checkpoint_*.tmp-*"):
+        for path in glob.glob(os.path.join(glob.escape(directory), pattern)):
+            if path not in kept:
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def _numbered(directory: str) -> list[tuple[int, str]]:
