@@ -62,6 +62,11 @@ class Accelerator:
         self._step_state: training.StepState | None = None
         if env.kind.started_by_launcher and nprocs > 1 and nprocs != env.world_size and env.rank == 0:
             _warn_world_mismatch(nprocs, env)  # once per job, not once per rank
+        if env.kind.started_by_launcher and max_restarts and env.rank == 0:
+            warnings.warn(
+                f"Accelerator(max_restarts={max_restarts}) restarts the ranks of a plain launch only; under {env.kind} "
+                "use torchrun --max-restarts, or SLURM's requeue (slurm/requeue.sbatch)", stacklevel=2,
+            )
         if env.kind.creates_processes and nprocs > 1 and group.current() is None:
             launch.warm_up(start_method)
 

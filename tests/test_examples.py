@@ -108,3 +108,15 @@ def test_examples_print_once_under_srun(slurm_cluster, tmp_path, example):
                                *ONCE[example][0]], timeout=200, env=slurm_env(slurm_cluster))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     _once(proc.stdout, example)
+
+
+@pytest.mark.parametrize("launcher", ["python", "torchrun"])
+def test_long_run_continues_where_it_stopped(launcher, tmp_path):
+    head = [sys.executable] if launcher == "python" else _torchrun(tmp_path)
+    cmd = [*head, str(REPO / "examples/long_run.py"), "--save-every", "20", "--keep", "2"]
+    first = _run([*cmd, "--epochs", "1"], tmp_path)
+    assert first.count("final loss") == 1 and "resumed" not in first
+    again = _run([*cmd, "--epochs", "2"], tmp_path)
+    assert again.count("resumed from ") == 1 and "checkpoint_00000064 at epoch 1, step 64" in again
+    assert sorted(p.name for p in (tmp_path / "long_run_checkpoints").iterdir()) == [
+        "checkpoint_00000120", "checkpoint_00000128"]

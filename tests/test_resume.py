@@ -221,3 +221,12 @@ def test_children_of_an_armed_rank_die_of_sigterm_but_dataloader_workers_wait_fo
     workers, pools = acc.distribute(_children_of_an_armed_rank)(acc, str(tmp_path / "ckpt"))
     assert workers == {(int(signal.SIG_IGN), int(signal.SIG_IGN))}
     assert pools == {(int(signal.SIG_DFL), int(signal.SIG_IGN))}
+
+
+def test_max_restarts_under_torchrun_says_whose_restarts_apply(monkeypatch):
+    for key, value in {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
+                       "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.warns(UserWarning, match="restarts the ranks of a plain launch only; under torchrun use torchrun "
+                                         "--max-restarts"):
+        Accelerator(nprocs=2, compute_setup="cpu", max_restarts=2)
