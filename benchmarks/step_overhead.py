@@ -10,6 +10,11 @@ process group, threads and data:
     baseline  DistributedDataParallel(model) + DataLoader(sampler=DistributedSampler(...)), sampler.set_epoch
               per epoch, explicit .to(device) per batch
 
+  resume (Accelerator(nprocs=2, compute_setup="cpu")), per step:
+    qaccel    the plain qaccel loop after acc.resume(dir): each step boundary joins the ranks' agreement on a
+              stop signal (one asynchronous 4-byte all-reduce per optimizer step)
+    baseline  the plain baseline
+
   accumulate (Accelerator(..., gradient_accumulation_steps=2)), per micro-step:
     qaccel    with acc.accumulate(model): forward, acc.backward(loss), optimizer.step(), optimizer.zero_grad()
               (the prepared optimizer does nothing on accumulation micro-steps)
@@ -42,6 +47,7 @@ import copy
 import gc
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any, Callable, Iterator
 
@@ -103,6 +109,24 @@ def qaccel_steps(acc: Accelerator, template: torch.nn.Module, dataset: TensorDat
     for _ in range(EPOCHS):
         for batch in loader:
             x, y = acc.prepare_batch(batch)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            yield True
+
+
+def qaccel_resume_steps(acc: Accelerator, template: torch.nn.Module, dataset: TensorDataset) -> Iterator[bool | None]:
+    """The plain qaccel loop after ``resume()``: every step boundary takes part in the ranks' agreement on a stop
+    signal (one asynchronous all-reduce per optimizer step). A fresh Accelerator per sample, so that its first
+    prepared optimizer is this sample's and drives the count (acc.step) the agreement runs on."""
+    fresh = Accelerator(nprocs=WORLD, compute_setup="cpu")
+    model, optimizer, loader = qaccel_setup(fresh, template, dataset)
+    fresh.resume(tempfile.mkdtemp(prefix="qaccel-bench-"))  # empty: nothing to load, nothing saved
+    yield None  # set-up done
+    for _ in range(EPOCHS):
+        for batch in loader:
+            x, y = fresh.prepare_batch(batch)
             loss = torch.nn.functional.mse_loss(model(x), y)
             optimizer.zero_grad()
             loss.backward()
@@ -182,6 +206,7 @@ Loop = Callable[[Accelerator, torch.nn.Module, TensorDataset], Iterator[bool | N
 COMPARISONS: dict[str, tuple[tuple[str, Loop], tuple[str, Loop]]] = {
     "plain": (("qaccel", qaccel_steps), ("baseline", baseline_steps)),
     "accumulate": (("qaccel", qaccel_accumulate_steps), ("baseline", baseline_accumulate_steps)),
+    "resume": (("qaccel", qaccel_resume_steps), ("baseline", baseline_steps)),
 }
 
 
@@ -258,6 +283,10 @@ SETUPS = {
         accelerator={"gradient_accumulation_steps": ACCUMULATE},
         title=f"gradient accumulation, {ACCUMULATE} micro-steps per update",
         rows=("baseline DDP+no_sync loop", "qaccel accumulate+backward loop"), step="micro-step", info={},
+    ),
+    "resume": dict(
+        accelerator={}, title="plain loop after acc.resume(): armed to stop on SIGTERM/USR1",
+        rows=("baseline DDP+DistributedSampler loop", "qaccel loop after resume()"), step="step", info={},
     ),
 }
 
