@@ -101,10 +101,14 @@ def qaccel_setup(acc: Accelerator, template: torch.nn.Module, dataset: TensorDat
     return acc.prepare(model, optimizer, DataLoader(dataset, batch_size=BATCH, shuffle=True))
 
 
-def qaccel_steps(acc: Accelerator, template: torch.nn.Module, dataset: TensorDataset) -> Iterator[bool | None]:
-    """The qaccel loop as a generator: prepare() before the first yield, then one training step per yield
-    (yielding True: every step updates)."""
+def qaccel_steps(
+    acc: Accelerator, template: torch.nn.Module, dataset: TensorDataset, resume_dir: str | None = None
+) -> Iterator[bool | None]:
+    """The qaccel loop as a generator: prepare() (and resume(resume_dir): an empty folder, nothing is loaded or
+    saved) before the first yield, then one training step per yield (yielding True: every step updates)."""
     model, optimizer, loader = qaccel_setup(acc, template, dataset)
+    if resume_dir is not None:
+        acc.resume(resume_dir)
     yield None  # set-up done
     for _ in range(EPOCHS):
         for batch in loader:
@@ -121,17 +125,7 @@ def qaccel_resume_steps(acc: Accelerator, template: torch.nn.Module, dataset: Te
     signal (one asynchronous all-reduce per optimizer step). A fresh Accelerator per sample, so that its first
     prepared optimizer is this sample's and drives the count (acc.step) the agreement runs on."""
     fresh = Accelerator(nprocs=WORLD, compute_setup="cpu")
-    model, optimizer, loader = qaccel_setup(fresh, template, dataset)
-    fresh.resume(tempfile.mkdtemp(prefix="qaccel-bench-"))  # empty: nothing to load, nothing saved
-    yield None  # set-up done
-    for _ in range(EPOCHS):
-        for batch in loader:
-            x, y = fresh.prepare_batch(batch)
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            yield True
+    return qaccel_steps(fresh, template, dataset, resume_dir=tempfile.mkdtemp(prefix="qaccel-bench-"))
 
 
 def hand_written_setup(device: torch.device, template: torch.nn.Module, dataset: TensorDataset) -> tuple:
