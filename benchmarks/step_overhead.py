@@ -45,6 +45,7 @@ import argparse
 import contextlib
 import copy
 import gc
+import os
 import statistics
 import sys
 import tempfile
@@ -104,8 +105,8 @@ def qaccel_setup(acc: Accelerator, template: torch.nn.Module, dataset: TensorDat
 def qaccel_steps(
     acc: Accelerator, template: torch.nn.Module, dataset: TensorDataset, resume_dir: str | None = None
 ) -> Iterator[bool | None]:
-    """The qaccel loop as a generator: prepare() (and resume(resume_dir): an empty folder, nothing is loaded or
-    saved) before the first yield, then one training step per yield (yielding True: every step updates)."""
+    """The qaccel loop as a generator: prepare() (and resume(resume_dir): no checkpoint there, nothing saved)
+    before the first yield, then one training step per yield (yielding True: every step updates)."""
     model, optimizer, loader = qaccel_setup(acc, template, dataset)
     if resume_dir is not None:
         acc.resume(resume_dir)
@@ -125,7 +126,8 @@ def qaccel_resume_steps(acc: Accelerator, template: torch.nn.Module, dataset: Te
     signal (one asynchronous all-reduce per optimizer step). A fresh Accelerator per sample, so that its first
     prepared optimizer is this sample's and drives the count (acc.step) the agreement runs on."""
     fresh = Accelerator(nprocs=WORLD, compute_setup="cpu")
-    return qaccel_steps(fresh, template, dataset, resume_dir=tempfile.mkdtemp(prefix="qaccel-bench-"))
+    never_written = os.path.join(tempfile.gettempdir(), "qaccel-bench-no-checkpoints")  # resume() only reads it
+    return qaccel_steps(fresh, template, dataset, resume_dir=never_written)
 
 
 def hand_written_setup(device: torch.device, template: torch.nn.Module, dataset: TensorDataset) -> tuple:
