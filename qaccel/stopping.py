@@ -3,9 +3,11 @@ preemption) every rank finishes its step, saves state, and leaves; under SLURM t
 
 Ranks receive a signal at slightly different moments, possibly in different steps, so none may act on its own.
 Each prepared training loop asks at its step boundaries (qaccel/data.py); the ranks combine what they received
-with one small asynchronous all-reduce (MAX of the signal number), started at one boundary and read at the next.
-All ranks read the same value at the same boundary, so all stop after the same step, with no collective in the
-critical path of a step.
+with one small asynchronous all-reduce (MAX of the signal number), started at one boundary and read at a later
+one. All ranks read the same value at the same boundary, so all stop after the same step. An all-reduce per step
+would cost up to 20 % of a small CPU step (measured: benchmarks/step_overhead.py --only resume), so the ranks
+agree every CHECK_EVERY_S seconds instead: the same all-reduce carries each rank's time per step, and from its
+result every rank computes the same number of steps to the next check.
 
 The handler only notes the signal. Launchers signal a worker's whole process group (torchrun's agent) or every
 process of a step (SLURM), so a rank's children get the signal too, and a DataLoader worker dying of it would make
@@ -22,6 +24,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import Any, Callable
 
 import torch
@@ -31,6 +34,8 @@ from qaccel.group import RankContext
 
 # The signal clusters are usually told to send ahead of a time limit or a preemption (sbatch --signal=B:USR1@60).
 DEFAULT_REQUEUE_SIGNAL = signal.SIGUSR1
+CHECK_EVERY_S = 0.5  # how often the ranks agree whether to stop: a stop comes within about twice this
+MAX_CHECK_STEPS = 10_000
 
 _received = 0  # the first armed signal this process received since it armed them; 0: none
 _previous: dict[int, Any] = {}  # armed signal -> the handler it had before
@@ -142,26 +147,38 @@ class Stopper:
         self.ctx = ctx
         self.save = save
         self.requeue_signal = requeue_signal
-        self.flag = torch.zeros(1, dtype=torch.int32)
+        self.flag = torch.zeros(2, dtype=torch.float64)  # [signal received, seconds per step]: MAX over ranks
         self.pending: Any = None
+        self.interval = 1  # steps between checks: the same on every rank, as it comes from reduced values
+        self.countdown = 1
+        self.window = 0  # steps the all-reduce in flight measured (0: none yet)
+        self.launched = 0.0  # when this rank started it
         # The flag lives on the CPU; NCCL reduces only GPU tensors, so NCCL worlds use a gloo group for it.
         self.group = dist.new_group(backend="gloo") if ctx.world_size > 1 and ctx.backend != "gloo" else None
 
     def boundary(self) -> None:
-        """Called by every rank at the same step boundaries: stop here if the ranks agreed a signal came."""
+        """Called by every rank after the same optimizer steps: stop here if the ranks agreed a signal came."""
         if self.ctx.world_size == 1:
-            signum = _received
-        else:
-            signum = 0
-            if self.pending is not None:
-                self.pending.wait()
-                self.pending = None
-                signum = int(self.flag.item())
-            if not signum:
-                self.flag.fill_(_received)
-                self.pending = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        if signum:
-            self._stop(signal.Signals(signum))
+            if _received:
+                self._stop(signal.Signals(_received))
+            return
+        self.countdown -= 1
+        if self.countdown > 0:
+            return
+        now = time.perf_counter()
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
+            signum, per_step = int(self.flag[0]), float(self.flag[1])
+            if signum:
+                self._stop(signal.Signals(signum))
+            if per_step > 0:
+                self.interval = max(1, min(MAX_CHECK_STEPS, int(CHECK_EVERY_S / per_step)))
+        self.flag[0] = _received
+        self.flag[1] = (now - self.launched) / self.window if self.window else 0.0
+        self.window = self.countdown = self.interval if self.launched else 1
+        self.launched = now
+        self.pending = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
 
     def close(self, finished: bool) -> None:
         """End of the session: let an agreement in flight complete (unless the session failed) and disarm."""
