@@ -1,6 +1,6 @@
 """Per-step overhead benchmark: a training loop through qaccel vs. the same loop written by hand (world 2, CPU, gloo).
 
-Two comparisons, each in launches of its own (one Accelerator per launch); in each, both loops run in the same
+Three comparisons, each in launches of its own (one Accelerator per launch); in each, both loops run in the same
 qaccel-launched ranks, taking turns, so process start-up is out of the comparison and both get the same
 process group, threads and data:
 
@@ -27,8 +27,8 @@ spell of the machine hits both alike. Every turn starts at a barrier and counts 
 the sum of its turns. One warm-up sample comes first. Both sides of a comparison must do the same number of
 optimizer updates per sample (checked).
 
-    python benchmarks/step_overhead.py                     # both comparisons, 5 launches x 8 samples per side
-    python benchmarks/step_overhead.py --only accumulate   # one of them (plain or accumulate)
+    python benchmarks/step_overhead.py                     # all three comparisons, 5 launches x 8 samples per side
+    python benchmarks/step_overhead.py --only accumulate   # one of them (plain, accumulate or resume)
     python benchmarks/step_overhead.py --launches 15       # a tighter median (~2.5 min per comparison)
     python benchmarks/step_overhead.py --quick             # 1 launch, 3 samples per side
 
