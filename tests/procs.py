@@ -177,6 +177,17 @@ def free_job_id() -> str:
     raise RuntimeError("no free port in the SLURM range")
 
 
+def slurm_env(cluster) -> dict:
+    """The environment for commands run on the local SLURM (tests/slurm_cluster.py): its fake nodes n1/n2 do not
+    resolve here, so qaccel rendezvouses on loopback, on a port free now (user-set MASTER_* win)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = cluster.env
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(REPO))
+    return env
+
+
 def srun_env(rank: int, job_id: str, **extra: str) -> dict:
     """The environment srun gives task ``rank`` of a 2-task step on one node (without a real SLURM)."""
     env = script_env(

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from procs import REPO, script_env, torchrun_cmd
+from procs import REPO, script_env, slurm_env, torchrun_cmd
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -102,8 +102,6 @@ def test_classify_cnn_prints_once_under_torchrun(tmp_path):
 @pytest.mark.slurm
 @pytest.mark.parametrize("example", sorted(ONCE))
 def test_examples_print_once_under_srun(slurm_cluster, tmp_path, example):
-    from test_slurm import _env as slurm_env
-
     proc = slurm_cluster.srun(["-N1", "-n2", "--chdir", str(tmp_path), "python", str(REPO / "examples" / example),
                                *ONCE[example][0]], timeout=200, env=slurm_env(slurm_cluster))
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from procs import REPO, run_torchrun, wait_dead, write_script
+from procs import run_torchrun, slurm_env, wait_dead, write_script
 
 SCRIPT = """
 import os, sys, time
@@ -117,16 +116,6 @@ def test_torchrun_does_not_record_a_system_exit_as_the_error(tmp_path):
     assert wait_dead(run["pids"], timeout=5) == []
 
 
-def _srun_env(cluster) -> dict:
-    """The fake nodes do not resolve here: rendezvous on loopback, on a port free now (user-set values win)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = cluster.env
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(REPO))
-    return env
-
-
 def _no_jobs_left(cluster, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -146,7 +135,7 @@ def test_srun_step_fails_within_seconds_with_the_raising_ranks_traceback(slurm_c
     kill = ["--kill-on-bad-exit=1"] if kill_on_bad_exit else ["--kill-on-bad-exit=0"]
     started = time.time()
     proc = slurm_cluster.srun(["-N1", "-n2", *kill, sys.executable, str(script), str(out), "raise"],
-                              timeout=90, env=_srun_env(slurm_cluster))
+                              timeout=90, env=slurm_env(slurm_cluster))
     ended = time.time()
     assert proc.returncode != 0
     assert "ValueError: rank 1 fails on purpose" in proc.stderr and USER_LINE in proc.stderr, proc.stderr[-4000:]

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from procs import REPO, run_script, run_torchrun
+from procs import REPO, run_script, run_torchrun, slurm_env
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -40,8 +40,6 @@ def test_quick_start_prints_once_under_torchrun(tmp_path):
 
 @pytest.mark.slurm
 def test_quick_start_prints_once_under_srun(slurm_cluster, tmp_path):
-    from test_slurm import _env as slurm_env
-
     proc = slurm_cluster.srun(["-N1", "-n2", "python", str(_quick_start(tmp_path))], timeout=200,
                               env=slurm_env(slurm_cluster))
     _printed_once(proc)

@@ -17,7 +17,9 @@ import uuid
 
 import pytest
 
-from procs import REPO, marked_pids, result_lines, run_script, run_torchrun, script_env, signal_when, torchrun_cmd, wait_dead
+from procs import (
+    REPO, marked_pids, result_lines, run_script, run_torchrun, script_env, signal_when, slurm_env, torchrun_cmd, wait_dead,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -63,8 +65,6 @@ def test_torchrun_runs_the_real_script_to_the_same_parameters(reference, tmp_pat
 
 @pytest.mark.slurm
 def test_srun_runs_the_real_script_to_the_same_parameters(reference, slurm_cluster, tmp_path):
-    from test_slurm import _env as slurm_env
-
     env = slurm_env(slurm_cluster)
     env["OMP_NUM_THREADS"] = "1"
     env.pop("PYTHONUNBUFFERED", None)
@@ -148,8 +148,6 @@ def test_sigterm_to_torchrun_saves_and_a_rerun_resumes_bitwise(reference, tmp_pa
 def test_slurm_usr1_warning_saves_requeues_and_resumes_bitwise(reference, slurm_cluster, tmp_path):
     """slurm/requeue.sbatch as submitted: USR1 to the batch shell (what --signal=B:USR1@180 sends before the time
     limit) reaches every rank; they save, rank 0 requeues the job once, and the requeued job resumes."""
-    from test_slurm import _env as slurm_env
-
     env = slurm_env(slurm_cluster)
     env["OMP_NUM_THREADS"] = "1"
     out = tmp_path / "job.out"

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 
-from procs import REPO, write_script
+from procs import REPO, slurm_env, write_script
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(180)]
 
@@ -36,19 +35,9 @@ def _results(text):
     return sorted((json.loads(line[7:]) for line in text.splitlines() if line.startswith("RESULT ")), key=lambda r: r["rank"])
 
 
-def _env(cluster):
-    """n1/n2 do not resolve on this machine, so point the rendezvous at loopback (user-set values win)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = cluster.env
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(REPO))
-    return env
-
-
 def test_srun_two_nodes_each_task_is_a_rank(slurm_cluster, tmp_path):
     script = write_script(tmp_path, SCRIPT)
-    proc = slurm_cluster.srun(["-N2", "-n2", "python", str(script)], timeout=120, env=_env(slurm_cluster))
+    proc = slurm_cluster.srun(["-N2", "-n2", "python", str(script)], timeout=120, env=slurm_env(slurm_cluster))
     assert proc.returncode == 0, proc.stderr
     results = _results(proc.stdout)
     assert [(r["rank"], r["local"], r["node"], r["world"], r["sum"], r["procid"]) for r in results] == [
@@ -59,14 +48,14 @@ def test_srun_two_nodes_each_task_is_a_rank(slurm_cluster, tmp_path):
 
 def test_srun_two_tasks_one_node(slurm_cluster, tmp_path):
     script = write_script(tmp_path, SCRIPT)
-    proc = slurm_cluster.srun(["-N1", "-n2", "python", str(script)], timeout=120, env=_env(slurm_cluster))
+    proc = slurm_cluster.srun(["-N1", "-n2", "python", str(script)], timeout=120, env=slurm_env(slurm_cluster))
     assert proc.returncode == 0, proc.stderr
     assert [(r["rank"], r["local"], r["node"], r["sum"]) for r in _results(proc.stdout)] == [(0, 0, 0, 1), (1, 1, 0, 1)]
 
 
 def test_srun_failing_rank_fails_the_step_and_names_the_rank(slurm_cluster, tmp_path):
     script = write_script(tmp_path, SCRIPT)
-    proc = slurm_cluster.srun(["-N1", "-n2", "--kill-on-bad-exit=1", "python", str(script), "fail"], timeout=120, env=_env(slurm_cluster))
+    proc = slurm_cluster.srun(["-N1", "-n2", "--kill-on-bad-exit=1", "python", str(script), "fail"], timeout=120, env=slurm_env(slurm_cluster))
     assert proc.returncode != 0
     assert "ValueError: rank 1 fails on purpose" in proc.stderr
     assert "[qaccel] raised on rank 1 of 2" in proc.stderr
