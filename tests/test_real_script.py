@@ -172,6 +172,7 @@ def test_slurm_usr1_warning_saves_requeues_and_resumes_bitwise(reference, slurm_
     saved = stopped[0].split(" after saving state to ")[1].split(";")[0]
     assert f"rank 0 resumed from {saved} at epoch" in text and f"rank 1 resumed from {saved} at epoch" in text
     [result] = result_lines(text)
+    assert (result["rank"], result["world"], result["workers"]) == (0, 2, [0, 1]), result
     assert result["hash"] == reference and result["resumed"], result
 
 
