@@ -2,12 +2,22 @@
 component.py): they run only where the component can, else they are skipped saying why, or fail under CI=true."""
 
 import contextlib
+import signal
 import sys
 
 import pytest
 
 import component
 from slurm_cluster import LocalSlurm
+
+# A shell starts a background job (`cmd &`) with SIGINT ignored, and an ignored signal stays ignored across fork and
+# exec: every script the tests start would inherit it, and the Ctrl-C tests would wait for a KeyboardInterrupt that
+# never comes. A handled signal goes back to its default in an exec'd child, so handle it here (in each xdist worker).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    except ValueError:  # not the main thread: nothing to do from here
+        pass
 
 _COMPONENTS = {"slurm": component.slurm_missing, "two_hosts": component.two_hosts_missing}
 _WHY_NOT = pytest.StashKey[dict]()
