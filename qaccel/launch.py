@@ -156,7 +156,7 @@ def _attempt(ctx: Any, procs: list, run_dir: str, config: Config, all_results: b
     store = _loopback_store(config.timeout)
     procs.clear()
     readers = []
-    failures: list[RankFailure] = [RankFailure(-1)]  # until _supervise says otherwise (e.g. a start failed)
+    succeeded = False  # a rank that failed to start, or a Ctrl-C, counts as a failure: stop the others at once
     try:
         for rank in range(config.nprocs):
             reader, writer = ctx.Pipe(duplex=True)
@@ -169,9 +169,10 @@ def _attempt(ctx: Any, procs: list, run_dir: str, config: Config, all_results: b
         if received:  # a signal came while the ranks were starting: they get it too
             _forward(procs, received[0])
         failures = _supervise(procs, readers, run_dir)
+        succeeded = not failures
         return failures
     finally:
-        _stop(procs, failed=bool(failures))
+        _stop(procs, failed=not succeeded)
         for reader in readers:
             reader.close()
         del store
