@@ -86,6 +86,7 @@ ONCE = {  # each example's lines that must appear exactly once, however it was s
     "quickstart.py": (["--epochs", "4"], ["final mean loss"]),
     "regression.py": (["--epochs", "4"], ["validation loss"]),
     "classify_cnn.py": (["--epochs", "1"], ["test accuracy", "saved "]),
+    "long_run.py": (["--epochs", "1"], ["final loss"]),
 }
 
 
