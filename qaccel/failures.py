@@ -15,6 +15,8 @@ import cloudpickle
 
 from qaccel.errors import is_peer_loss, type_name
 
+STOP_TYPE = "qaccel.stopping.Preempted"  # the type name a rank's Preempted is reported under
+
 
 @dataclass(frozen=True)
 class ErrorReport:
@@ -58,6 +60,11 @@ class RankFailure:
     def is_symptom(self) -> bool:
         """Reported only that a peer went away."""
         return self.report is not None and self.report.is_peer_loss
+
+    @property
+    def is_stop(self) -> bool:
+        """Saved and raised Preempted after a signal: its peers are doing the same, so let them finish."""
+        return self.report is not None and self.report.type == STOP_TYPE
 
 
 def root_cause(failures: Sequence[RankFailure]) -> RankFailure:

@@ -344,15 +344,10 @@ def _supervise(procs: list, readers: list, run_dir: str) -> list[RankFailure]:
                 if procs[rank].exitcode != 0:
                     failures.append(RankFailure(rank, _read_report(run_dir, rank), procs[rank].exitcode))
         if failures:
-            if not all(f.is_symptom or _is_stop(f) for f in failures):
+            if not all(f.is_symptom or f.is_stop for f in failures):
                 return failures
             deadline = deadline or time.monotonic() + CAUSE_GRACE_S
     return failures
-
-
-def _is_stop(failure: RankFailure) -> bool:
-    """A rank that saved and raised Preempted: its peers are doing the same, let them finish."""
-    return failure.report is not None and failure.report.type == f"{Preempted.__module__}.Preempted"
 
 
 def _stop(procs: list, failed: bool) -> None:

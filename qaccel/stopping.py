@@ -32,8 +32,6 @@ import torch.distributed as dist
 
 from qaccel.group import RankContext
 
-# The signal clusters are usually told to send ahead of a time limit or a preemption (sbatch --signal=B:USR1@60).
-DEFAULT_REQUEUE_SIGNAL = signal.SIGUSR1
 CHECK_EVERY_S = 0.5  # how often the ranks agree whether to stop: a stop comes within about twice this
 MAX_CHECK_STEPS = 10_000
 
@@ -93,11 +91,6 @@ def disarm() -> None:
         signal.signal(sig, handler)
     _previous.clear()
     _received = 0
-
-
-def received() -> int:
-    """The armed signal this process received first (0: none)."""
-    return _received
 
 
 def _note(signum: int, frame: Any) -> None:

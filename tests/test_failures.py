@@ -82,3 +82,11 @@ def test_raised_note_for_a_cause(launched, expected):
 def test_raised_note_for_a_symptom_says_where_the_cause_is(launched, tail):
     note = raised_note(0, 2, "builtins.RuntimeError", RESET, launched=launched)
     assert note == "[qaccel] raised on rank 0 of 2 because it lost contact with another rank" + tail
+
+
+def test_a_preempted_rank_is_a_stop_not_a_symptom():
+    from qaccel import Preempted
+
+    stop = RankFailure(0, ErrorReport.of(0, Preempted("SIGTERM", "/ck/checkpoint_00000003")))
+    assert stop.is_stop and not stop.is_symptom and not stop.is_silent
+    assert not RankFailure(1, ErrorReport.of(1, ValueError("boom"))).is_stop
