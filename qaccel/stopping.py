@@ -103,16 +103,39 @@ def _note(signum: int, frame: Any) -> None:
         _received = signum
 
 
+_mask_before_fork: set[int] | None = None
+
+
+def _block_before_fork() -> None:
+    """Hold the armed signals back across a fork: one reaching the child before its reset would be lost."""
+    global _mask_before_fork
+    if _previous:
+        _mask_before_fork = signal.pthread_sigmask(signal.SIG_BLOCK, set(_previous))
+
+
+def _unblock() -> None:
+    global _mask_before_fork
+    if _mask_before_fork is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, _mask_before_fork)
+        _mask_before_fork = None
+
+
 def _child_defaults() -> None:
-    """In a forked child: SIGTERM's handler from before arming; the requeue signal ignored."""
-    if not _previous:
-        return
+    """In a forked child: SIGTERM's handler from before arming; the requeue signal ignored.
+
+    A signal that came between the fork and this reset was held back (blocked) and is delivered now, to the reset
+    handler; noted by _note instead, Python would drop it when the handler became SIG_DFL, and a pool worker
+    terminated that early lived on, hanging Pool.terminate (seen 1 run in ~20 under load).
+    """
     try:
-        for sig, handler in _previous.items():
-            signal.signal(sig, handler if sig == signal.SIGTERM else signal.SIG_IGN)
+        if _previous:
+            for sig, handler in _previous.items():
+                signal.signal(sig, handler if sig == signal.SIGTERM else signal.SIG_IGN)
+            _previous.clear()
     except ValueError:  # forked from a thread other than the main one: _note's pid check covers it
-        return
-    _previous.clear()
+        pass
+    finally:
+        _unblock()
 
 
 def shield_workers(loader: Any) -> None:
@@ -130,7 +153,7 @@ def _ignoring(signals: tuple[int, ...], init: Callable[[int], Any] | None, worke
         init(worker_id)
 
 
-os.register_at_fork(after_in_child=_child_defaults)
+os.register_at_fork(before=_block_before_fork, after_in_parent=_unblock, after_in_child=_child_defaults)
 
 
 class Stopper:

@@ -9,6 +9,8 @@ import os
 import pickle
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -223,6 +225,33 @@ def test_children_of_an_armed_rank_die_of_sigterm_but_dataloader_workers_wait_fo
     workers, pools = acc.distribute(_children_of_an_armed_rank)(acc, str(tmp_path / "ckpt"))
     assert workers == {(int(signal.SIG_IGN), int(signal.SIG_IGN))}
     assert pools == {(int(signal.SIG_DFL), int(signal.SIG_IGN))}
+
+
+FORKED_IN_THE_WINDOW = """
+import os, signal, sys
+def early():  # registered before qaccel's hook, so it runs first in the child, as a signal sent at the fork would
+    print(signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, []), flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+os.register_at_fork(after_in_child=early)
+from qaccel import stopping
+stopping.arm({signal.SIGTERM})
+pid = os.fork()
+if pid == 0:
+    for _ in range(100):  # bytecodes, where Python runs its handlers
+        pass
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status), signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+"""
+
+
+def test_a_sigterm_sent_at_the_fork_still_ends_the_forked_child():
+    """A child not yet scheduled when its pool terminates it gets SIGTERM before Python's after-fork code, which
+    drops signals noted by then: the armed signals stay blocked until the child has its own handlers."""
+    done = subprocess.run([sys.executable, "-c", FORKED_IN_THE_WINDOW], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", str(-signal.SIGTERM), "False"], \
+        "blocked in the child until its reset, then died of it; the parent's mask given back"
 
 
 def test_max_restarts_under_torchrun_says_whose_restarts_apply(monkeypatch):
