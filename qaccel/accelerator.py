@@ -7,14 +7,15 @@ import functools
 import os
 import signal
 import warnings
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import torch
 
 from qaccel import (
-    batch, checkpoint, collectives, group, in_place, launch, precision, prepare, ranks, seeding, stopping, training,
+    batch, checkpoint, collectives, group, in_place, launch, precision, prepare, ranks, seeding, sharding, stopping,
+    training,
 )
-from qaccel.config import make_config
+from qaccel.config import FSDP_MIN_PARAMS, make_config
 from qaccel.environment import Environment, detect
 
 R = TypeVar("R")
@@ -38,6 +39,11 @@ class Accelerator:
         max_restarts: in a plain launch, how many times to restart all ranks after a rank fails (torchrun's
             ``--max-restarts`` for a plain ``python script.py``); with resume() they continue from the newest
             checkpoint. Under torchrun and srun, the launcher's own restarts and requeues apply instead.
+        strategy: "ddp" (every rank holds the whole model; gradients are all-reduced) or "fsdp" (torch's FSDP2:
+            parameters, gradients and optimizer state sharded over the ranks, on CPUs and GPUs).
+        fsdp_modules: with "fsdp", the module classes (or class names) sharded as units of their own, e.g. your
+            transformer block; None: every submodule holding ``fsdp_min_params`` parameters not already in a unit.
+        fsdp_min_params: the size rule's threshold (parameters) when ``fsdp_modules`` is None.
     """
 
     def __init__(
@@ -53,11 +59,14 @@ class Accelerator:
         gradient_accumulation_steps: int = 1,
         mixed_precision: str = "no",
         max_restarts: int = 0,
+        strategy: str = "ddp",
+        fsdp_modules: Sequence[type | str] | None = None,
+        fsdp_min_params: int = FSDP_MIN_PARAMS,
     ) -> None:
         env = detect()
         self._config = make_config(
             nprocs, compute_setup, log_setup, backend, dtype, timeout, start_method, env,
-            gradient_accumulation_steps, mixed_precision, max_restarts,
+            gradient_accumulation_steps, mixed_precision, max_restarts, strategy, fsdp_modules, fsdp_min_params,
         )
         self._step_state: training.StepState | None = None
         if env.kind.started_by_launcher and nprocs > 1 and nprocs != env.world_size and env.rank == 0:
@@ -126,6 +135,10 @@ class Accelerator:
     @property
     def mixed_precision(self) -> str:
         return self._config.mixed_precision
+
+    @property
+    def strategy(self) -> str:
+        return self._config.strategy
 
     @property
     def max_restarts(self) -> int:
@@ -339,7 +352,7 @@ class Accelerator:
         self._inside_ranks("prepare()")
         ctx = self._ctx()
         steps = self._steps()
-        out = tuple(prepare.prepare_one(obj, ctx, self.dtype, self.mixed_precision, steps) for obj in objs)
+        out = tuple(prepare.prepare_one(obj, ctx, self._config, steps) for obj in objs)
         return out[0] if len(out) == 1 else out
 
     def _inside_ranks(self, what: str) -> None:
@@ -397,7 +410,7 @@ class Accelerator:
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
         """Clip gradients by total norm (unscaled first under fp16); the norm, or None on accumulation steps."""
-        return training.clip(torch.nn.utils.clip_grad_norm_, parameters, self._steps(), max_norm, norm_type)
+        return training.clip(sharding.clip_grad_norm_, parameters, self._steps(), max_norm, norm_type)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         """Clip gradients elementwise (unscaled first under fp16); skipped on accumulation steps."""

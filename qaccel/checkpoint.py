@@ -14,12 +14,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from qaccel import collectives, prepare
+from qaccel import collectives, prepare, sharding
 from qaccel.group import RankContext
 from qaccel.training import StepState
 
 MODEL_FILE = "model.pt"
 MARKER_FILE = "qaccel_state.json"  # written last: a checkpoint folder holding it is complete
+SHARDED_DIR = "sharded"  # strategy="fsdp": models and optimizers, in torch.distributed.checkpoint's format
 _NUMBERED = re.compile(r"checkpoint_(\d+)")
 
 
@@ -61,8 +62,11 @@ def _write_with(write: Any, path: str | os.PathLike) -> None:
 def get_state_dict(model: torch.nn.Module) -> dict[str, Any]:
     """The state dict of the user's module inside DDP and torch.compile wrappers, in either order.
 
-    Its keys carry no ``module.`` or ``_orig_mod.`` prefix, so it loads strictly into the plain model.
+    Its keys carry no ``module.`` or ``_orig_mod.`` prefix, so it loads strictly into the plain model. A model
+    sharded by FSDP2 is gathered: every rank must call this, and rank 0 gets the full dict ({} elsewhere).
     """
+    if sharding.is_sharded(model):
+        return sharding.full_state_dict(model)
     while True:
         inner = prepare.unwrap_model(model)
         inner = getattr(inner, "_orig_mod", inner)
@@ -76,10 +80,11 @@ def save_model(model: torch.nn.Module, directory: str | os.PathLike, ctx: RankCo
 
     The file holds tensors only, so ``torch.load(path, weights_only=True)`` reads it.
     """
+    state = get_state_dict(model) if sharding.is_sharded(model) else None  # gathered by every rank
     if ctx.rank != 0:
         return
     os.makedirs(directory, exist_ok=True)
-    save(get_state_dict(model), os.path.join(directory, MODEL_FILE), ctx)
+    save(get_state_dict(model) if state is None else state, os.path.join(directory, MODEL_FILE), ctx)
 
 
 def save_state(
@@ -96,31 +101,46 @@ def save_state(
     """
     directory = os.path.abspath(os.fspath(directory))
     target = os.path.join(directory, f"checkpoint_{state.updates:08d}") if numbered else directory
-    rng_states = collectives.gather_object(_rng_state(), ctx)
-    if ctx.rank == 0:
-        _write_checkpoint(target, state, rng_states, ctx.world_size)
-        if numbered and keep is not None:
-            _prune(directory, keep)
+    tmp = collectives.broadcast(_new_tmp(target) if ctx.rank == 0 else None, 0, ctx)
+    try:
+        if state.mesh is not None:  # sharded models: every rank writes its own shards
+            sharding.save_sharded(os.path.join(tmp, SHARDED_DIR), state.models, _optimizers(state))
+        rng_states = collectives.gather_object(_rng_state(), ctx)
+        if ctx.rank == 0:
+            _write_checkpoint(target, tmp, state, rng_states, ctx.world_size)
+    except BaseException:
+        if ctx.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if ctx.rank == 0 and numbered and keep is not None:
+        _prune(directory, keep)
     collectives.barrier(ctx)
     return target
 
 
-def _write_checkpoint(directory: str, state: StepState, rng_states: list[dict[str, Any]], world_size: int) -> None:
-    """Rank 0 alone writes everything (peers sent their RNG states), so a failure here cannot pull a directory
-    from under a peer that is still writing: the caller sees this error, not a peer's FileNotFoundError."""
-    for stale in glob.glob(f"{glob.escape(directory)}.tmp-*"):  # left by a save that was killed
+def _new_tmp(target: str) -> str:
+    """A new temporary folder beside ``target`` (what killed saves left there removed first)."""
+    for stale in glob.glob(f"{glob.escape(target)}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
-    tmp = f"{directory}.tmp-{secrets.token_hex(6)}"
+    tmp = f"{target}.tmp-{secrets.token_hex(6)}"
     os.makedirs(tmp)
-    try:
-        _write_parts(tmp, state)
-        for rank, rng in enumerate(rng_states):
-            _write(rng, os.path.join(tmp, f"random_states_{rank}.pt"))
-        marker = {"format": 1, "step": state.updates, "world_size": world_size}
-        _write_bytes(json.dumps(marker).encode(), os.path.join(tmp, MARKER_FILE))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return tmp
+
+
+def _optimizers(state: StepState) -> list[torch.optim.Optimizer]:
+    return [o.optimizer for o in state.optimizers]
+
+
+def _write_checkpoint(directory: str, tmp: str, state: StepState, rng_states: list[dict[str, Any]], world_size: int) -> None:
+    """Rank 0 writes everything but the shards (peers sent their RNG states) and swaps the folder in, so a failure
+    here cannot pull a directory from under a peer that is still writing."""
+    _write_parts(tmp, state)
+    for rank, rng in enumerate(rng_states):
+        _write(rng, os.path.join(tmp, f"random_states_{rank}.pt"))
+    marker = {"format": 1, "step": state.updates, "world_size": world_size}
+    if state.mesh is not None:
+        marker["sharded"] = {"model": len(state.models), "optimizer": len(state.optimizers)}
+    _write_bytes(json.dumps(marker).encode(), os.path.join(tmp, MARKER_FILE))
     old = f"{directory}.old-{secrets.token_hex(6)}" if os.path.exists(directory) else None
     if old:
         os.rename(directory, old)
@@ -175,9 +195,10 @@ def newest_checkpoint(directory: str | os.PathLike) -> str | None:
 
 
 def _write_parts(tmp: str, state: StepState) -> None:
+    sharded = state.mesh is not None  # then models and optimizers are in SHARDED_DIR
     parts = {
-        "model": [get_state_dict(m) for m in state.models],
-        "optimizer": [o.state_dict() for o in state.optimizers],
+        "model": [] if sharded else [get_state_dict(m) for m in state.models],
+        "optimizer": [] if sharded else [o.state_dict() for o in state.optimizers],
         "scheduler": [s.state_dict() for s in state.schedulers],
         "loader": [loader.state_dict() for loader in state.loaders],
         "registered": [obj.state_dict() for obj in state.registered],
@@ -203,27 +224,52 @@ def load_state(
             return None
         raise FileNotFoundError(f"no checkpoint at {os.path.abspath(os.fspath(directory))}")
     directory = found
-    for kind, objects in (("model", [prepare.unwrap_model(m) for m in state.models]), ("optimizer", state.optimizers),
-                          ("scheduler", state.schedulers), ("loader", state.loaders), ("registered", state.registered)):
-        saved = len(glob.glob(os.path.join(glob.escape(directory), f"{kind}_*.pt")))
-        if saved != len(objects):
-            raise ValueError(
-                f"{directory} holds {saved} {kind} state(s) but this run prepared/registered {len(objects)}; "
-                "prepare the same objects, in the same order, before load_state()"
-            )
+    marker = _marker(directory)
+    sharded = os.path.isdir(os.path.join(directory, SHARDED_DIR))
+    kinds = [("scheduler", state.schedulers), ("loader", state.loaders), ("registered", state.registered)]
+    if sharded:
+        for kind, objects in (("model", state.models), ("optimizer", state.optimizers)):
+            _check_count(directory, kind, marker["sharded"][kind], len(objects))
+        sharding.load_sharded(os.path.join(directory, SHARDED_DIR), state.models, _optimizers(state))
+    else:
+        kinds = [("model", [prepare.unwrap_model(m) for m in state.models]), ("optimizer", state.optimizers)] + kinds
+    full: dict[str, list] = {}  # a DDP checkpoint's full states, for sharded models
+    for kind, objects in kinds:
+        _check_count(directory, kind, len(glob.glob(os.path.join(glob.escape(directory), f"{kind}_*.pt"))), len(objects))
         for i, obj in enumerate(objects):
-            obj.load_state_dict(_read(os.path.join(directory, f"{kind}_{i}.pt"), ctx, weights_only=kind != "registered"))
+            saved = _read(os.path.join(directory, f"{kind}_{i}.pt"), ctx, weights_only=kind != "registered")
+            if state.mesh is not None and kind in ("model", "optimizer"):
+                full.setdefault(kind, []).append(saved)
+            else:
+                obj.load_state_dict(saved)
+    if full:
+        sharding.load_full(state.models, _optimizers(state), full.get("model", []), full.get("optimizer", []))
     if state.scaler is not None:
         state.scaler.load_state_dict(_read(os.path.join(directory, "scaler.pt"), ctx))
     rng_file = os.path.join(directory, f"random_states_{ctx.rank}.pt")
     if not os.path.exists(rng_file):
         raise ValueError(f"{directory} has no RNG states for rank {ctx.rank}: it was saved by a smaller world")
     _set_rng_state(_read(rng_file, ctx))
-    marker = os.path.join(directory, MARKER_FILE)
-    if os.path.exists(marker):
-        with open(marker, "rb") as f:
-            state.updates = int(json.load(f)["step"])
+    if "step" in marker:
+        state.updates = int(marker["step"])
     return directory
+
+
+def _marker(directory: str) -> dict[str, Any]:
+    """The checkpoint's marker ({} for a checkpoint older than markers)."""
+    try:
+        with open(os.path.join(directory, MARKER_FILE), "rb") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
+
+
+def _check_count(directory: str, kind: str, saved: int, prepared: int) -> None:
+    if saved != prepared:
+        raise ValueError(
+            f"{directory} holds {saved} {kind} state(s) but this run prepared/registered {prepared}; "
+            "prepare the same objects, in the same order, before load_state()"
+        )
 
 
 def _read(path: str, ctx: RankContext, weights_only: bool = True) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -14,6 +15,8 @@ COMPUTE_SETUPS = ("auto", "cpu", "gpu")
 LOG_SETUPS = ("auto", "cpu")
 START_METHODS = ("forkserver", "spawn")
 MIXED_PRECISIONS = ("no", "bf16", "fp16")
+STRATEGIES = ("ddp", "fsdp")
+FSDP_MIN_PARAMS = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,9 @@ class Config:
     gradient_accumulation_steps: int = 1
     mixed_precision: str = "no"
     max_restarts: int = 0
+    strategy: str = "ddp"
+    fsdp_modules: tuple[str, ...] = ()  # class names (MRO-matched), not classes: picklable, and __main__-proof
+    fsdp_min_params: int = FSDP_MIN_PARAMS
 
 
 def _backends() -> tuple[str, ...]:
@@ -59,6 +65,9 @@ def make_config(
     gradient_accumulation_steps: int = 1,
     mixed_precision: str = "no",
     max_restarts: int = 0,
+    strategy: str = "ddp",
+    fsdp_modules: Sequence[type | str] | None = None,
+    fsdp_min_params: int = FSDP_MIN_PARAMS,
 ) -> Config:
     """Check every argument and resolve the 'auto' choices; raises ValueError/TypeError/RuntimeError."""
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
@@ -107,8 +116,32 @@ def make_config(
         )
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(f"max_restarts must be a non-negative int; got {max_restarts!r}")
+    modules = _sharding_choices(strategy, fsdp_modules, fsdp_min_params, mixed_precision, backend)
     log_device_type = device_type if log_setup == "auto" else "cpu"
     return Config(
         nprocs, device_type, log_device_type, backend, dtype, float(timeout), start_method, steps, mixed_precision,
-        max_restarts,
+        max_restarts, strategy, modules, fsdp_min_params,
     )
+
+
+def _sharding_choices(
+    strategy: str, modules: Sequence[type | str] | None, min_params: int, mixed_precision: str, backend: str
+) -> tuple[str, ...]:
+    """Check the strategy's arguments; fsdp_modules as class names."""
+    _choice("strategy", strategy, STRATEGIES)
+    if isinstance(min_params, bool) or not isinstance(min_params, int) or min_params < 1:
+        raise ValueError(f"fsdp_min_params must be a positive int (parameters per sharded unit); got {min_params!r}")
+    if strategy != "fsdp":
+        if modules is not None or min_params != FSDP_MIN_PARAMS:
+            raise ValueError(f"fsdp_modules and fsdp_min_params apply to strategy='fsdp' only; got strategy={strategy!r}")
+        return ()
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"strategy='fsdp' runs on backend 'gloo' (CPU) or 'nccl' (GPU); got backend={backend!r}")
+    if mixed_precision == "fp16":
+        raise ValueError("strategy='fsdp' supports mixed_precision 'no' or 'bf16' (FSDP2's MixedPrecisionPolicy); "
+                         "fp16 needs a sharded gradient scaler qaccel does not provide")
+    if modules is None:
+        return ()
+    if isinstance(modules, (str, type)) or not all(isinstance(m, (str, type)) for m in modules) or not modules:
+        raise TypeError(f"fsdp_modules must be a non-empty list of module classes (or class names); got {modules!r}")
+    return tuple(m if isinstance(m, str) else m.__qualname__ for m in modules)

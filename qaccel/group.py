@@ -139,10 +139,13 @@ def apply_thread_budget(local_world_size: int) -> None:
 
 
 @contextmanager
-def session(ctx: RankContext, timeout: float, store: dist.Store | None = None) -> Iterator[RankContext]:
+def session(
+    ctx: RankContext, timeout: float, store: dist.Store | None = None, group_of_one: bool = False
+) -> Iterator[RankContext]:
     """Run a block as rank ``ctx``: device, threads and process group set up, always torn down afterwards.
 
-    A group the caller had already initialised is reused and left alone.
+    A group the caller had already initialised is reused and left alone. ``group_of_one``: make a group even for
+    a world of one (FSDP2 shards over a device mesh, which needs one).
     """
     owns_group = False
     run = Run(ctx)
@@ -150,11 +153,11 @@ def session(ctx: RankContext, timeout: float, store: dist.Store | None = None) -
     try:
         if ctx.device.type == "cuda":
             torch.cuda.set_device(ctx.device)
-        if ctx.world_size > 1 and not dist.is_initialized():
+        if (ctx.world_size > 1 or group_of_one) and not dist.is_initialized():
             apply_thread_budget(ctx.local_world_size)
             dist.init_process_group(
                 ctx.backend,
-                store=store,
+                store=store if store is not None or ctx.world_size > 1 else dist.HashStore(),
                 rank=ctx.rank,
                 world_size=ctx.world_size,
                 timeout=datetime.timedelta(seconds=timeout),

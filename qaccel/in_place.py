@@ -31,7 +31,7 @@ def run(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, env: 
     recorded = None  # the exception written to torchrun's error file, if any
     try:
         store = group.env_store(ctx, config.timeout) if needs_store else None
-        with group.session(ctx, config.timeout, store=store):
+        with group.session(ctx, config.timeout, store=store, group_of_one=config.strategy == "fsdp"):
             try:
                 result = fn(*args, **kwargs)
             except BaseException as exc:

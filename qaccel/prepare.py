@@ -9,16 +9,17 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from qaccel import collectives, data, precision, stopping
+from qaccel import collectives, data, precision, sharding, stopping
+from qaccel.config import Config
 from qaccel.group import RankContext
 from qaccel.training import PreparedOptimizer, StepState
 
 
-def prepare_one(obj: Any, ctx: RankContext, dtype: torch.dtype | None, mixed_precision: str, steps: StepState) -> Any:
+def prepare_one(obj: Any, ctx: RankContext, config: Config, steps: StepState) -> Any:
     if isinstance(obj, torch.nn.Module):
-        model = prepare_model(obj, ctx, dtype)
-        if mixed_precision != "no" and not hasattr(model, "_qaccel_autocast"):
-            model.forward = precision.autocast_forward(model.forward, mixed_precision, ctx.device)
+        model = prepare_model(obj, ctx, config, steps)
+        if config.mixed_precision != "no" and not sharding.is_sharded(model) and not hasattr(model, "_qaccel_autocast"):
+            model.forward = precision.autocast_forward(model.forward, config.mixed_precision, ctx.device)
             model._qaccel_autocast = True
         if not any(model is known for known in steps.models):
             steps.models.append(model)
@@ -26,6 +27,7 @@ def prepare_one(obj: Any, ctx: RankContext, dtype: torch.dtype | None, mixed_pre
     if isinstance(obj, PreparedOptimizer):
         return obj
     if isinstance(obj, torch.optim.Optimizer):
+        sharding.point_at_shards(obj, steps.replaced)
         prepared = PreparedOptimizer(prepare_optimizer(obj), steps)
         steps.optimizers.append(prepared)
         return prepared
@@ -41,15 +43,26 @@ def prepare_one(obj: Any, ctx: RankContext, dtype: torch.dtype | None, mixed_pre
     return obj
 
 
-def prepare_model(model: torch.nn.Module, ctx: RankContext, dtype: torch.dtype | None) -> torch.nn.Module:
-    """Place the model on this rank's device (and dtype); wrap it in DDP when there is more than one rank.
+def prepare_model(model: torch.nn.Module, ctx: RankContext, config: Config, steps: StepState) -> torch.nn.Module:
+    """Place the model on this rank's device (and dtype); wrap it in DDP when there is more than one rank, or
+    shard it with FSDP2 (strategy="fsdp", also with one rank).
 
-    A model already wrapped, or with nothing to train, is not wrapped (again).
+    A model already wrapped or sharded, or with nothing to train, is not wrapped (again).
     """
-    if isinstance(model, DistributedDataParallel):
+    if isinstance(model, DistributedDataParallel) or sharding.is_sharded(model):
         return model
-    model.to(device=ctx.device, dtype=dtype)
     trainable = any(p.requires_grad for p in model.parameters())
+    if config.strategy == "fsdp" and trainable and dist.is_initialized():
+        model.to(dtype=config.dtype)  # fully_shard moves each shard to the mesh's device: no full copy there
+        if steps.mesh is None:
+            steps.mesh = sharding.mesh_for(ctx)
+        replaced = sharding.shard(model, ctx, config.fsdp_modules, config.fsdp_min_params, config.mixed_precision,
+                                  steps.mesh)
+        steps.replaced.update(replaced)
+        for prepared in steps.optimizers:  # prepared before this model
+            sharding.point_at_shards(prepared.optimizer, replaced)
+        return model
+    model.to(device=ctx.device, dtype=config.dtype)
     if ctx.world_size > 1 and dist.is_initialized() and trainable:
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from qaccel import data
+from qaccel import data, sharding
 
 
 @dataclass
@@ -32,6 +32,10 @@ class StepState:
     updates: int = 0  # steps of the first prepared optimizer, over resumes too (the Accelerator's ``step``)
     checkpoints: tuple[str, int | None] | None = None  # resume()'s folder and keep: save_state()'s default
     stopper: Any = None  # a stopping.Stopper once resume() armed the stop on a signal
+    mesh: Any = None  # strategy="fsdp": the device mesh the models are sharded on
+    # strategy="fsdp": replaced parameter's id -> (weak reference to it, its shard), for optimizers built before
+    replaced: dict[int, Any] = field(default_factory=dict)
+    accumulating: bool = False  # strategy="fsdp": sharded models hold unsharded gradients over micro-steps
 
 
 class PreparedOptimizer(torch.optim.Optimizer):
@@ -133,6 +137,9 @@ def accumulate(models: tuple[torch.nn.Module, ...], steps: StepState) -> context
     else:
         steps.micro_step += 1
         steps.sync_gradients = steps.micro_step % steps.accumulation_steps == 0
+    if steps.mesh is not None and steps.accumulating == steps.sync_gradients:  # FSDP2: a switch, not a context
+        steps.accumulating = not steps.sync_gradients
+        sharding.set_accumulating(steps.models, steps.accumulating)
     if steps.sync_gradients:
         return _NOTHING
     ddp = [model for model in models if isinstance(model, DistributedDataParallel)]
