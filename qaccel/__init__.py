@@ -3,7 +3,8 @@
 __version__ = "0.1.0"
 
 from qaccel.accelerator import Accelerator
+from qaccel.checkpoint import consolidate
 from qaccel.errors import QaccelError, RankError, RankKilledError
 from qaccel.stopping import Preempted
 
-__all__ = ["Accelerator", "Preempted", "QaccelError", "RankError", "RankKilledError", "__version__"]
+__all__ = ["Accelerator", "Preempted", "consolidate", "QaccelError", "RankError", "RankKilledError", "__version__"]

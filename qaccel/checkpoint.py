@@ -102,19 +102,29 @@ def save_state(
     directory = os.path.abspath(os.fspath(directory))
     target = os.path.join(directory, f"checkpoint_{state.updates:08d}") if numbered else directory
     tmp = collectives.broadcast(_new_tmp(target) if ctx.rank == 0 else None, 0, ctx)
+    failure: BaseException | None = None
     try:
-        if state.mesh is not None:  # sharded models: every rank writes its own shards
+        if state.mesh is not None:  # sharded models: every rank writes its own shards (fails on every rank)
             sharding.save_sharded(os.path.join(tmp, SHARDED_DIR), state.models, _optimizers(state))
         rng_states = collectives.gather_object(_rng_state(), ctx)
-        if ctx.rank == 0:
-            _write_checkpoint(target, tmp, state, rng_states, ctx.world_size)
     except BaseException:
         if ctx.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if ctx.rank == 0 and numbered and keep is not None:
-        _prune(directory, keep)
-    collectives.barrier(ctx)
+    if ctx.rank == 0:
+        try:
+            _write_checkpoint(target, tmp, state, rng_states, ctx.world_size)
+            if numbered and keep is not None:
+                _prune(directory, keep)
+        except Exception as exc:  # noqa: BLE001 - told to every rank, then raised here
+            shutil.rmtree(tmp, ignore_errors=True)
+            failure = exc
+    # In place of a barrier: every rank learns whether rank 0's part failed, so none trains on as if it was saved.
+    outcome = collectives.broadcast(None if failure is None else f"{type(failure).__name__}: {failure}", 0, ctx)
+    if failure is not None:
+        raise failure
+    if outcome is not None:
+        raise RuntimeError(f"save_state() failed on rank 0 ({outcome}); the previous checkpoint stands")
     return target
 
 
@@ -192,6 +202,24 @@ def newest_checkpoint(directory: str | os.PathLike) -> str | None:
         return numbered[-1][1]
     backups = sorted(glob.glob(f"{glob.escape(directory)}.old-*"), key=os.path.getmtime)
     return backups[-1] if backups else None  # a save died between its two renames: the previous checkpoint
+
+
+def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, model: int = 0) -> str:
+    """Write prepared model ``model`` of a save_state() checkpoint (sharded or not) to ``out`` as one plain state
+    dict, loadable strictly into the user's model, atomically. ``checkpoint`` may be a folder of numbered ones (the
+    newest is read). Runs in one process, without ranks. Returns the checkpoint read."""
+    found = newest_checkpoint(checkpoint)
+    if found is None:
+        raise FileNotFoundError(f"no checkpoint at {os.path.abspath(os.fspath(checkpoint))}")
+    sharded = os.path.join(found, SHARDED_DIR)
+    if os.path.isdir(sharded):
+        state = sharding.read_full_model(sharded, model)
+    elif os.path.isfile(os.path.join(found, f"model_{model}.pt")):
+        state = torch.load(os.path.join(found, f"model_{model}.pt"), map_location="cpu", weights_only=True)
+    else:
+        raise ValueError(f"{found} holds no model {model}")
+    _write(state, out)
+    return found
 
 
 def _write_parts(tmp: str, state: StepState) -> None:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import qaccel
-from qaccel import group
+from qaccel import checkpoint, group
 from qaccel.accelerator import Accelerator
 from qaccel.config import cuda_device_count
 from qaccel.environment import detect
@@ -149,9 +149,22 @@ def smoke_test(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def consolidate(args: argparse.Namespace) -> int:
+    """One plain model file from a (sharded) save_state() checkpoint."""
+    found = checkpoint.consolidate(args.checkpoint, args.out, args.model)
+    size = os.path.getsize(args.out) / 2**20
+    print(f"qaccel consolidate: model {args.model} of {found} -> {args.out} ({size:.1f} MiB); load it with "
+          "model.load_state_dict(torch.load(path, weights_only=True))")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qaccel", description=qaccel.__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("consolidate", help="write a model of a (sharded) checkpoint as one plain state-dict file")
+    p.add_argument("checkpoint", help="a save_state() checkpoint, or a folder of them (the newest is read)")
+    p.add_argument("out", help="the file to write")
+    p.add_argument("--model", type=int, default=0, help="which prepared model, in prepare() order (default 0)")
     for name, help_text in (("env", "show versions, the detected environment and what qaccel would use"),
                             ("test", "run a short real distributed smoke test")):
         p = sub.add_parser(name, help=help_text)
@@ -161,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--timeout", type=float, default=60.0, help="seconds a collective may wait")
     args = parser.parse_args(argv)
     try:
-        return env_report(args) if args.command == "env" else smoke_test(args)
-    except (ValueError, TypeError, RuntimeError) as exc:
+        return {"env": env_report, "test": smoke_test, "consolidate": consolidate}[args.command](args)
+    except (ValueError, TypeError, RuntimeError, OSError) as exc:
         print(f"qaccel {args.command}: {exc}", file=sys.stderr)
         return 2

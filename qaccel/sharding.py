@@ -13,6 +13,7 @@ from typing import Any, Iterable
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
 )
@@ -137,6 +138,22 @@ def load_sharded(path: str, models: list[torch.nn.Module], optimizers: list[Any]
         set_model_state_dict(model, states[f"model_{i}"])
     for j, optimizer in enumerate(optimizers):
         set_optimizer_state_dict(_owner(optimizer, models), optimizer, states[f"optimizer_{j}"])
+
+
+def read_full_model(path: str, index: int) -> dict[str, torch.Tensor]:
+    """Model ``index``'s full state dict from a sharded checkpoint, read in this one process (no group needed)."""
+    prefix = f"model_{index}."
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    target = {
+        key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.items() if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+    if not target:
+        raise ValueError(f"{path} holds no model {index}")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        dcp.load({f"model_{index}": target}, checkpoint_id=path)
+    return target
 
 
 def load_full(models: list[torch.nn.Module], optimizers: list[Any], model_states: list[dict], optimizer_states: list[dict]) -> None:
