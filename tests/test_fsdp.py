@@ -12,9 +12,11 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
+from procs import run_script, run_torchrun, slurm_env
 from qaccel import Accelerator
 from qaccel.config import FSDP_MIN_PARAMS, _sharding_choices
 from qaccel.sharding import units
+from test_real_script import REAL, _checked, _env
 
 EPOCHS = 3
 
@@ -346,3 +348,36 @@ def test_save_model_and_consolidate_write_one_plain_file(checkpoints, tmp_path):
     Net().load_state_dict(consolidated, strict=True)
     full_state, _ = checkpoints["full"]
     assert all(torch.equal(consolidated[k], full_state[k]) for k in full_state)
+
+
+# ---- the real script (a Dataset class in it, num_workers=2, logging at the top, a checkpoint every epoch) ----
+
+
+@pytest.fixture(scope="module")
+def fsdp_reference(tmp_path_factory):
+    """real_train.py --strategy fsdp, launched plainly and uninterrupted: its parameters' hash."""
+    tmp = tmp_path_factory.mktemp("fsdp_reference")
+    proc = run_script(REAL, "--ckpt", str(tmp / "ckpt"), "--strategy", "fsdp", env=_env(), cwd=tmp, timeout=200)
+    result = _checked(proc)
+    assert sorted(os.listdir(tmp / "ckpt" / "checkpoint_00000018" / "sharded")) == \
+        [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    return result["hash"]
+
+
+@pytest.mark.timeout(300)
+def test_the_real_script_sharded_under_torchrun_restarts_and_resumes_bitwise(fsdp_reference, tmp_path):
+    proc = run_torchrun(REAL, "--ckpt", str(tmp_path / "ckpt"), "--strategy", "fsdp", "--crash-at", "1:2",
+                        torchrun_args=("--max-restarts", "1"), env=_env(), cwd=tmp_path, timeout=250)
+    result = _checked(proc)
+    assert (result["attempt"], result["resumed"]) == ("1", True), result
+    assert result["hash"] == fsdp_reference
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(300)
+def test_the_real_script_sharded_under_srun_ends_alike(fsdp_reference, slurm_cluster, tmp_path):
+    env = {**slurm_env(slurm_cluster), "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONUNBUFFERED", None)
+    proc = slurm_cluster.srun(["-N1", "-n2", "python", str(REAL), "--ckpt", str(tmp_path / "ckpt"), "--strategy",
+                               "fsdp"], timeout=200, env=env)
+    assert _checked(proc)["hash"] == fsdp_reference

@@ -5,7 +5,7 @@ inside the training function from the global RNG, a checkpoint every epoch, and 
 the newest checkpoint, and on SIGTERM (or SLURM's USR1) every rank finishes its step, saves and stops. With
 ``--crash-at E:B[,E:B...]`` rank 1 raises at epoch E, batch B of attempt 0 (then of attempt 1, ...), as
 ``acc.restart_count`` counts them (torchrun --max-restarts, or ``--max-restarts`` for a plain launch).
-``--step-sleep`` slows each step so that a test can signal it mid-run.
+``--step-sleep`` slows each step so that a test can signal it mid-run; ``--strategy fsdp`` shards it with FSDP2.
 It prints one RESULT line (rank 0) with a hash of the final parameters' bytes.
 """
 
@@ -68,7 +68,8 @@ def train(args, acc):
             time.sleep(args.step_sleep)
         log.info("rank %d epoch %d loss %.6f", acc.rank, epoch + 1, loss.item())
         acc.save_state()
-    params = torch.cat([p.detach().reshape(-1) for p in acc.unwrap_model(model).parameters()])
+    state = acc.get_state_dict(model)  # on every rank: under strategy="fsdp" it gathers the shards (to rank 0)
+    params = torch.cat([v.reshape(-1) for v in state.values()]) if state else torch.zeros(0)
     return {
         "rank": acc.rank,
         "world": acc.world_size,
@@ -89,8 +90,10 @@ if __name__ == "__main__":
     parser.add_argument("--crash-at", default="")
     parser.add_argument("--max-restarts", type=int, default=0)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--strategy", default="ddp")
     args = parser.parse_args()
-    acc = Accelerator(nprocs=args.nprocs, compute_setup="cpu", timeout=60, max_restarts=args.max_restarts)
+    acc = Accelerator(nprocs=args.nprocs, compute_setup="cpu", timeout=60, max_restarts=args.max_restarts,
+                      strategy=args.strategy)
     result = acc.distribute(train)(args, acc)
     if acc.is_main_process:
         os.write(1, f"RESULT {json.dumps(result)}\n".encode())  # one write: ranks may share the pipe
