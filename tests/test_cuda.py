@@ -7,6 +7,7 @@ device_ids) differs from it only in the device index.
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -272,3 +273,55 @@ def test_forked_loader_workers_of_a_rank_that_uses_cuda_and_a_spawned_child_that
     assert sum(total for total, _, _ in out) == 4.0 * sum(range(32)), "the two ranks' shares make the dataset"
     assert [spawned for _, spawned, _ in out] == [[3.0], [3.0]]
     assert {method for _, _, method in out} == {"fork"}
+
+
+# ---- strategy="fsdp" (FSDP2) on the GPU: a one-rank NCCL mesh; and CPU ranks on a GPU machine stay on the CPU ----
+
+
+def _fsdp_steps(acc, ckpt):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = acc.prepare(model, optimizer)
+    seen = {"devices": {str(p.device) for p in model.parameters()}, "types": {type(p).__name__ for p in model.parameters()}}
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g)
+    for _ in range(5):
+        out = model(acc.prepare_batch(x))
+        acc.backward(torch.nn.functional.mse_loss(out, acc.prepare_batch(y)))
+        acc.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    seen["output_dtype"] = out.dtype
+    if ckpt is not None:
+        acc.save_state(ckpt)
+        acc.load_state(ckpt)
+        seen["sharded_files"] = sorted(os.listdir(os.path.join(ckpt, "sharded")))
+    state = acc.get_state_dict(model)
+    return {k: v.detach().cpu().clone() for k, v in state.items()}, seen
+
+
+def test_fsdp_on_one_gpu_shards_on_an_nccl_mesh_and_trains_like_the_cpu(tmp_path):
+    gpu = Accelerator(compute_setup="gpu", strategy="fsdp")
+    state, seen = gpu.distribute(_fsdp_steps)(gpu, str(tmp_path / "ckpt"))
+    assert gpu.backend == "nccl"
+    assert seen["devices"] == {"cuda:0"} and seen["types"] == {"DTensor"}
+    assert seen["sharded_files"] == [".metadata", "__0_0.distcp"]
+    cpu = Accelerator(compute_setup="cpu")
+    reference, _ = cpu.distribute(_fsdp_steps)(cpu, None)
+    for key in reference:
+        torch.testing.assert_close(state[key], reference[key], atol=1e-4, rtol=1e-4)
+
+
+def test_fsdp_bf16_on_the_gpu_returns_float32_outputs_and_keeps_float32_parameters():
+    acc = Accelerator(compute_setup="gpu", strategy="fsdp", mixed_precision="bf16")
+    state, seen = acc.distribute(_fsdp_steps)(acc, None)
+    assert seen["output_dtype"] == torch.float32
+    assert {v.dtype for v in state.values()} == {torch.float32}
+
+
+def test_fsdp_cpu_ranks_on_a_gpu_machine_stay_on_the_cpu():
+    """gloo + FSDP2 without an explicit cpu mesh moves the model to CUDA and crashes (torch #132471)."""
+    acc = Accelerator(nprocs=2, compute_setup="cpu", strategy="fsdp", timeout=60)
+    state, seen = acc.distribute(_fsdp_steps)(acc, None)
+    assert seen["devices"] == {"cpu"} and state
