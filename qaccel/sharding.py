@@ -3,29 +3,34 @@
 Each rank keeps 1/N of every parameter, gradient and optimizer state; a unit's full parameters exist only while it
 runs forward or backward. The mesh is built on the rank's own device type: with gloo it must be "cpu", or FSDP2
 moves the model to a GPU the machine happens to have (torch #132471).
+
+torch's FSDP, DTensor and checkpoint modules are imported on first use: they cost ~1 s, which `import qaccel` and
+every DDP rank would otherwise pay (benchmarks/launch.py).
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
-)
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from qaccel.group import RankContext
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 
 def is_sharded(model: torch.nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported yet: nothing can be sharded
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
+
+
+def _has_dtensor(tensors: list[torch.Tensor]) -> bool:
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and any(isinstance(t, module.DTensor) for t in tensors)
 
 
 def units(model: torch.nn.Module, class_names: tuple[str, ...], min_params: int) -> list[torch.nn.Module]:
@@ -70,6 +75,8 @@ def shard(
 ) -> dict[int, tuple[weakref.ref, torch.nn.Parameter]]:
     """fully_shard the policy's units, then the root, in place. Returns, for optimizers built before this, each
     replaced parameter's id -> (a weak reference to it, its sharded replacement)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     before = dict(model.named_parameters())
     policy = MixedPrecisionPolicy()
     if mixed_precision == "bf16":  # compute in bf16, reduce gradients in fp32
@@ -86,6 +93,8 @@ def shard(
 
 def mesh_for(ctx: RankContext) -> DeviceMesh:
     """A 1-D mesh over every rank, on this rank's device type."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     return init_device_mesh(ctx.device.type, (ctx.world_size,))
 
 
@@ -108,6 +117,8 @@ def point_at_shards(optimizer: torch.optim.Optimizer, replaced: dict[int, tuple[
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, Any]:
     """The sharded model's full state dict, plain CPU tensors, on rank 0 ({} on the others). A collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(model, options=options)
 
@@ -116,6 +127,8 @@ def state_dicts(models: list[torch.nn.Module], optimizers: list[Any]) -> dict[st
     """Models' and optimizers' state dicts as torch.distributed.checkpoint saves and loads them: keyed by parameter
     name, sharded where the model is (DTensors), plain where it is not (DDP, one process). The same names on
     every strategy and world size, which is what lets a checkpoint load into another."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
     out: dict[str, Any] = {f"model_{i}": get_model_state_dict(m) for i, m in enumerate(models)}
     for j, optimizer in enumerate(optimizers):
         out[f"optimizer_{j}"] = get_optimizer_state_dict(_owner(optimizer, models), optimizer)
@@ -124,12 +137,17 @@ def state_dicts(models: list[torch.nn.Module], optimizers: list[Any]) -> dict[st
 
 def save_sharded(path: str, models: list[torch.nn.Module], optimizers: list[Any]) -> None:
     """Every rank writes its shards under ``path`` (rank 0 also the metadata). A collective."""
+    import torch.distributed.checkpoint as dcp
+
     dcp.save(state_dicts(models, optimizers), checkpoint_id=path)
 
 
 def load_sharded(path: str, models: list[torch.nn.Module], optimizers: list[Any]) -> None:
     """Read what save_sharded() wrote into these models and optimizers, resharding to this world (any size, any
     strategy; without a process group, as one process)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
     states = state_dicts(models, optimizers)
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process.*")
@@ -142,6 +160,9 @@ def load_sharded(path: str, models: list[torch.nn.Module], optimizers: list[Any]
 
 def read_full_model(path: str, index: int) -> dict[str, torch.Tensor]:
     """Model ``index``'s full state dict from a sharded checkpoint, read in this one process (no group needed)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     prefix = f"model_{index}."
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     target = {
@@ -158,6 +179,8 @@ def read_full_model(path: str, index: int) -> dict[str, torch.Tensor]:
 
 def load_full(models: list[torch.nn.Module], optimizers: list[Any], model_states: list[dict], optimizer_states: list[dict]) -> None:
     """Load full (unsharded) states, as a DDP checkpoint holds them, into sharded models and their optimizers."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
     full = StateDictOptions(full_state_dict=True)
     for model, state in zip(models, model_states):
         set_model_state_dict(model, state, options=full)
@@ -185,7 +208,7 @@ def _owner(optimizer: Any, models: list[torch.nn.Module]) -> torch.nn.Module:
 def set_accumulating(models: Iterable[torch.nn.Module], accumulating: bool) -> None:
     """On accumulation steps keep gradients and parameters unsharded: no reduce-scatter, no re-gather."""
     for model in models:
-        if isinstance(model, FSDPModule):
+        if is_sharded(model):
             model.set_requires_gradient_sync(not accumulating)
             model.set_reshard_after_backward(not accumulating)
 
@@ -195,10 +218,10 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm:
     (torch's returns a DTensor of partial norms then); the norm comes back as a plain tensor."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
-    if not any(isinstance(g, DTensor) for g in grads):
+    if not _has_dtensor(grads):
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
     total = torch.nn.utils.get_total_norm(grads, norm_type)
-    if isinstance(total, DTensor):
+    if _has_dtensor([total]):
         total = total.full_tensor()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
