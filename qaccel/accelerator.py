@@ -334,17 +334,20 @@ class Accelerator:
         self.wait_for_everyone()
 
     def get_state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
-        """The model's state dict without DDP's ``module.`` prefixes, loadable into the plain model."""
+        """The model's state dict without DDP's ``module.`` prefixes, loadable into the plain model. Under
+        strategy="fsdp" it gathers the shards: call it on every rank; the main process gets the dict, others {}."""
         return checkpoint.get_state_dict(model)
 
     def save_model(self, model: torch.nn.Module, directory: str | os.PathLike) -> None:
-        """Write ``get_state_dict(model)`` to ``directory/model.pt`` from the main process, atomically."""
+        """Write ``get_state_dict(model)`` to ``directory/model.pt`` from the main process, atomically (call it on
+        every rank under strategy="fsdp": the shards are gathered first)."""
         checkpoint.save_model(model, directory, self._ctx())
 
     # ---- preparation ----
 
     def prepare(self, *objs: Any) -> Any:
-        """Models to device/dtype (DDP-wrapped), optimizers alongside, DataLoaders sharded; one in, one out.
+        """Models to device/dtype (DDP-wrapped, or sharded with FSDP2 under strategy="fsdp"), optimizers
+        alongside, DataLoaders sharded; one in, one out.
 
         Several objects come back as a tuple in the same order; anything else passes through unchanged.
         LR schedulers come back as they are: step them as before, once per optimizer step.
