@@ -57,6 +57,7 @@ def train(args, acc):
     crash = crashes[attempt] if attempt < len(crashes) else None
     workers = set()
     for epoch in range(loader.epoch, args.epochs):
+        loss = torch.tensor(float("nan"))  # a run stopped after an epoch's last step resumes with none of it left
         for i, (x, y, worker) in enumerate(loader):
             if crash == (epoch, i) and acc.rank == 1:
                 raise RuntimeError(f"rank 1 crashes at epoch {epoch} batch {i} on purpose")
