@@ -94,6 +94,11 @@ def plain_object(obj: Any) -> Any:
     a prepared one; anything else is itself. (DDP cannot be unpickled where there is no process group.)"""
     if isinstance(obj, DistributedDataParallel):
         return obj.module
+    if sharding.is_sharded(obj):
+        raise TypeError(
+            f"a model sharded by strategy='fsdp' ({type(obj).__name__}) holds only this rank's shards and cannot "
+            "leave its rank; return acc.get_state_dict(model) instead (called on every rank; rank 0 gets it)"
+        )
     if isinstance(obj, PreparedOptimizer):
         return obj.optimizer
     return obj

@@ -216,6 +216,16 @@ def test_an_optimizer_prepared_before_its_model_updates_the_shards():
     assert acc.distribute(_optimizer_first)(acc) is True
 
 
+def _return_the_model(acc):
+    return acc.prepare(Net())
+
+
+def test_a_sharded_model_returned_from_a_rank_says_what_to_return_instead():
+    acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=60, strategy="fsdp")
+    with pytest.raises(TypeError, match=r"cannot leave its rank; return acc.get_state_dict\(model\) instead"):
+        acc.distribute(_return_the_model)(acc)
+
+
 # ---- checkpoints ----
 
 
