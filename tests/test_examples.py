@@ -25,17 +25,24 @@ def _run(cmd, tmp_path):
     return proc.stdout
 
 
-@pytest.mark.parametrize("launcher", ["python", "torchrun"])
-def test_quickstart(launcher, tmp_path):
-    head = [sys.executable] if launcher == "python" else _torchrun(tmp_path)
-    out = _run([*head, str(REPO / "examples/quickstart.py"), "--epochs", "10"], tmp_path)
+def test_quickstart(tmp_path):
+    out = _run([sys.executable, str(REPO / "examples/quickstart.py"), "--epochs", "10"], tmp_path)
     assert out.count("final mean loss") == 1 and "(2 ranks)" in out
 
 
-@pytest.mark.parametrize("launcher", ["python", "torchrun"])
-def test_regression(launcher, tmp_path):
-    head = [sys.executable] if launcher == "python" else _torchrun(tmp_path)
-    out = _run([*head, str(REPO / "examples/regression.py"), "--epochs", "10"], tmp_path)
+def test_quickstart_under_torchrun_follows_torchrun_and_warns_once_of_a_world_mismatch(tmp_path):
+    """One torchrun run serves both checks (each run costs a torchrun and two ranks): the result is printed once by
+    a 2-rank world, and asking for --nprocs 4 is warned about once per job, not once per rank."""
+    proc = subprocess.run([*_torchrun(tmp_path), str(REPO / "examples/quickstart.py"), "--epochs", "10", "--nprocs", "4"],
+                          capture_output=True, text=True, timeout=200, env=script_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("final mean loss") == 1 and "(2 ranks)" in proc.stdout, proc.stdout
+    assert proc.stderr.count("Accelerator(nprocs=4) but torchrun started 2 ranks; following torchrun") == 1, proc.stderr
+
+
+def test_regression_under_torchrun(tmp_path):
+    # under python: the straight run of test_regression_resumes_where_it_stopped_and_matches_a_straight_run
+    out = _run([*_torchrun(tmp_path), str(REPO / "examples/regression.py"), "--epochs", "10"], tmp_path)
     assert out.count("validation loss") == 1 and "2 rank(s)" in out
 
 
@@ -49,6 +56,7 @@ def test_regression_resumes_where_it_stopped_and_matches_a_straight_run(tmp_path
     assert "epoch   2/2" in first and (tmp_path / "ckpt").is_dir()
     resumed = _run([*REGRESSION, "--epochs", "4", "--checkpoint", "ckpt", "--resume"], tmp_path)
     straight = _run([*REGRESSION, "--epochs", "4"], tmp_path)
+    assert straight.count("validation loss") == 1 and "2 rank(s)" in straight, straight  # the example under python
     assert "resumed from ckpt after epoch 2/4" in resumed
     epochs = [line for line in resumed.splitlines() if line.startswith("epoch")]
     assert [line.split("/")[0] for line in epochs] == ["epoch   3", "epoch   4"], resumed
@@ -64,22 +72,12 @@ def test_regression_refuses_float64_with_bf16(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_classify_cnn_evaluates_every_sample_once_and_saves_once(tmp_path):
-    out = _run([sys.executable, str(REPO / "examples/classify_cnn.py"), "--out", str(tmp_path / "cnn.pt")], tmp_path)
+def test_classify_cnn_evaluates_every_sample_once_and_saves_once_into_the_working_directory(tmp_path):
+    # as documented, without arguments: default --epochs and --out (--out PATH: under torchrun, below)
+    out = _run([sys.executable, str(REPO / "examples/classify_cnn.py")], tmp_path)
     assert out.count("test accuracy") == 1 and "on 1000 samples (test split: 1000)" in out
-    assert (tmp_path / "cnn.pt").exists() and f"weights to {tmp_path / 'cnn.pt'}" in out
-
-
-def test_classify_cnn_saves_into_the_working_directory_by_default(tmp_path):
-    out = _run([sys.executable, str(REPO / "examples/classify_cnn.py"), "--epochs", "1"], tmp_path)
+    assert out.count("saved ") == 1, out
     assert f"weights to {tmp_path / 'classify_cnn.pt'}" in out and (tmp_path / "classify_cnn.pt").exists()
-
-
-def test_torchrun_world_mismatch_is_warned_once_per_job(tmp_path):
-    proc = subprocess.run([*_torchrun(tmp_path), str(REPO / "examples/quickstart.py"), "--epochs", "2", "--nprocs", "4"],
-                          capture_output=True, text=True, timeout=200, env=script_env(), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stderr.count("Accelerator(nprocs=4) but torchrun started 2 ranks; following torchrun") == 1, proc.stderr
 
 
 ONCE = {  # each example's lines that must appear exactly once, however it was started
@@ -95,9 +93,13 @@ def _once(out, example):
         assert out.count(needle) == 1, out
 
 
-def test_classify_cnn_prints_once_under_torchrun(tmp_path):
-    _once(_run([*_torchrun(tmp_path), str(REPO / "examples/classify_cnn.py"), *ONCE["classify_cnn.py"][0]], tmp_path),
-          "classify_cnn.py")
+def test_classify_cnn_prints_once_under_torchrun_and_saves_to_out(tmp_path):
+    out = _run([*_torchrun(tmp_path), str(REPO / "examples/classify_cnn.py"), *ONCE["classify_cnn.py"][0],
+                "--out", str(tmp_path / "cnn.pt")], tmp_path)
+    _once(out, "classify_cnn.py")
+    assert "on 1000 samples (test split: 1000)" in out
+    assert f"weights to {tmp_path / 'cnn.pt'}" in out and (tmp_path / "cnn.pt").exists()
+    assert not (tmp_path / "classify_cnn.pt").exists()
 
 
 @pytest.mark.slurm
