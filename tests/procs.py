@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
@@ -200,3 +201,26 @@ def srun_env(rank: int, job_id: str, **extra: str) -> dict:
         env.pop(key, None)
     env.update(extra)
     return env
+
+
+def once_per_session(tmp_path_factory, name: str, compute):
+    """``compute()``, a JSON-able result, computed once per test session, not once per pytest-xdist worker.
+
+    A module- or session-scoped fixture runs in every worker that runs one of its tests; for a fixture that runs
+    real launches, that is the launches again. The first worker to need the result computes it while holding a
+    lock in the session's shared temporary directory; a worker that needs it later reads it from there. Without
+    xdist this is just ``compute()``. If ``compute()`` fails, nothing is stored and the next worker tries anew.
+    """
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return compute()
+    shared = tmp_path_factory.getbasetemp().parent  # the session's base: each worker's basetemp is a child of it
+    path = shared / f"once-{name}.json"
+    with open(shared / f"once-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, and if this worker dies
+        if path.exists():
+            return json.loads(path.read_text())
+        result = compute()
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result))
+        os.replace(tmp, path)
+        return json.loads(path.read_text())  # what the other workers get, so every worker sees the same

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from procs import result_lines, run_script, run_torchrun, write_script
+from procs import once_per_session, result_lines, run_script, run_torchrun, write_script
 from qaccel import inherit
 
 pytestmark = pytest.mark.timeout(180)
@@ -56,9 +56,7 @@ if __name__ == "__main__":
 """
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The script under a plain launch and under torchrun: (stdout+stderr, result, log file) for each."""
+def _runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("inherit")
     script = write_script(tmp, TOP_LEVEL)
     out = {}
@@ -69,6 +67,13 @@ def runs(tmp_path_factory):
         [result] = result_lines(proc.stdout)
         out[name] = (proc.stderr, result, log_file.read_text())
     return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The script under a plain launch and under torchrun: (stderr, result, log file) for each; run once for all
+    pytest-xdist workers."""
+    return once_per_session(tmp_path_factory, "inherit_runs", lambda: _runs(tmp_path_factory))
 
 
 def test_rank_logging_looks_as_under_torchrun(runs):

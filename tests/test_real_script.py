@@ -18,7 +18,7 @@ import uuid
 import pytest
 
 from procs import (
-    REPO, marked_pids, result_lines, run_script, run_torchrun, script_env, signal_when, slurm_env, torchrun_cmd, wait_dead,
+    REPO, marked_pids, once_per_session, result_lines, run_script, run_torchrun, script_env, signal_when, slurm_env, torchrun_cmd, wait_dead,
 )
 
 pytestmark = pytest.mark.timeout(300)
@@ -43,19 +43,29 @@ def _checked(proc, world=2):
     return result
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The parameters' hash of an uninterrupted plain launch."""
+def _plain_run(tmp_path_factory):
+    """An uninterrupted plain launch, checked: its parameters' hash and the checkpoints it left."""
     tmp = tmp_path_factory.mktemp("reference")
     proc = run_script(REAL, "--ckpt", str(tmp / "ckpt"), env=_env(), cwd=tmp, timeout=200)
-    return _checked(proc)["hash"]
+    return {"hash": _checked(proc)["hash"], "checkpoints": sorted(os.listdir(tmp / "ckpt"))}
 
 
-def test_plain_launch_runs_the_real_script(reference, tmp_path):
-    proc = run_script(REAL, "--ckpt", str(tmp_path / "ckpt"), env=_env(), cwd=tmp_path, timeout=200)
-    assert _checked(proc)["hash"] == reference
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    """The plain launch every other launcher must match, run once for all pytest-xdist workers."""
+    return once_per_session(tmp_path_factory, "real_script_plain_run", lambda: _plain_run(tmp_path_factory))
+
+
+@pytest.fixture(scope="module")
+def reference(plain_run):
+    """The parameters' hash of an uninterrupted plain launch."""
+    return plain_run["hash"]
+
+
+def test_plain_launch_runs_the_real_script(plain_run):
+    # the launch itself ran (and passed _checked) in the plain_run fixture, which the other tests compare with
     # a checkpoint after each of the 3 epochs (6 steps each), named by step; resume(keep=2) kept the last two
-    assert sorted(os.listdir(tmp_path / "ckpt")) == ["checkpoint_00000012", "checkpoint_00000018"]
+    assert plain_run["checkpoints"] == ["checkpoint_00000012", "checkpoint_00000018"]
 
 
 def test_torchrun_runs_the_real_script_to_the_same_parameters(reference, tmp_path):
