@@ -40,15 +40,14 @@ def test_quickstart_under_torchrun_follows_torchrun_and_warns_once_of_a_world_mi
     assert proc.stderr.count("Accelerator(nprocs=4) but torchrun started 2 ranks; following torchrun") == 1, proc.stderr
 
 
-def test_regression_under_torchrun(tmp_path):
-    # under python: the straight run of test_regression_resumes_where_it_stopped_and_matches_a_straight_run
-    out = _run([*_torchrun(tmp_path), str(REPO / "examples/regression.py"), "--epochs", "10"], tmp_path)
-    assert out.count("validation loss") == 1 and "2 rank(s)" in out
-
-
-def test_regression_bf16_with_gradient_accumulation(tmp_path):
-    out = _run([*REGRESSION, "--bf16", "--accumulate", "2", "--epochs", "4"], tmp_path)
-    assert out.count("validation loss") == 1 and "float32 with bf16" in out
+def test_regression_bf16_with_gradient_accumulation_under_torchrun(tmp_path):
+    """One torchrun run (was one under torchrun and a bf16 one under python): the example with bf16 and gradient
+    accumulation, run in place by torchrun. In float32: under python, the straight run of
+    test_regression_resumes_where_it_stopped_and_matches_a_straight_run, and in place under srun,
+    test_examples_print_once_under_srun; bf16 and accumulation on ranks qaccel starts: tests/test_training.py."""
+    out = _run([*_torchrun(tmp_path), str(REPO / "examples/regression.py"), "--bf16", "--accumulate", "2",
+                "--epochs", "10"], tmp_path)
+    assert out.count("validation loss") == 1 and "2 rank(s)" in out and "float32 with bf16" in out, out
 
 
 def test_regression_resumes_where_it_stopped_and_matches_a_straight_run(tmp_path):
@@ -81,11 +80,12 @@ def test_classify_cnn_evaluates_every_sample_once_and_saves_once_into_the_workin
 
 
 ONCE = {  # each example's lines that must appear exactly once, however it was started
-    "quickstart.py": (["--epochs", "4"], ["final mean loss"]),
     "regression.py": (["--epochs", "4"], ["validation loss"]),
     "classify_cnn.py": (["--epochs", "1"], ["test accuracy", "saved "]),
     "long_run.py": (["--epochs", "1"], ["final loss"]),
 }
+# quickstart.py under srun: test_slurm_scripts.py::test_one_node_template_runs_the_quickstart_example_without_arguments
+# runs it with slurm/one_node.sbatch (srun, a task per rank) and checks "final mean loss" is printed once.
 
 
 def _once(out, example):
