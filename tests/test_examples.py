@@ -46,7 +46,7 @@ def test_regression_bf16_with_gradient_accumulation_under_torchrun(tmp_path):
     test_regression_resumes_where_it_stopped_and_matches_a_straight_run, and in place under srun,
     test_examples_print_once_under_srun; bf16 and accumulation on ranks qaccel starts: tests/test_training.py."""
     out = _run([*_torchrun(tmp_path), str(REPO / "examples/regression.py"), "--bf16", "--accumulate", "2",
-                "--epochs", "10"], tmp_path)
+                "--epochs", "4"], tmp_path)
     assert out.count("validation loss") == 1 and "2 rank(s)" in out and "float32 with bf16" in out, out
 
 
