@@ -75,6 +75,61 @@ def signal_when(cmd: list[str], sig: int, ready: str, *, env: dict, cwd: Path, t
     return subprocess.CompletedProcess(cmd, proc.returncode, out_path.read_text(), err_path.read_text())
 
 
+# Ranks that iterate a DataLoader whose 2 workers are busy (0.2 s an item); each rank and worker leaves a file named
+# after its pid in sys.argv[1]. sys.argv[2] "fail": rank 1 raises once 4 workers are up; "run": they run on.
+# tests/test_worker.py (another rank fails) and tests/test_caller_stops.py (the caller is stopped).
+STUCK_WORKERS = """
+import os, sys, time
+from pathlib import Path
+import torch
+from torch.utils.data import DataLoader, Dataset, get_worker_info
+from qaccel import Accelerator
+
+OUT = Path(sys.argv[1])
+
+class Slow(Dataset):
+    def __len__(self):
+        return 1000
+    def __getitem__(self, i):
+        (OUT / f"worker-{os.getpid()}").write_text(str(os.getppid()))
+        time.sleep(0.2)
+        return torch.tensor(i)
+
+def work(acc):
+    (OUT / f"rank-{os.getpid()}").write_text(str(acc.rank))
+    for i, _ in enumerate(acc.prepare(DataLoader(Slow(), batch_size=2, num_workers=2))):
+        if acc.rank == 1 and sys.argv[2] == "fail" and len(list(OUT.glob("worker-*"))) >= 4:
+            raise ValueError("rank 1 fails while every rank's workers are busy")
+
+if __name__ == "__main__":
+    acc = Accelerator(nprocs=2, compute_setup="cpu")
+    acc.distribute(work)(acc)
+"""
+
+
+def stuck_ranks_and_workers(out: Path, timeout: float = 60) -> tuple[list[int], list[int]]:
+    """The pids of STUCK_WORKERS' 2 ranks and 4 DataLoader workers, once all are up; every worker must be a child
+    of a rank (found by parent pid, as /proc tells it), not of the forkserver."""
+    ranks = [int(p.name.split("-")[1]) for p in _wait_for_files(out, "rank-*", 2, timeout)]
+    workers = [int(p.name.split("-")[1]) for p in _wait_for_files(out, "worker-*", 4, timeout)]
+    assert {_ppid(w) for w in workers if alive(w)} <= set(ranks), "workers must be children of their rank"
+    return ranks, workers
+
+
+def _wait_for_files(directory: Path, pattern: str, count: int, timeout: float) -> list[Path]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = list(Path(directory).glob(pattern))
+        if len(found) >= count:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"fewer than {count} {pattern} after {timeout} s: {list(Path(directory).iterdir())}")
+
+
+def _ppid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def script_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)

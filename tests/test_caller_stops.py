@@ -1,61 +1,54 @@
-"""When the script that started the ranks stops (Ctrl-C, SIGKILL), no rank outlives it."""
+"""When the script that started the ranks stops (Ctrl-C, SIGKILL), no rank outlives it, nor what a rank started: the
+ranks iterate a DataLoader whose 2 workers are busy. (The same ranks when another rank fails: tests/test_worker.py.)"""
 
 from __future__ import annotations
 
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from procs import script_env, wait_dead, write_script
+from procs import STUCK_WORKERS, script_env, stuck_ranks_and_workers, wait_dead, write_script
 
 pytestmark = pytest.mark.timeout(180)
 
 
-PID_SCRIPT = """
-import os, sys, time
-from pathlib import Path
-from qaccel import Accelerator
-
-acc = Accelerator(nprocs=2, compute_setup="cpu")
-
-def work(out):
-    Path(out, f"pid-{acc.rank}.tmp").write_text(str(os.getpid()))
-    os.replace(Path(out, f"pid-{acc.rank}.tmp"), Path(out, f"pid-{acc.rank}"))  # never seen half-written
-    time.sleep(120)
-
-if __name__ == "__main__":
-    acc.distribute(work)(sys.argv[1])
-"""
-
-
-def _start_and_wait_for_ranks(tmp_path):
-    script = write_script(tmp_path, PID_SCRIPT)
+def _start(tmp_path):
+    """The caller, once its ranks and their DataLoader workers run: (caller, rank pids, worker pids)."""
+    script = write_script(tmp_path, STUCK_WORKERS)
     tmpdir = tmp_path / "tmp"  # a killed caller's run directory stays there, not in /tmp, until a next launch
     tmpdir.mkdir()
-    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=script_env(TMPDIR=str(tmpdir)),
-                              stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and len(list(tmp_path.glob("pid-*"))) < 2:
-        time.sleep(0.05)
-    pids = [int(p.read_text()) for p in sorted(tmp_path.glob("pid-*"))]
-    assert len(pids) == 2, "ranks did not start"
-    return parent, pids
+    caller = subprocess.Popen([sys.executable, str(script), str(tmp_path), "run"], env=script_env(TMPDIR=str(tmpdir)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        return (caller, *stuck_ranks_and_workers(tmp_path))
+    except BaseException:
+        caller.kill()
+        caller.wait()
+        raise
 
 
-def test_ctrl_c_in_caller_stops_all_ranks(tmp_path):
-    parent, pids = _start_and_wait_for_ranks(tmp_path)
-    parent.send_signal(signal.SIGINT)
-    _, stderr = parent.communicate(timeout=20)
-    assert parent.returncode != 0
-    assert "KeyboardInterrupt" in stderr
-    assert wait_dead(pids, timeout=5) == []
+def test_ctrl_c_in_caller_stops_all_ranks_and_their_workers(tmp_path):
+    caller, ranks, workers = _start(tmp_path)
+    try:
+        caller.send_signal(signal.SIGINT)
+        _, stderr = caller.communicate(timeout=20)
+        assert caller.returncode != 0
+        assert "KeyboardInterrupt" in stderr
+        assert wait_dead(ranks, timeout=5) == [], "ranks left running after Ctrl-C"
+        assert wait_dead(workers, timeout=10) == [], "DataLoader workers left running after Ctrl-C"
+    finally:
+        caller.kill()
+        caller.wait()
 
 
-def test_killed_caller_leaves_no_rank_behind(tmp_path):
-    parent, pids = _start_and_wait_for_ranks(tmp_path)
-    parent.kill()
-    parent.wait(10)
-    assert wait_dead(pids, timeout=10) == []
+def test_killed_caller_leaves_no_rank_or_worker_behind(tmp_path):
+    caller, ranks, workers = _start(tmp_path)
+    try:
+        caller.kill()
+        caller.communicate(timeout=10)
+        assert wait_dead(ranks + workers, timeout=10) == [], "left running after the caller was killed"
+    finally:
+        caller.kill()
+        caller.wait()

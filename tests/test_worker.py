@@ -1,19 +1,16 @@
 """A rank started by qaccel looks like a torchrun worker to what it starts: DataLoader workers and pools are forked
 from it (so classes defined in the script reach them), it leads its own process group, and whatever it started
-dies with it however the rank is stopped."""
+dies with it however the rank is stopped (when its caller is stopped: tests/test_caller_stops.py)."""
 
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 
-from procs import alive, run_script, script_env, wait_dead, write_script
+from procs import STUCK_WORKERS, run_script, script_env, stuck_ranks_and_workers, wait_dead, write_script
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -62,68 +59,17 @@ def test_dataset_and_pool_functions_defined_in_the_script_reach_the_ranks_childr
         assert (rank["cubes"], rank["start_method"]) == ([0, 1, 8, 27, 64], "fork")
 
 
-STUCK_WORKERS = """
-import os, sys, time
-from pathlib import Path
-import torch
-from torch.utils.data import DataLoader, Dataset, get_worker_info
-from qaccel import Accelerator
-
-OUT = Path(sys.argv[1])
-
-class Slow(Dataset):
-    def __len__(self):
-        return 1000
-    def __getitem__(self, i):
-        (OUT / f"worker-{os.getpid()}").write_text(str(os.getppid()))
-        time.sleep(0.2)
-        return torch.tensor(i)
-
-def work(acc):
-    (OUT / f"rank-{os.getpid()}").write_text(str(acc.rank))
-    for i, _ in enumerate(acc.prepare(DataLoader(Slow(), batch_size=2, num_workers=2))):
-        if acc.rank == 1 and sys.argv[2] == "fail" and len(list(OUT.glob("worker-*"))) >= 4:
-            raise ValueError("rank 1 fails while every rank's workers are busy")
-
-if __name__ == "__main__":
-    acc = Accelerator(nprocs=2, compute_setup="cpu")
-    acc.distribute(work)(acc)
-"""
-
-
-def _wait_for(tmp_path: Path, pattern: str, count: int, timeout: float = 60) -> list[Path]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = list(tmp_path.glob(pattern))
-        if len(found) >= count:
-            return found
-        time.sleep(0.05)
-    raise AssertionError(f"fewer than {count} {pattern} after {timeout} s: {list(tmp_path.iterdir())}")
-
-
-def _ppid(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
-@pytest.mark.parametrize("stop", ["another rank failed", "Ctrl-C", "caller killed"])
-def test_dataloader_workers_die_with_their_rank(stop, tmp_path):
+def test_dataloader_workers_die_with_their_rank_when_another_rank_fails(tmp_path):
+    """Stopped by its caller (Ctrl-C, SIGKILL), the same ranks and workers: tests/test_caller_stops.py."""
     script = write_script(tmp_path, STUCK_WORKERS)
-    caller = subprocess.Popen([sys.executable, str(script), str(tmp_path), "fail" if stop.startswith("another") else "run"],
-                              env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    caller = subprocess.Popen([sys.executable, str(script), str(tmp_path), "fail"], env=script_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        ranks = [int(p.name.split("-")[1]) for p in _wait_for(tmp_path, "rank-*", 2)]
-        workers = [int(p.name.split("-")[1]) for p in _wait_for(tmp_path, "worker-*", 4)]
-        # found by parent pid, as /proc tells it: every worker is a child of a rank (not of the forkserver)
-        assert {_ppid(w) for w in workers if alive(w)} <= set(ranks), "workers must be children of their rank"
-        if stop == "Ctrl-C":
-            caller.send_signal(signal.SIGINT)
-        elif stop == "caller killed":
-            caller.kill()
+        ranks, workers = stuck_ranks_and_workers(tmp_path)
         _, err = caller.communicate(timeout=30)
         assert caller.returncode != 0
-        if stop.startswith("another"):
-            assert "rank 1 fails while every rank's workers are busy" in err
-        assert wait_dead(ranks + workers, timeout=10) == [], f"left running after '{stop}'"
+        assert "rank 1 fails while every rank's workers are busy" in err
+        assert wait_dead(ranks + workers, timeout=10) == [], "left running after another rank failed"
     finally:
         caller.kill()
         caller.wait()
