@@ -12,7 +12,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from procs import run_script, run_torchrun, slurm_env
+from procs import once_per_session, run_script, run_torchrun, slurm_env
 from qaccel import Accelerator
 from qaccel.config import FSDP_MIN_PARAMS, _sharding_choices
 from qaccel.sharding import units
@@ -363,15 +363,19 @@ def test_save_model_and_consolidate_write_one_plain_file(checkpoints, tmp_path):
 # ---- the real script (a Dataset class in it, num_workers=2, logging at the top, a checkpoint every epoch) ----
 
 
-@pytest.fixture(scope="module")
-def fsdp_reference(tmp_path_factory):
-    """real_train.py --strategy fsdp, launched plainly and uninterrupted: its parameters' hash."""
+def _fsdp_plain_run(tmp_path_factory) -> str:
     tmp = tmp_path_factory.mktemp("fsdp_reference")
     proc = run_script(REAL, "--ckpt", str(tmp / "ckpt"), "--strategy", "fsdp", env=_env(), cwd=tmp, timeout=200)
     result = _checked(proc)
     assert sorted(os.listdir(tmp / "ckpt" / "checkpoint_00000018" / "sharded")) == \
         [".metadata", "__0_0.distcp", "__1_0.distcp"]
     return result["hash"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_reference(tmp_path_factory):
+    """real_train.py --strategy fsdp, launched plainly and uninterrupted (once for all xdist workers): its hash."""
+    return once_per_session(tmp_path_factory, "fsdp_plain_run", lambda: _fsdp_plain_run(tmp_path_factory))
 
 
 @pytest.mark.timeout(300)
