@@ -175,7 +175,8 @@ def test_slurm_usr1_warning_saves_requeues_and_resumes_bitwise(reference, slurm_
     slurm_cluster.wait_job(job, timeout=150)
     info = slurm_cluster.job_info(job)
     text = out.read_text()
-    assert (info.get("JobState"), info.get("ExitCode"), info.get("Restarts")) == ("COMPLETED", "0:0", "1"), (info, text)
+    assert (info.get("JobState"), info.get("ExitCode"), info.get("Restarts")) == ("COMPLETED", "0:0", "1"), \
+        (info, text, slurm_cluster.log_tails())  # a requeued start that failed at once (seen once) says why there
     assert text.count("requeue.sbatch: job") == 2, text
     stopped = [line for line in text.splitlines() if line.startswith("qaccel: stopped by SIGUSR1")]
     assert len(stopped) == 1 and stopped[0].endswith("; the SLURM job was requeued and will resume from it"), text
