@@ -56,8 +56,7 @@ def prepare_model(model: torch.nn.Module, ctx: RankContext, config: Config, step
         model.to(dtype=config.dtype)  # fully_shard moves each shard to the mesh's device: no full copy there
         if steps.mesh is None:
             steps.mesh = sharding.mesh_for(ctx)
-        replaced = sharding.shard(model, ctx, config.fsdp_modules, config.fsdp_min_params, config.mixed_precision,
-                                  steps.mesh)
+        replaced = sharding.shard(model, config.fsdp_modules, config.fsdp_min_params, config.mixed_precision, steps.mesh)
         steps.replaced.update(replaced)
         for prepared in steps.optimizers:  # prepared before this model
             sharding.point_at_shards(prepared.optimizer, replaced)

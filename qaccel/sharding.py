@@ -70,8 +70,7 @@ def _self_contained(module: torch.nn.Module, prefix: str, names_of: dict[int, li
 
 
 def shard(
-    model: torch.nn.Module, ctx: RankContext, class_names: tuple[str, ...], min_params: int, mixed_precision: str,
-    mesh: DeviceMesh,
+    model: torch.nn.Module, class_names: tuple[str, ...], min_params: int, mixed_precision: str, mesh: DeviceMesh
 ) -> dict[int, tuple[weakref.ref, torch.nn.Parameter]]:
     """fully_shard the policy's units, then the root, in place. Returns, for optimizers built before this, each
     replaced parameter's id -> (a weak reference to it, its sharded replacement)."""
