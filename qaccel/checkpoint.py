@@ -80,11 +80,11 @@ def save_model(model: torch.nn.Module, directory: str | os.PathLike, ctx: RankCo
 
     The file holds tensors only, so ``torch.load(path, weights_only=True)`` reads it.
     """
-    state = get_state_dict(model) if sharding.is_sharded(model) else None  # gathered by every rank
+    state = get_state_dict(model)  # on every rank: a sharded model is gathered (a collective)
     if ctx.rank != 0:
         return
     os.makedirs(directory, exist_ok=True)
-    save(get_state_dict(model) if state is None else state, os.path.join(directory, MODEL_FILE), ctx)
+    save(state, os.path.join(directory, MODEL_FILE), ctx)
 
 
 def save_state(
