@@ -3,18 +3,88 @@
 from __future__ import annotations
 
 import builtins
+import functools
 import numbers
-from typing import Any, Mapping
+import sys
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
-from qaccel import group
+from qaccel import group, hangs
 from qaccel.batch import map_leaves
+from qaccel.errors import CollectiveMismatchError
 from qaccel.group import RankContext
 
 REDUCE_OPS = ("mean", "sum", "max", "min")
 _TORCH_OPS = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def tracked(name: str, describe: Callable[..., str] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Make a function a qaccel collective named ``name``: counted and explained on a timeout (qaccel/hangs.py),
+    and in debug mode checked first to be the same call on every rank, with ``describe(*args)`` the same.
+
+    Only the outermost tracked call counts: gather_for_metrics is one collective, not three.
+    """
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            run = group.current_run()
+            watch = None if run is None else run.watch
+            if watch is None or watch.calls.current is not None:
+                return fn(*args, **kwargs)
+            if run.debug:
+                return watch.run(name, _agreed, run.ctx, name, describe, fn, args, kwargs)
+            return watch.run(name, fn, *args, **kwargs)
+        return call
+    return wrap
+
+
+def _agreed(ctx: RankContext, name: str, describe: Callable[..., str] | None, fn: Callable[..., Any],
+            args: tuple, kwargs: dict) -> Any:
+    """Debug mode: compare this call with every rank's before making it; raise on every rank if they differ."""
+    detail = describe(*args, **kwargs) if describe is not None else ""
+    mine = (name, detail, hangs.call_site(sys._getframe()))
+    everyone: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(everyone, mine)
+    if len({(n, d) for n, d, _ in everyone}) > 1:
+        what = "different collectives" if len({n for n, _, _ in everyone}) > 1 else f"{name} with different arguments"
+        lines = [f"rank {r}: {n.replace('()', f'({d})')} at {site}" for r, (n, d, site) in enumerate(everyone)]
+        raise CollectiveMismatchError(f"[qaccel debug] the ranks called {what} (each must call the same collectives, "
+                                      "in the same order, with the same shapes):\n  " + "\n  ".join(lines))
+    return fn(*args, **kwargs)
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).replace('torch.', '')}{list(value.shape)}"
+    return type(value).__name__
+
+
+def _leaf_kinds(data: Any, kind: Callable[[torch.Tensor], str] = _kind) -> str:
+    kinds: list[str] = []
+    map_leaves(data, lambda leaf: kinds.append(kind(leaf) if isinstance(leaf, torch.Tensor) else _kind(leaf)))
+    return f"[{', '.join(kinds)}]"
+
+
+def _describe_dict(values: Mapping[str, Any], op: str = "mean", *rest: Any) -> str:
+    return "{" + ", ".join(f"{k!r}: {_kind(v)}" for k, v in values.items()) + f"}}, op={op!r}"
+
+
+def _describe_reduce(data: Any, op: str = "sum", *rest: Any) -> str:
+    return f"{_leaf_kinds(data)}, op={op!r}"
+
+
+def _describe_gather(data: Any, *rest: Any) -> str:  # dim 0 may differ by rank
+    return _leaf_kinds(data, lambda t: f"{str(t.dtype).replace('torch.', '')}[*{''.join(f', {n}' for n in t.shape[1:])}]")
+
+
+def _describe_pad(data: Any, ctx: RankContext, dim: int = 0, *rest: Any) -> str:
+    return f"{_leaf_kinds(data, lambda t: f'{t.dim()}-dim ' + str(t.dtype).replace('torch.', ''))}, dim={dim}"
+
+
+def _describe_broadcast(obj: Any, src: int, *rest: Any) -> str:
+    return f"src={src}"
 
 
 def _distributed(ctx: RankContext) -> bool:
@@ -26,6 +96,7 @@ def _comm_device(ctx: RankContext) -> torch.device:
     return ctx.device if ctx.backend == "nccl" else torch.device("cpu")
 
 
+@tracked("all_reduce_dict()", _describe_dict)
 def all_reduce_dict(
     values: Mapping[str, Any], op: str, ctx: RankContext, log_device: torch.device
 ) -> dict[str, Any]:
@@ -95,6 +166,7 @@ def _reduce_flat(tensors: list[torch.Tensor], op: str, ctx: RankContext) -> list
     return out
 
 
+@tracked("broadcast()", _describe_broadcast)
 def broadcast(obj: Any, src: int, ctx: RankContext) -> Any:
     """Every rank gets rank ``src``'s ``obj`` (any picklable object)."""
     if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < ctx.world_size:
@@ -106,6 +178,7 @@ def broadcast(obj: Any, src: int, ctx: RankContext) -> Any:
     return box[0]
 
 
+@tracked("gather_object()")
 def gather_object(obj: Any, ctx: RankContext) -> list[Any]:
     """Every rank gets the list of all ranks' ``obj``, indexed by rank."""
     if not _distributed(ctx):
@@ -115,6 +188,7 @@ def gather_object(obj: Any, ctx: RankContext) -> list[Any]:
     return out
 
 
+@tracked("wait_for_everyone()")
 def barrier(ctx: RankContext) -> None:
     """Block until every rank reaches this point."""
     if _distributed(ctx):
@@ -127,6 +201,7 @@ def main_print(ctx: RankContext, *args: Any, **kwargs: Any) -> None:
         builtins.print(*args, **kwargs)
 
 
+@tracked("gather()", _describe_gather)
 def gather(data: Any, ctx: RankContext) -> Any:
     """All ranks' tensors concatenated on dim 0 in rank order, for every tensor of a nested structure.
 
@@ -153,6 +228,7 @@ def _gather_tensor(tensor: torch.Tensor, shapes: list[tuple[int, ...]], ctx: Ran
     return torch.cat([chunk[: shape[0]] for chunk, shape in zip(chunks, shapes)]).to(tensor.device)
 
 
+@tracked("pad_across_processes()", _describe_pad)
 def pad_across_processes(data: Any, ctx: RankContext, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
     """Pad every tensor along ``dim`` with ``pad_index`` to the largest size any rank has, so they can be gathered.
 
@@ -197,6 +273,7 @@ def _pad(tensor: torch.Tensor, dim: int, size: int, pad_index: int, pad_first: b
     return torch.cat([fill, tensor] if pad_first else [tensor, fill], dim=dim)
 
 
+@tracked("reduce()", _describe_reduce)
 def reduce(data: Any, op: str, ctx: RankContext) -> Any:
     """All-reduce every tensor of a nested structure: "sum", "mean", "max" or "min"; one collective per dtype.
 
@@ -208,6 +285,7 @@ def reduce(data: Any, op: str, ctx: RankContext) -> Any:
     return _rebuild(data, _reduce_flat(_tensor_leaves(data, "reduce"), op, ctx))
 
 
+@tracked("gather_for_metrics()", _describe_gather)
 def gather_for_metrics(data: Any, ctx: RankContext, remainder: int | None) -> Any:
     """``gather``, minus the duplicate samples that evened out the last round of a prepared DataLoader.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -36,6 +37,11 @@ class Config:
     strategy: str = "ddp"
     fsdp_modules: tuple[str, ...] = ()  # class names (MRO-matched), not classes: picklable, and __main__-proof
     fsdp_min_params: int = FSDP_MIN_PARAMS
+    debug: bool = False  # check that every rank calls the same collective with the same shapes
+    rank_prefix: bool = False  # "[rank N] " before each line the ranks of a plain launch print
+
+
+DEBUG_VARIABLE = "QACCEL_DEBUG"
 
 
 def _backends() -> tuple[str, ...]:
@@ -68,6 +74,8 @@ def make_config(
     strategy: str = "ddp",
     fsdp_modules: Sequence[type | str] | None = None,
     fsdp_min_params: int = FSDP_MIN_PARAMS,
+    debug: bool | None = None,
+    rank_prefix: bool = False,
 ) -> Config:
     """Check every argument and resolve the 'auto' choices; raises ValueError/TypeError/RuntimeError."""
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
@@ -116,12 +124,29 @@ def make_config(
         )
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(f"max_restarts must be a non-negative int; got {max_restarts!r}")
+    debug = _debug_choice(debug)
+    if not isinstance(rank_prefix, bool):
+        raise TypeError(f"rank_prefix must be True or False; got {rank_prefix!r}")
     modules = _sharding_choices(strategy, fsdp_modules, fsdp_min_params, mixed_precision, backend)
     log_device_type = device_type if log_setup == "auto" else "cpu"
     return Config(
         nprocs, device_type, log_device_type, backend, dtype, float(timeout), start_method, steps, mixed_precision,
-        max_restarts, strategy, modules, fsdp_min_params,
+        max_restarts, strategy, modules, fsdp_min_params, debug, rank_prefix,
     )
+
+
+def _debug_choice(debug: bool | None) -> bool:
+    """``debug``, or with None the QACCEL_DEBUG variable ("1"/"0", "true"/"false", ...; unset: off)."""
+    if debug is not None:
+        if not isinstance(debug, bool):
+            raise TypeError(f"debug must be True, False or None (None: the {DEBUG_VARIABLE} variable); got {debug!r}")
+        return debug
+    value = os.environ.get(DEBUG_VARIABLE, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{DEBUG_VARIABLE} must be 1/true/yes/on or 0/false/no/off (or unset); got {value!r}")
 
 
 def _sharding_choices(

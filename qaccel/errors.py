@@ -47,6 +47,10 @@ class QaccelError(RuntimeError):
     """Base class for qaccel's own errors."""
 
 
+class CollectiveMismatchError(QaccelError):
+    """Debug mode: the ranks called different collectives, or the same one with different shapes."""
+
+
 class RankError(QaccelError):
     """A rank failed and its exception could not be rebuilt in the caller (or it exited without one)."""
 

@@ -35,12 +35,22 @@ class ErrorReport:
             exc_bytes: bytes | None = cloudpickle.dumps(exc)
         except Exception:
             exc_bytes = None
-        return cls(rank, type_name(exc), str(exc), "".join(traceback.format_exception(exc)), exc_bytes)
+        return cls(rank, type_name(exc), str(exc), _text(exc, notes=exc_bytes is None), exc_bytes)
 
     @property
     def is_peer_loss(self) -> bool:
         """True when the error only says another rank went away: a symptom, its cause is elsewhere."""
         return is_peer_loss(self.type, self.message)
+
+
+def _text(exc: BaseException, notes: bool) -> str:
+    """The formatted traceback; without the notes when the exception travels whole (the caller shows them once)."""
+    saved = None if notes else exc.__dict__.pop("__notes__", None)
+    try:
+        return "".join(traceback.format_exception(exc))
+    finally:
+        if saved is not None:
+            exc.__notes__ = saved
 
 
 @dataclass(frozen=True)

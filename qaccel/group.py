@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from qaccel import hangs
 from qaccel.config import Config
 from qaccel.environment import Environment
 
@@ -44,6 +45,8 @@ class Run:
     # Called once as the session ends, with whether fn returned: e.g. a stop agreement in flight is awaited
     # before the group goes, and signal handlers are given back.
     closers: list[Callable[[bool], None]] = field(default_factory=list)
+    debug: bool = False  # check each qaccel collective's agreement across ranks first (collectives.tracked)
+    watch: hangs.Watch | None = None  # says where this rank is when asked; None in a world of one
 
     def close(self, finished: bool) -> None:
         closers, self.closers = self.closers, []
@@ -75,6 +78,14 @@ def current() -> RankContext | None:
     """The context of the rank running in this process, or None outside any rank."""
     run = _RUN.get()
     return None if run is None else run.ctx
+
+
+def explain_timeout(exc: BaseException) -> None:
+    """If ``exc`` is a collective's timeout (one qaccel did not make: DDP's, the user's own), add where every rank
+    of this session is (qaccel/hangs.py); qaccel's own collectives did so already."""
+    run = _RUN.get()
+    if run is not None and run.watch is not None and hangs.is_timeout(exc):
+        run.watch.explain(exc, hangs.traceback_frames(exc.__traceback__))
 
 
 def plan(config: Config, env: Environment) -> RankContext:
@@ -140,15 +151,18 @@ def apply_thread_budget(local_world_size: int) -> None:
 
 @contextmanager
 def session(
-    ctx: RankContext, timeout: float, store: dist.Store | None = None, group_of_one: bool = False
+    ctx: RankContext, timeout: float, store: dist.Store | None = None, group_of_one: bool = False,
+    debug: bool = False, where_to_log: bool = False,
 ) -> Iterator[RankContext]:
     """Run a block as rank ``ctx``: device, threads and process group set up, always torn down afterwards.
 
     A group the caller had already initialised is reused and left alone. ``group_of_one``: make a group even for
-    a world of one (FSDP2 shards over a device mesh, which needs one).
+    a world of one (FSDP2 shards over a device mesh, which needs one). ``debug``: see Run.debug.
+    ``where_to_log``: a rank asked where it is also prints it to its own output (under torchrun and srun, where
+    each rank has its log; a plain launch's caller gets the answers in its error instead).
     """
     owns_group = False
-    run = Run(ctx)
+    run = Run(ctx, debug=debug)
     token = _RUN.set(run)
     try:
         if ctx.device.type == "cuda":
@@ -163,18 +177,23 @@ def session(
                 timeout=datetime.timedelta(seconds=timeout),
             )
             owns_group = True
+        if ctx.world_size > 1 and dist.is_initialized():
+            run.watch = hangs.Watch(ctx.rank, ctx.world_size, timeout, dist.distributed_c10d._get_default_store(),
+                                    where_to_log)
         yield ctx
         run.close(finished=True)
         if owns_group:
-            _quiesce(ctx)
+            _quiesce(run)
     finally:
         run.close(finished=False)
+        if run.watch is not None:
+            run.watch.close()
         _RUN.reset(token)
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _quiesce(ctx: RankContext) -> None:
+def _quiesce(run: Run) -> None:
     """Let every collective finish, everywhere, before the group is torn down.
 
     torch 2.13's gloo worker threads destroy a finished work object (and the tensors it holds) just after
@@ -183,8 +202,11 @@ def _quiesce(ctx: RankContext) -> None:
     40 plain-torch runs). The barrier completes only after all earlier work has; the short pause lets the
     workers drop it.
     """
-    barrier(ctx)
-    if ctx.backend == "gloo":
+    if run.watch is None:
+        barrier(run.ctx)
+    else:  # a rank still busy in fn makes this barrier time out: say where each rank is
+        run.watch.run("the barrier that ends distribute() (fn returned)", barrier, run.ctx)
+    if run.ctx.backend == "gloo":
         time.sleep(GLOO_DRAIN_S)
 
 

@@ -31,11 +31,13 @@ def run(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, env: 
     recorded = None  # the exception written to torchrun's error file, if any
     try:
         store = group.env_store(ctx, config.timeout) if needs_store else None
-        with group.session(ctx, config.timeout, store=store, group_of_one=config.strategy == "fsdp"):
+        with group.session(ctx, config.timeout, store=store, group_of_one=config.strategy == "fsdp",
+                           debug=config.debug, where_to_log=env.kind.started_by_launcher):
             try:
                 result = fn(*args, **kwargs)
             except BaseException as exc:
                 raised_at = time.time()
+                group.explain_timeout(exc)
                 if ctx.world_size > 1:
                     exc.add_note(raised_note(ctx.rank, ctx.world_size, type_name(exc), str(exc), launched=False))
                 # now, before the group is torn down and a peer can see the broken connection and fail first

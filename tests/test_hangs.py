@@ -1,0 +1,277 @@
+"""A hanging job says where every rank is (qaccel/hangs.py), and debug mode catches mismatched collectives.
+
+Real ranks throughout: plain launches, torchrun and srun run a script whose rank 1 sleeps while rank 0 waits in a
+collective with a short timeout; SIGUSR2 is sent to a running plain launch.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from procs import REPO, run_script, run_torchrun, script_env, slurm_env, wait_dead, write_script
+
+TIMEOUT_S = 4
+SCRIPT = """
+import os, signal, sys, time
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from qaccel import Accelerator
+
+MODE, OUT = sys.argv[1], Path(sys.argv[2])
+acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=float(os.environ["HANG_TIMEOUT"]))
+
+
+def forked_child_ignores_sigusr2():
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN else 1)
+    return os.waitpid(pid, 0)[1] == 0
+
+
+def train(acc):
+    (OUT / f"pid-{os.getpid()}").touch()
+    acc.all_reduce_dict({"step": 1.0})
+    if MODE == "usr2":
+        print(f"ready {acc.rank}", file=sys.stderr, flush=True)
+        while acc.rank == 1 and not (OUT / "go").exists():
+            time.sleep(0.05)  # RANK1_POLLS
+        acc.wait_for_everyone()  # USR2_RANK0
+        return forked_child_ignores_sigusr2()
+    if acc.rank == 1:
+        time.sleep(60)  # RANK1_SLEEPS
+    if MODE == "barrier":
+        acc.wait_for_everyone()  # RANK0_WAITS
+    elif MODE == "torch":
+        dist.all_reduce(torch.ones(1))  # RANK0_TORCH
+
+
+if __name__ == "__main__":
+    print("RESULT", acc.distribute(train, all_results=True)(acc), flush=True)
+"""
+
+
+def _line(script, mark: str) -> str:
+    lines = script.read_text().splitlines()
+    return f"{script.name}:{next(i for i, text in enumerate(lines, 1) if mark in text)}"
+
+
+def _pids(out) -> list[int]:
+    return [int(p.name.split("-")[1]) for p in out.glob("pid-*")]
+
+
+@pytest.fixture
+def hang(tmp_path):
+    """The script and an output folder for its ranks' pid files."""
+    out = tmp_path / "out"
+    out.mkdir()
+    return write_script(tmp_path, SCRIPT), out
+
+
+@pytest.mark.timeout(60)
+def test_a_plain_launch_names_the_line_of_every_rank_when_a_barrier_times_out(hang):
+    script, out = hang
+    proc = run_script(script, "barrier", str(out), env=script_env(HANG_TIMEOUT=str(TIMEOUT_S)), timeout=50)
+    took = time.time() - max(p.stat().st_mtime for p in out.glob("pid-*"))  # from the ranks' start to the error
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    error = proc.stderr[proc.stderr.rindex("Traceback (most recent call last)"):]  # the caller's own error
+    assert f"a collective waited longer than timeout={TIMEOUT_S}s; where every rank was:" in error, error
+    assert re.search(rf"rank 0: timed out in wait_for_everyone\(\) after {TIMEOUT_S}\.\d s \(its collective #2; 1 "
+                     rf"completed before\) at {_line(script, 'RANK0_WAITS')} in train: acc.wait_for_everyone\(\)  # RANK0_WAITS",
+                     error), error
+    assert (f"rank 1: not in a qaccel collective (1 completed) at {_line(script, 'RANK1_SLEEPS')} in train: "
+            "time.sleep(60)  # RANK1_SLEEPS") in error, error
+    assert error.count("where every rank was") == 1  # the rank's own traceback does not repeat it
+    assert took < 15, took  # the issue's bound; 4 s of timeout, then the answers and the caller's exit
+    pids = _pids(out)
+    assert len(pids) == 2 and wait_dead(pids, timeout=3) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_timeout_in_torchs_own_collective_is_explained_too(hang):
+    script, out = hang
+    proc = run_script(script, "torch", str(out), env=script_env(HANG_TIMEOUT=str(TIMEOUT_S)), timeout=50)
+    assert proc.returncode == 1
+    error = proc.stderr[proc.stderr.rindex("Traceback (most recent call last)"):]
+    assert (f"rank 0: timed out in a collective qaccel did not make (1 qaccel collective completed) at "
+            f"{_line(script, 'RANK0_TORCH')} in train: dist.all_reduce(torch.ones(1))  # RANK0_TORCH") in error, error
+    assert f"rank 1: not in a qaccel collective (1 completed) at {_line(script, 'RANK1_SLEEPS')}" in error, error
+    assert wait_dead(_pids(out), timeout=3) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_returned_waits_in_the_barrier_that_ends_distribute(hang):
+    script, out = hang
+    proc = run_script(script, "return", str(out), env=script_env(HANG_TIMEOUT=str(TIMEOUT_S)), timeout=50)
+    assert proc.returncode == 1
+    error = proc.stderr[proc.stderr.rindex("Traceback (most recent call last)"):]
+    assert "rank 0: timed out in the barrier that ends distribute() (fn returned) after" in error, error
+    assert f"rank 1: not in a qaccel collective (1 completed) at {_line(script, 'RANK1_SLEEPS')}" in error, error
+
+
+@pytest.mark.timeout(120)
+def test_under_torchrun_each_rank_writes_its_part_to_its_log(hang):
+    script, out = hang
+    proc = run_torchrun(script, "barrier", str(out), env=script_env(HANG_TIMEOUT=str(TIMEOUT_S)), timeout=100)
+    assert proc.returncode != 0
+    log = proc.stdout + proc.stderr
+    assert f"[qaccel] rank 0 timed out after {TIMEOUT_S} s; where rank 1 of 2 is:" in log, log[-4000:]
+    assert re.search(rf"rank 0: timed out in wait_for_everyone\(\) .* at \S*{_line(script, 'RANK0_WAITS')}", log), log
+    assert re.search(rf"rank 1: not in a qaccel collective \(1 completed\) at \S*{_line(script, 'RANK1_SLEEPS')}", log)
+    assert wait_dead(_pids(out), timeout=5) == []
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(150)
+def test_under_srun_each_rank_writes_its_part_to_its_log(hang, slurm_cluster):
+    script, out = hang
+    proc = slurm_cluster.srun(["-N1", "-n2", "--kill-on-bad-exit=1", sys.executable, str(script), "barrier", str(out)],
+                              timeout=90, env={**slurm_env(slurm_cluster), "HANG_TIMEOUT": str(TIMEOUT_S)})
+    assert proc.returncode != 0
+    log = proc.stdout + proc.stderr
+    assert f"[qaccel] rank 0 timed out after {TIMEOUT_S} s; where rank 1 of 2 is:" in log, log[-4000:]
+    assert re.search(rf"rank 0: timed out in wait_for_everyone\(\) .* at \S*{_line(script, 'RANK0_WAITS')}", log), log
+    assert re.search(rf"rank 1: not in a qaccel collective \(1 completed\) at \S*{_line(script, 'RANK1_SLEEPS')}", log)
+    assert wait_dead(_pids(out), timeout=5) == []
+
+
+@pytest.mark.timeout(90)
+def test_sigusr2_makes_every_rank_of_a_plain_launch_say_where_it_is_and_the_run_goes_on(hang):
+    script, out = hang
+    err_path = out.parent / "stderr"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen([sys.executable, str(script), "usr2", str(out)], stdout=subprocess.PIPE, stderr=err,
+                                text=True, env=script_env(HANG_TIMEOUT="60"), cwd=script.parent, start_new_session=True)
+    try:
+        _wait_for(err_path, ["ready 0", "ready 1"])
+        time.sleep(0.5)  # rank 0 is in its barrier by now
+        proc.send_signal(signal.SIGUSR2)
+        text = _wait_for(err_path, ["SIGUSR2: rank 0 of 2", "SIGUSR2: rank 1 of 2"])
+        (out / "go").touch()
+        stdout, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err_path.read_text()
+    assert re.search(rf"SIGUSR2: rank 0 of 2 is waiting in wait_for_everyone\(\) after \d+\.\d s \(its collective #2; "
+                     rf"1 completed before\) at {_line(script, 'USR2_RANK0')} in train", text), text
+    assert f"SIGUSR2: rank 1 of 2 is not in a qaccel collective (1 completed) at {_line(script, 'RANK1_POLLS')}" in text
+    assert "RESULT [True, True]" in stdout  # and a process forked by a rank (a DataLoader worker) ignores SIGUSR2
+
+
+def _wait_for(path, needles: list[str], timeout: float = 30) -> str:
+    deadline = time.monotonic() + timeout
+    while not all(n in (text := path.read_text()) for n in needles):
+        assert time.monotonic() < deadline, text
+        time.sleep(0.05)
+    return text
+
+
+# Debug mode: one launch catches several mismatches (each raised on every rank, after which the group is usable).
+
+def _mismatches(acc):
+    import torch
+
+    from qaccel import CollectiveMismatchError
+
+    caught = []
+
+    def attempt(call):
+        try:
+            call()
+        except CollectiveMismatchError as exc:
+            caught.append(str(exc))
+        else:
+            caught.append(None)
+
+    rank = acc.rank
+    attempt(lambda: acc.gather(torch.ones(rank + 1, 3)))  # dim 0 may differ: no mismatch
+    attempt(lambda: acc.wait_for_everyone() if rank == 0 else acc.all_reduce_dict({"loss": 1.0}))
+    attempt(lambda: acc.all_reduce_dict({"loss": 1.0} if rank == 0 else {"loss": 1.0, "acc": 0.5}))
+    attempt(lambda: acc.reduce(torch.ones(3 + rank)))
+    attempt(lambda: acc.broadcast("x", src=rank))
+    attempt(lambda: acc.gather_for_metrics(torch.ones(2)))
+    return caught, acc.debug
+
+
+@pytest.mark.timeout(60)
+def test_debug_mode_names_the_mismatch_and_each_ranks_call_site_on_every_rank():
+    from qaccel import Accelerator
+
+    acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=30, debug=True)
+    results = acc.distribute(_mismatches, all_results=True)(acc)
+    assert results[0] == results[1]
+    caught, debug = results[0]
+    assert debug is True
+    assert caught[0] is None and caught[5] is None, caught
+    here = os.path.basename(__file__)
+    assert "the ranks called different collectives" in caught[1]
+    assert re.search(rf"rank 0: wait_for_everyone\(\) at \S*{here}:\d+\n  rank 1: all_reduce_dict\(\{{'loss': float\}}, "
+                     rf"op='mean'\) at \S*{here}:\d+", caught[1]), caught[1]
+    assert "the ranks called all_reduce_dict() with different arguments" in caught[2]
+    assert "rank 1: all_reduce_dict({'loss': float, 'acc': float}, op='mean')" in caught[2], caught[2]
+    assert "rank 0: reduce([float32[3]], op='sum')" in caught[3] and "rank 1: reduce([float32[4]]" in caught[3]
+    assert "rank 0: broadcast(src=0)" in caught[4] and "rank 1: broadcast(src=1)" in caught[4]
+
+
+def test_debug_comes_from_the_argument_or_qaccel_debug(monkeypatch):
+    from qaccel import Accelerator
+
+    monkeypatch.delenv("QACCEL_DEBUG", raising=False)
+    assert Accelerator().debug is False
+    monkeypatch.setenv("QACCEL_DEBUG", "1")
+    assert Accelerator().debug is True
+    assert Accelerator(debug=False).debug is False
+    monkeypatch.setenv("QACCEL_DEBUG", "maybe")
+    with pytest.raises(ValueError, match="QACCEL_DEBUG must be 1/true/yes/on or 0/false/no/off"):
+        Accelerator()
+    monkeypatch.delenv("QACCEL_DEBUG")
+    with pytest.raises(TypeError, match="debug must be True, False or None"):
+        Accelerator(debug="yes")
+
+
+def test_debug_in_one_process_checks_nothing_and_costs_nothing():
+    from qaccel import Accelerator
+
+    acc = Accelerator(debug=True)
+    assert acc.distribute(lambda: acc.all_reduce_dict({"x": 2.0}))() == {"x": 2.0}
+
+
+# Without processes: what counts as the user's code, and as a timeout.
+
+def test_the_users_stack_leaves_out_qaccel_torch_and_the_standard_library():
+    import json
+
+    from qaccel import hangs
+
+    def user_function():  # user code -> json (standard library) -> user code -> qaccel
+        return json.loads("1", parse_int=lambda _: hangs.user_stack(hangs.live_frames(sys._getframe())))
+
+    stack = user_function()
+    assert [f.function.rsplit(".", 1)[-1] for f in stack[-2:]] == ["user_function", "<lambda>"], stack
+    assert stack[-2].calls == "json.loads"  # the library function the user's line called into
+    library = (str(REPO / "qaccel"), os.path.dirname(json.__file__), os.path.dirname(torch_file()))
+    assert not any(f.filename.startswith(library) for f in stack), stack
+
+
+def torch_file() -> str:
+    import torch
+
+    return torch.__file__
+
+
+def test_what_counts_as_a_timeout():
+    from qaccel.hangs import is_timeout
+
+    assert is_timeout(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv"))
+    assert is_timeout(RuntimeError("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=3)"))
+    assert not is_timeout(RuntimeError("Connection reset by peer"))
+    assert not is_timeout(ValueError("timeout must be positive"))
