@@ -7,13 +7,13 @@ import functools
 import os
 import signal
 import warnings
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
 import torch
 
 from qaccel import (
-    batch, checkpoint, collectives, group, in_place, launch, precision, prepare, ranks, seeding, sharding, stopping,
-    training,
+    batch, checkpoint, collectives, group, in_place, launch, precision, prepare, progress, ranks, seeding, sharding,
+    stopping, training,
 )
 from qaccel.config import FSDP_MIN_PARAMS, make_config
 from qaccel.environment import Environment, detect
@@ -44,6 +44,12 @@ class Accelerator:
         fsdp_modules: with "fsdp", the module classes (or class names) sharded as units of their own, e.g. your
             transformer block; None: every submodule holding ``fsdp_min_params`` parameters not already in a unit.
         fsdp_min_params: the size rule's threshold (parameters) when ``fsdp_modules`` is None.
+        debug: before each qaccel collective, check that every rank calls the same one with the same shapes,
+            and fail on every rank naming each rank's call site if not (costs one small collective each);
+            None: the ``QACCEL_DEBUG`` environment variable decides (off when unset).
+        rank_prefix: in a plain launch, start each line the ranks write to stdout/stderr with ``[rank N] ``
+            (under torchrun or srun ask the launcher: TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE with ``--tee``,
+            ``srun --label``).
     """
 
     def __init__(
@@ -62,11 +68,14 @@ class Accelerator:
         strategy: str = "ddp",
         fsdp_modules: Sequence[type | str] | None = None,
         fsdp_min_params: int = FSDP_MIN_PARAMS,
+        debug: bool | None = None,
+        rank_prefix: bool = False,
     ) -> None:
         env = detect()
         self._config = make_config(
             nprocs, compute_setup, log_setup, backend, dtype, timeout, start_method, env,
             gradient_accumulation_steps, mixed_precision, max_restarts, strategy, fsdp_modules, fsdp_min_params,
+            debug, rank_prefix,
         )
         self._step_state: training.StepState | None = None
         if env.kind.started_by_launcher and nprocs > 1 and nprocs != env.world_size and env.rank == 0:
@@ -75,6 +84,13 @@ class Accelerator:
             warnings.warn(
                 f"Accelerator(max_restarts={max_restarts}) restarts the ranks of a plain launch only; under {env.kind} "
                 "use torchrun --max-restarts, or SLURM's requeue (slurm/requeue.sbatch)", stacklevel=2,
+            )
+        if env.kind.started_by_launcher and rank_prefix and env.rank == 0:
+            warnings.warn(
+                f"Accelerator(rank_prefix=True) prefixes the output of a plain launch only; under {env.kind} ask the "
+                "launcher: torchrun --tee 3 with TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[rank ${rank}] ' in its "
+                "environment, or srun --label",
+                stacklevel=2,
             )
         if env.kind.creates_processes and nprocs > 1 and group.current() is None:
             launch.warm_up(start_method)
@@ -139,6 +155,10 @@ class Accelerator:
     @property
     def strategy(self) -> str:
         return self._config.strategy
+
+    @property
+    def debug(self) -> bool:
+        return self._config.debug
 
     @property
     def max_restarts(self) -> int:
@@ -209,6 +229,11 @@ class Accelerator:
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on the main process only."""
         collectives.main_print(self._ctx(), *args, **kwargs)
+
+    def progress(self, iterable: Iterable[R], desc: str | None = None, total: int | None = None,
+                 **options: Any) -> Iterable[R]:
+        """A progress bar over ``iterable`` on the main process only (tqdm if installed, else a status line)."""
+        return progress.progress(iterable, self._ctx(), desc, total, **options)
 
     def gather(self, data: Any) -> Any:
         """All ranks' tensors concatenated on dim 0 (sizes may differ by rank); nested structures too."""

@@ -169,6 +169,12 @@ class PreparedDataLoader(DataLoader):
             raise ValueError(f"num_batches must be a non-negative int; got {num_batches!r}")
         self._skip = num_batches
 
+    @property
+    def batches_to_skip(self) -> int:
+        """Batches the next epoch passes over (skip_first_batches, load_state_dict); ``len()`` still counts them, so
+        a progress bar starts there."""
+        return self._skip
+
     def state_dict(self) -> dict[str, int]:
         """Where this loader is: its shuffling seed, and the epoch and batches done to resume at."""
         epoch, done = self._position if self._position is not None else (self._epoch, 0)

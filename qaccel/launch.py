@@ -9,7 +9,8 @@ cannot start ranks recursively.
 
 Each rank then sets itself up as a torchrun worker would be (qaccel/worker.py) and takes over the settings the
 caller's top-level code made (qaccel/inherit.py). A rank leads its own process group, so stopping it stops what it
-started (DataLoader workers, pools), as torchrun's agent does.
+started (DataLoader workers, pools), as torchrun's agent does. With ``rank_prefix`` its fds 1 and 2 are pipes the
+caller reads, prefixing each line with the rank (qaccel/output.py).
 
 Files that carry fn, results and errors live in a private temporary directory (mode 0700, qaccel/run_dir.py)
 removed afterwards, or by a later launch if the caller was killed.
@@ -45,7 +46,7 @@ from typing import Any, Callable, Iterator
 import cloudpickle
 import torch.distributed as dist
 
-from qaccel import group, inherit, prepare, worker
+from qaccel import group, inherit, output, prepare, worker
 from qaccel.config import Config
 from qaccel.environment import Environment, Kind, rank_variables
 from qaccel.errors import RankError, RankKilledError, RemoteTraceback, raised_note
@@ -156,14 +157,21 @@ def _attempt(ctx: Any, procs: list, run_dir: str, config: Config, all_results: b
     store = _loopback_store(config.timeout)
     procs.clear()
     readers = []
+    outputs: list[output.PrefixedOutput] = []  # with rank_prefix: each rank's stdout and stderr, read here
     succeeded = False  # a rank that failed to start, or a Ctrl-C, counts as a failure: stop the others at once
     try:
         for rank in range(config.nprocs):
             reader, writer = ctx.Pipe(duplex=True)
+            streams = output.PrefixedOutput(rank) if config.rank_prefix else None
+            if streams is not None:
+                outputs.append(streams)
             spec = RankSpec(run_dir, rank, config.nprocs, store.port, config, all_results or rank == 0, dict(environ))
-            proc = ctx.Process(target=_rank_main, args=(spec, writer), name=f"qaccel-rank-{rank}")
+            ends = streams.ends if streams is not None else None
+            proc = ctx.Process(target=_rank_main, args=(spec, writer, ends), name=f"qaccel-rank-{rank}")
             _start_without_main(proc)
             writer.close()
+            if streams is not None:
+                streams.close_ends()
             procs.append(proc)
             readers.append(reader)
         if received:  # a signal came while the ranks were starting: they get it too
@@ -175,6 +183,7 @@ def _attempt(ctx: Any, procs: list, run_dir: str, config: Config, all_results: b
         _stop(procs, failed=not succeeded)
         for reader in readers:
             reader.close()
+        output.finish(outputs)  # every line the ranks wrote is out before distribute() returns or raises
         del store
 
 
@@ -459,8 +468,12 @@ def _watch_caller(lifeline: multiprocessing.connection.Connection) -> None:
     os.killpg(0, signal.SIGKILL)  # this rank's group: the rank and what it started
 
 
-def _rank_main(spec: RankSpec, caller: multiprocessing.connection.Connection) -> None:
-    """Entry point of a rank process: set up the rank, run fn, record its result or its exception."""
+def _rank_main(spec: RankSpec, caller: multiprocessing.connection.Connection,
+               streams: tuple[multiprocessing.connection.Connection, ...] | None = None) -> None:
+    """Entry point of a rank process: set up the rank, run fn, record its result or its exception. ``streams``:
+    the caller's pipes for its stdout and stderr (rank_prefix)."""
+    if streams is not None:
+        output.redirect(streams)
     config = spec.config
     layout = Environment(Kind.PLAIN, rank=spec.rank, local_rank=spec.rank, world_size=spec.world_size,
                          local_world_size=spec.world_size, master_addr="127.0.0.1", master_port=spec.port)
@@ -473,7 +486,7 @@ def _rank_main(spec: RankSpec, caller: multiprocessing.connection.Connection) ->
     reported = False
     try:
         store = dist.TCPStore("127.0.0.1", spec.port, None, False, timeout=datetime.timedelta(seconds=config.timeout))
-        with group.session(ctx, config.timeout, store=store, group_of_one=config.strategy == "fsdp"):
+        with group.session(ctx, config.timeout, store=store, group_of_one=config.strategy == "fsdp", debug=config.debug):
             try:
                 settings, fn, args, kwargs = pickle.loads(Path(spec.run_dir, "payload").read_bytes())
                 if settings is not None:
@@ -483,6 +496,7 @@ def _rank_main(spec: RankSpec, caller: multiprocessing.connection.Connection) ->
                 if spec.keep_result:
                     write_atomic(Path(spec.run_dir, f"result-{spec.rank}"), _dumps_result(result, spec.rank))
             except BaseException as exc:
+                group.explain_timeout(exc)
                 _report(spec, exc, caller)  # before teardown, which may take a while
                 reported = True
                 raise

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from procs import REPO, run_script, run_torchrun, script_env, slurm_env, wait_dead, write_script
+from procs import REPO, run_script, run_torchrun, script_env, slurm_env, torchrun_cmd, wait_dead, write_script
 
 TIMEOUT_S = 4
 SCRIPT = """
@@ -54,7 +54,7 @@ def train(acc):
 
 
 if __name__ == "__main__":
-    print("RESULT", acc.distribute(train, all_results=True)(acc), flush=True)
+    os.write(1, f"RESULT {acc.distribute(train, all_results=True)(acc)}\n".encode())  # one write: ranks share stdout
 """
 
 
@@ -142,29 +142,56 @@ def test_under_srun_each_rank_writes_its_part_to_its_log(hang, slurm_cluster):
     assert wait_dead(_pids(out), timeout=5) == []
 
 
-@pytest.mark.timeout(90)
-def test_sigusr2_makes_every_rank_of_a_plain_launch_say_where_it_is_and_the_run_goes_on(hang):
-    script, out = hang
+def _ask_where_and_release(cmd: list[str], out, env: dict) -> tuple[subprocess.CompletedProcess, str, str]:
+    """Start ``cmd`` (the script in usr2 mode), run ``qaccel where`` on it once both ranks are ready, wait for both
+    ranks' answers, then let rank 1 go on; the finished process, the CLI's output and what the ranks printed."""
     err_path = out.parent / "stderr"
     with open(err_path, "w") as err:
-        proc = subprocess.Popen([sys.executable, str(script), "usr2", str(out)], stdout=subprocess.PIPE, stderr=err,
-                                text=True, env=script_env(HANG_TIMEOUT="60"), cwd=script.parent, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=out.parent,
+                                start_new_session=True)
     try:
         _wait_for(err_path, ["ready 0", "ready 1"])
         time.sleep(0.5)  # rank 0 is in its barrier by now
-        proc.send_signal(signal.SIGUSR2)
+        cli = subprocess.run([sys.executable, "-m", "qaccel", "where", str(proc.pid)], capture_output=True,
+                             text=True, env=env, timeout=60)
+        assert cli.returncode == 0, cli.stderr
         text = _wait_for(err_path, ["SIGUSR2: rank 0 of 2", "SIGUSR2: rank 1 of 2"])
         (out / "go").touch()
-        stdout, _ = proc.communicate(timeout=30)
+        stdout, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert proc.returncode == 0, err_path.read_text()
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, err_path.read_text()), cli.stdout, text
+
+
+def _check_answers(script, text: str) -> None:
     assert re.search(rf"SIGUSR2: rank 0 of 2 is waiting in wait_for_everyone\(\) after \d+\.\d s \(its collective #2; "
-                     rf"1 completed before\) at {_line(script, 'USR2_RANK0')} in train", text), text
-    assert f"SIGUSR2: rank 1 of 2 is not in a qaccel collective (1 completed) at {_line(script, 'RANK1_POLLS')}" in text
-    assert "RESULT [True, True]" in stdout  # and a process forked by a rank (a DataLoader worker) ignores SIGUSR2
+                     rf"1 completed before\) at \S*{_line(script, 'USR2_RANK0')} in train", text), text
+    assert re.search(rf"SIGUSR2: rank 1 of 2 is not in a qaccel collective \(1 completed\) at "
+                     rf"\S*{_line(script, 'RANK1_POLLS')} in train: time.sleep\(0.05\)", text), text
+
+
+@pytest.mark.timeout(90)
+def test_qaccel_where_makes_every_rank_of_a_plain_launch_say_where_it_is_and_the_run_goes_on(hang):
+    script, out = hang
+    proc, cli, text = _ask_where_and_release([sys.executable, str(script), "usr2", str(out)], out,
+                                             script_env(HANG_TIMEOUT="60"))
+    assert proc.returncode == 0, proc.stderr
+    assert "sent SIGUSR2 to process" in cli
+    _check_answers(script, text)
+    assert "RESULT [True, True]" in proc.stdout  # and a process forked by a rank (a DataLoader worker) ignores it
+
+
+@pytest.mark.timeout(120)
+def test_qaccel_where_signals_torchruns_workers_not_torchrun(hang, tmp_path):
+    script, out = hang
+    cmd = [*torchrun_cmd(tmp_path / "logs", "--standalone", "--nproc_per_node", "2"), str(script), "usr2", str(out)]
+    proc, cli, text = _ask_where_and_release(cmd, out, script_env(HANG_TIMEOUT="60"))
+    assert proc.returncode == 0, proc.stderr
+    assert "sent SIGUSR2 to the workers of torchrun" in cli
+    _check_answers(script, text)
+    assert proc.stdout.count("RESULT [True, True]") == 2
 
 
 def _wait_for(path, needles: list[str], timeout: float = 30) -> str:
@@ -275,3 +302,10 @@ def test_what_counts_as_a_timeout():
     assert is_timeout(RuntimeError("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=3)"))
     assert not is_timeout(RuntimeError("Connection reset by peer"))
     assert not is_timeout(ValueError("timeout must be positive"))
+
+
+def test_qaccel_where_names_a_process_that_is_not_there(capsys):
+    from qaccel.cli import main
+
+    assert main(["where", "999999999"]) == 2
+    assert "qaccel where: no process 999999999" in capsys.readouterr().err
