@@ -1,4 +1,5 @@
-"""`qaccel env` (what qaccel sees here) and `qaccel test` (a real distributed smoke test for a new machine)."""
+"""`qaccel env` (what qaccel sees here), `qaccel test` (a real distributed smoke test for a new machine), `qaccel
+consolidate` (one model file from a checkpoint) and `qaccel where` (a running job's ranks say where they are)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import qaccel
-from qaccel import checkpoint, group
+from qaccel import checkpoint, group, hangs
 from qaccel.accelerator import Accelerator
 from qaccel.config import cuda_device_count
 from qaccel.environment import detect
@@ -158,6 +159,20 @@ def consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def where(args: argparse.Namespace) -> int:
+    """SIGUSR2 to the ranks of running jobs: each prints where it is to its own output and carries on."""
+    for pid in args.pid:
+        try:
+            ranks = hangs.ask_where(pid)
+        except FileNotFoundError:
+            raise ProcessLookupError(f"no process {pid}") from None
+        sent = (f"process {pid} (a plain launch passes it on to its ranks)" if ranks == [pid]
+                else f"the workers of torchrun {pid}: {', '.join(map(str, ranks))}")
+        print(f"qaccel where: sent SIGUSR2 to {sent}; each rank prints where it is to its output (the terminal of a "
+              "plain launch, or the rank's log) and goes on")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qaccel", description=qaccel.__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -165,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("checkpoint", help="a save_state() checkpoint, or a folder of them (the newest is read)")
     p.add_argument("out", help="the file to write")
     p.add_argument("--model", type=int, default=0, help="which prepared model, in prepare() order (default 0)")
+    p = sub.add_parser("where", help="make the ranks of a running job print where they are (SIGUSR2)")
+    p.add_argument("pid", type=int, nargs="+", help="a plain launch's python process, a torchrun, or a rank")
     for name, help_text in (("env", "show versions, the detected environment and what qaccel would use"),
                             ("test", "run a short real distributed smoke test")):
         p = sub.add_parser(name, help=help_text)
@@ -174,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--timeout", type=float, default=60.0, help="seconds a collective may wait")
     args = parser.parse_args(argv)
     try:
-        return {"env": env_report, "test": smoke_test, "consolidate": consolidate}[args.command](args)
+        commands = {"env": env_report, "test": smoke_test, "consolidate": consolidate, "where": where}
+        return commands[args.command](args)
     except (ValueError, TypeError, RuntimeError, OSError) as exc:
         print(f"qaccel {args.command}: {exc}", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import functools
+import hashlib
 import numbers
 import sys
 from typing import Any, Callable, Mapping
@@ -42,14 +43,20 @@ def tracked(name: str, describe: Callable[..., str] | None = None) -> Callable[[
 
 def _agreed(ctx: RankContext, name: str, describe: Callable[..., str] | None, fn: Callable[..., Any],
             args: tuple, kwargs: dict) -> Any:
-    """Debug mode: compare this call with every rank's before making it; raise on every rank if they differ."""
-    detail = describe(*args, **kwargs) if describe is not None else ""
-    mine = (name, detail, hangs.call_site(sys._getframe()))
-    everyone: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(everyone, mine)
-    if len({(n, d) for n, d, _ in everyone}) > 1:
+    """Debug mode: compare this call with every rank's before making it; raise on every rank if they differ.
+
+    One small all-reduce compares a digest of (name, shapes): MAX of (d, -d) gives max and -min, equal only when
+    every rank's digest is. Only then, on a mismatch, do the ranks gather the details and call sites to report.
+    """
+    call = name.replace("()", f"({describe(*args, **kwargs)})" if describe is not None else "()")
+    digest = int.from_bytes(hashlib.blake2b(call.encode(), digest_size=7).digest(), "big")
+    extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=_comm_device(ctx))
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    if extremes[0].item() != -extremes[1].item():
+        everyone: list[Any] = [None] * ctx.world_size
+        dist.all_gather_object(everyone, (name, call, hangs.call_site(sys._getframe())))
         what = "different collectives" if len({n for n, _, _ in everyone}) > 1 else f"{name} with different arguments"
-        lines = [f"rank {r}: {n.replace('()', f'({d})')} at {site}" for r, (n, d, site) in enumerate(everyone)]
+        lines = [f"rank {r}: {c} at {site}" for r, (_, c, site) in enumerate(everyone)]
         raise CollectiveMismatchError(f"[qaccel debug] the ranks called {what} (each must call the same collectives, "
                                       "in the same order, with the same shapes):\n  " + "\n  ".join(lines))
     return fn(*args, **kwargs)

@@ -25,6 +25,7 @@ import sysconfig
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any, Callable
 
@@ -323,6 +324,33 @@ class _Usr2:
     def _close_pipe(self) -> None:
         os.close(self.read_end)
         os.close(self.write_end)
+
+
+TORCHRUN_MARKS = (b"torchrun", b"torch.distributed.run", b"torch.distributed.launch")
+
+
+def ask_where(pid: int) -> list[int]:
+    """Send SIGUSR2 to the ranks behind ``pid``; the pids signalled.
+
+    A torchrun agent's workers are signalled, not the agent (SIGUSR2 would end it). Any other process gets it
+    itself: a plain launch's caller passes it on to its ranks; a rank, or an srun task, answers.
+    """
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()  # FileNotFoundError: no such process
+    targets = [pid]
+    if any(mark in cmdline for mark in TORCHRUN_MARKS):
+        targets = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _parent(p) == pid]
+        if not targets:
+            raise ProcessLookupError(f"torchrun (pid {pid}) has no workers running")
+    for target in targets:
+        os.kill(target, signal.SIGUSR2)
+    return targets
+
+
+def _parent(proc: Path) -> int | None:
+    try:
+        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _ignore(signum: int, frame: Any) -> None:
