@@ -54,7 +54,7 @@ def train(acc):
 
 
 if __name__ == "__main__":
-    os.write(1, f"RESULT {acc.distribute(train, all_results=True)(acc)}\n".encode())  # one write: ranks share stdout
+    os.write(1, f"RESULT {acc.distribute(train, all_results=True)(acc)}\\n".encode())  # one write: ranks share stdout
 """
 
 
@@ -142,9 +142,10 @@ def test_under_srun_each_rank_writes_its_part_to_its_log(hang, slurm_cluster):
     assert wait_dead(_pids(out), timeout=5) == []
 
 
-def _ask_where_and_release(cmd: list[str], out, env: dict) -> tuple[subprocess.CompletedProcess, str, str]:
-    """Start ``cmd`` (the script in usr2 mode), run ``qaccel where`` on it once both ranks are ready, wait for both
-    ranks' answers, then let rank 1 go on; the finished process, the CLI's output and what the ranks printed."""
+def _ask_where_and_release(cmd: list[str], out, env: dict, ask=None) -> tuple[subprocess.CompletedProcess, str, str]:
+    """Start ``cmd`` (the script in usr2 mode), ask the ranks where they are once both are ready (``ask(proc)``;
+    default: ``qaccel where PID``), wait for both ranks' answers, then let rank 1 go on; the finished process, what
+    ``ask`` printed and what the ranks printed."""
     err_path = out.parent / "stderr"
     with open(err_path, "w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=out.parent,
@@ -152,9 +153,9 @@ def _ask_where_and_release(cmd: list[str], out, env: dict) -> tuple[subprocess.C
     try:
         _wait_for(err_path, ["ready 0", "ready 1"])
         time.sleep(0.5)  # rank 0 is in its barrier by now
-        cli = subprocess.run([sys.executable, "-m", "qaccel", "where", str(proc.pid)], capture_output=True,
-                             text=True, env=env, timeout=60)
-        assert cli.returncode == 0, cli.stderr
+        asked = subprocess.run(ask(proc) if ask else [sys.executable, "-m", "qaccel", "where", str(proc.pid)],
+                               capture_output=True, text=True, env=env, timeout=60)
+        assert asked.returncode == 0, asked.stderr
         text = _wait_for(err_path, ["SIGUSR2: rank 0 of 2", "SIGUSR2: rank 1 of 2"])
         (out / "go").touch()
         stdout, _ = proc.communicate(timeout=60)
@@ -162,7 +163,7 @@ def _ask_where_and_release(cmd: list[str], out, env: dict) -> tuple[subprocess.C
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, err_path.read_text()), cli.stdout, text
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, err_path.read_text()), asked.stdout, text
 
 
 def _check_answers(script, text: str) -> None:
@@ -190,6 +191,19 @@ def test_qaccel_where_signals_torchruns_workers_not_torchrun(hang, tmp_path):
     proc, cli, text = _ask_where_and_release(cmd, out, script_env(HANG_TIMEOUT="60"))
     assert proc.returncode == 0, proc.stderr
     assert "sent SIGUSR2 to the workers of torchrun" in cli
+    _check_answers(script, text)
+    assert proc.stdout.count("RESULT [True, True]") == 2
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(150)
+def test_scancel_signal_usr2_makes_every_srun_task_say_where_it_is(hang, slurm_cluster):
+    script, out = hang
+    name = f"where-{os.getpid()}-{time.monotonic_ns()}"
+    env = {**slurm_cluster.env, **slurm_env(slurm_cluster), "HANG_TIMEOUT": "60"}
+    cmd = ["srun", "-J", name, "-N1", "-n2", sys.executable, str(script), "usr2", str(out)]
+    proc, _, text = _ask_where_and_release(cmd, out, env, ask=lambda _: ["scancel", "--signal=USR2", "--name", name])
+    assert proc.returncode == 0, proc.stderr
     _check_answers(script, text)
     assert proc.stdout.count("RESULT [True, True]") == 2
 
