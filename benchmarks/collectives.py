@@ -21,7 +21,6 @@ run crashes.
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import sys
 import time
@@ -30,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from qaccel import Accelerator
-from report import verdict
+from report import timed, verdict
 
 WORLD = 2
 KEYS = (1, 8, 32, 128)
@@ -45,14 +44,6 @@ def make_metrics(count: int, rank: int) -> dict[str, float]:
     """``count`` metric-like floats, different on each rank."""
     return {f"metric_{i}": 0.25 * i + rank + 0.5 for i in range(count)}
 
-
-def timed(block, calls: int) -> float:
-    """Seconds per call of ``block(calls)`` on this rank, from a barrier on (garbage collected first)."""
-    gc.collect()
-    dist.barrier()
-    start = time.perf_counter()
-    block(calls)
-    return (time.perf_counter() - start) / calls
 
 
 def qaccel_block(acc: Accelerator, metrics: dict[str, float]):

@@ -23,27 +23,18 @@ most 50% to the training step); always exits 0 unless a run crashes.
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
 from qaccel import Accelerator, group
-from report import row, verdict
+from report import row, timed, verdict
 
 WORLD = 2
 OFF_TARGET, STEP_TARGET = 1.3, 1.5
 
-
-def timed(block, calls: int) -> float:
-    gc.collect()
-    dist.barrier()
-    start = time.perf_counter()
-    block(calls)
-    return (time.perf_counter() - start) / calls
 
 
 def rank_main(acc: Accelerator, runs: int, calls: int) -> dict[str, list[float]]:

@@ -178,8 +178,7 @@ def session(
             )
             owns_group = True
         if ctx.world_size > 1 and dist.is_initialized():
-            run.watch = hangs.Watch(ctx.rank, ctx.world_size, timeout, dist.distributed_c10d._get_default_store(),
-                                    where_to_log)
+            run.watch = hangs.Watch(ctx.rank, ctx.world_size, timeout, _default_store(), where_to_log)
         yield ctx
         run.close(finished=True)
         if owns_group:
@@ -191,6 +190,14 @@ def session(
         _RUN.reset(token)
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _default_store() -> dist.Store | None:
+    """The default group's rendezvous store; None for a group made without one (MPI)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return None
 
 
 def _quiesce(run: Run) -> None:

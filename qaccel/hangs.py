@@ -177,7 +177,9 @@ def is_timeout(exc: BaseException) -> bool:
 class Watch:
     """This rank's watcher for one session: answers requests through the store, and SIGUSR2."""
 
-    def __init__(self, rank: int, world_size: int, timeout: float, store: Any, to_log: bool) -> None:
+    def __init__(self, rank: int, world_size: int, timeout: float, store: Any | None, to_log: bool) -> None:
+        """``store``: the group's rendezvous store (None for a group made without one, e.g. MPI's: then this rank
+        still says where it is, but cannot ask the others)."""
         global _sessions
         _sessions += 1
         self.rank, self.world_size, self.timeout, self.to_log = rank, world_size, timeout, to_log
@@ -186,14 +188,16 @@ class Watch:
         self.store = store
         self.main = threading.get_ident()
         self.explained = False
-        self.listener = store.clone()
-        self.listener.set_timeout(_NEVER)
-        threading.Thread(target=self._listen, name="qaccel-where", daemon=True).start()
+        self.listener = _clone(store)
+        if self.listener is not None:
+            threading.Thread(target=self._listen, name="qaccel-where", daemon=True).start()
         self.usr2 = _Usr2(self) if threading.current_thread() is threading.main_thread() else None
 
     def close(self) -> None:
         if self.usr2 is not None:
             self.usr2.close()
+        if self.listener is None:
+            return
         try:
             self.store.set(self._key("wake", self.rank), "end")
         except Exception:  # noqa: BLE001 - the store's server may be gone already
@@ -246,6 +250,8 @@ class Watch:
         others = [r for r in range(self.world_size) if r != self.rank]
         request = f"rank {self.rank} timed out after {self.timeout:g} s"
         try:
+            if self.listener is None:
+                raise RuntimeError("this process group has no store that can be shared between threads")
             self.store.set(self._key("report", self.rank), json.dumps(mine.__dict__))
             self.store.multi_set([self._key("wake", r) for r in others], [request] * len(others))
             wheres, missing = self._answers(others)
@@ -264,6 +270,16 @@ class Watch:
         answers = self.store.multi_get([keys[r] for r in present]) if present else []
         wheres = [Where(**json.loads(a)) for a in answers]
         return wheres, [r for r in ranks if r not in present]
+
+
+def _clone(store: Any | None) -> Any | None:
+    """A second connection to ``store`` for the watcher thread to block on, waiting as long as the job runs."""
+    try:
+        listener = store.clone()
+        listener.set_timeout(_NEVER)
+        return listener
+    except Exception:  # noqa: BLE001 - no store, or one that cannot be cloned (a FileStore, say)
+        return None
 
 
 def _write_stderr(text: str) -> None:

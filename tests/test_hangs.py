@@ -67,6 +67,13 @@ def _pids(out) -> list[int]:
     return [int(p.name.split("-")[1]) for p in out.glob("pid-*")]
 
 
+def _caller_error(script, out, mode: str) -> str:
+    """Run the script as a plain launch in ``mode``; the error the caller raised (it must fail)."""
+    proc = run_script(script, mode, str(out), env=script_env(HANG_TIMEOUT=str(TIMEOUT_S)), timeout=50)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    return proc.stderr[proc.stderr.rindex("Traceback (most recent call last)"):]  # the caller's own, not a rank's
+
+
 @pytest.fixture
 def hang(tmp_path):
     """The script and an output folder for its ranks' pid files."""
@@ -78,10 +85,8 @@ def hang(tmp_path):
 @pytest.mark.timeout(60)
 def test_a_plain_launch_names_the_line_of_every_rank_when_a_barrier_times_out(hang):
     script, out = hang
-    proc = run_script(script, "barrier", str(out), env=script_env(HANG_TIMEOUT=str(TIMEOUT_S)), timeout=50)
+    error = _caller_error(script, out, "barrier")
     took = time.time() - max(p.stat().st_mtime for p in out.glob("pid-*"))  # from the ranks' start to the error
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    error = proc.stderr[proc.stderr.rindex("Traceback (most recent call last)"):]  # the caller's own error
     assert f"a collective waited longer than timeout={TIMEOUT_S}s; where every rank was:" in error, error
     assert re.search(rf"rank 0: timed out in wait_for_everyone\(\) after {TIMEOUT_S}\.\d s \(its collective #2; 1 "
                      rf"completed before\) at {_line(script, 'RANK0_WAITS')} in train: acc.wait_for_everyone\(\)  # RANK0_WAITS",
@@ -97,9 +102,7 @@ def test_a_plain_launch_names_the_line_of_every_rank_when_a_barrier_times_out(ha
 @pytest.mark.timeout(60)
 def test_a_timeout_in_torchs_own_collective_is_explained_too(hang):
     script, out = hang
-    proc = run_script(script, "torch", str(out), env=script_env(HANG_TIMEOUT=str(TIMEOUT_S)), timeout=50)
-    assert proc.returncode == 1
-    error = proc.stderr[proc.stderr.rindex("Traceback (most recent call last)"):]
+    error = _caller_error(script, out, "torch")
     assert (f"rank 0: timed out in a collective qaccel did not make (1 qaccel collective completed) at "
             f"{_line(script, 'RANK0_TORCH')} in train: dist.all_reduce(torch.ones(1))  # RANK0_TORCH") in error, error
     assert f"rank 1: not in a qaccel collective (1 completed) at {_line(script, 'RANK1_SLEEPS')}" in error, error
@@ -109,9 +112,7 @@ def test_a_timeout_in_torchs_own_collective_is_explained_too(hang):
 @pytest.mark.timeout(60)
 def test_a_rank_that_returned_waits_in_the_barrier_that_ends_distribute(hang):
     script, out = hang
-    proc = run_script(script, "return", str(out), env=script_env(HANG_TIMEOUT=str(TIMEOUT_S)), timeout=50)
-    assert proc.returncode == 1
-    error = proc.stderr[proc.stderr.rindex("Traceback (most recent call last)"):]
+    error = _caller_error(script, out, "return")
     assert "rank 0: timed out in the barrier that ends distribute() (fn returned) after" in error, error
     assert f"rank 1: not in a qaccel collective (1 completed) at {_line(script, 'RANK1_SLEEPS')}" in error, error
 
