@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 
 REPORT_WAIT_S = 3.0  # how long a rank that timed out waits for the others' answers
+CLOSE_WAIT_S = 2.0  # for the watcher to return from the store once woken
 STACK_DEPTH = 6  # frames of the user's code shown per rank
 _NEVER = datetime.timedelta(days=365)
 _OWN_DIRS = tuple(os.path.dirname(p) + os.sep for p in (__file__, torch.__file__))  # qaccel, torch
@@ -190,18 +191,23 @@ class Watch:
         self.explained = False
         self.listener = _clone(store)
         if self.listener is not None:
-            threading.Thread(target=self._listen, name="qaccel-where", daemon=True).start()
+            self.thread = threading.Thread(target=self._listen, name="qaccel-where", daemon=True)
+            self.thread.start()
         self.usr2 = _Usr2(self) if threading.current_thread() is threading.main_thread() else None
 
     def close(self) -> None:
+        """End the threads, and wait for the watcher: one still inside the store's C++ code when the interpreter
+        exits is ended there by Python, which aborts the process ("terminate called without an active exception",
+        seen under torchrun)."""
         if self.usr2 is not None:
             self.usr2.close()
         if self.listener is None:
             return
         try:
             self.store.set(self._key("wake", self.rank), "end")
-        except Exception:  # noqa: BLE001 - the store's server may be gone already
+        except Exception:  # noqa: BLE001 - the store's server is gone, and with it the watcher's wait
             pass
+        self.thread.join(CLOSE_WAIT_S)
 
     def run(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` as the qaccel collective ``name``: counted, and explained if it times out."""
