@@ -12,17 +12,16 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from procs import REPO, run_script, run_torchrun, script_env, slurm_env, torchrun_cmd, wait_dead, write_script
+from procs import REPO, run_torchrun, script_env, slurm_env, torchrun_cmd, wait_dead, write_script
 
 TIMEOUT_S = 4
 SCRIPT = """
 import os, signal, sys, time
 from pathlib import Path
-import torch
-import torch.distributed as dist
 from qaccel import Accelerator
 
 MODE, OUT = sys.argv[1], Path(sys.argv[2])
@@ -47,10 +46,7 @@ def train(acc):
         return forked_child_ignores_sigusr2()
     if acc.rank == 1:
         time.sleep(60)  # RANK1_SLEEPS
-    if MODE == "barrier":
-        acc.wait_for_everyone()  # RANK0_WAITS
-    elif MODE == "torch":
-        dist.all_reduce(torch.ones(1))  # RANK0_TORCH
+    acc.wait_for_everyone()  # RANK0_WAITS
 
 
 if __name__ == "__main__":
@@ -67,11 +63,42 @@ def _pids(out) -> list[int]:
     return [int(p.name.split("-")[1]) for p in out.glob("pid-*")]
 
 
-def _caller_error(script, out, mode: str) -> str:
-    """Run the script as a plain launch in ``mode``; the error the caller raised (it must fail)."""
-    proc = run_script(script, mode, str(out), env=script_env(HANG_TIMEOUT=str(TIMEOUT_S)), timeout=50)
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    return proc.stderr[proc.stderr.rindex("Traceback (most recent call last)"):]  # the caller's own, not a rank's
+IN_PROCESS_TIMEOUT_S = 3
+
+
+def _train(acc, mode: str, out: str) -> None:
+    """The in-process tests' function: rank 1 sleeps while rank 0 waits in a collective (or returns)."""
+    import torch
+    import torch.distributed as dist
+
+    (Path(out) / f"pid-{os.getpid()}").touch()
+    acc.all_reduce_dict({"step": 1.0})
+    if acc.rank == 1:
+        time.sleep(60)  # FN_RANK1_SLEEPS
+    if mode == "barrier":
+        acc.wait_for_everyone()  # FN_RANK0_WAITS
+    elif mode == "torch":
+        dist.all_reduce(torch.ones(1))  # FN_RANK0_TORCH
+
+
+@pytest.fixture(scope="module")
+def short():
+    """Two ranks with a short timeout, launched from this process (its forkserver stays warm between tests)."""
+    from qaccel import Accelerator
+
+    return Accelerator(nprocs=2, compute_setup="cpu", timeout=IN_PROCESS_TIMEOUT_S)
+
+
+def _caller_error(short, mode: str, out) -> tuple[str, float]:
+    """Launch _train in ``mode``; the caller's error (notes included) and the seconds from the ranks' start to it."""
+    with pytest.raises(RuntimeError) as info:
+        short.distribute(_train)(short, mode, str(out))
+    took = time.time() - max(p.stat().st_mtime for p in out.glob("pid-*"))
+    return "\n".join([str(info.value), *getattr(info.value, "__notes__", [])]), took
+
+
+def _here(mark: str) -> str:
+    return _line(Path(__file__), mark)
 
 
 @pytest.fixture
@@ -83,38 +110,34 @@ def hang(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_a_plain_launch_names_the_line_of_every_rank_when_a_barrier_times_out(hang):
-    script, out = hang
-    error = _caller_error(script, out, "barrier")
-    took = time.time() - max(p.stat().st_mtime for p in out.glob("pid-*"))  # from the ranks' start to the error
-    assert f"a collective waited longer than timeout={TIMEOUT_S}s; where every rank was:" in error, error
-    assert re.search(rf"rank 0: timed out in wait_for_everyone\(\) after {TIMEOUT_S}\.\d s \(its collective #2; 1 "
-                     rf"completed before\) at {_line(script, 'RANK0_WAITS')} in train: acc.wait_for_everyone\(\)  # RANK0_WAITS",
+def test_a_plain_launch_names_the_line_of_every_rank_when_a_barrier_times_out(short, tmp_path):
+    error, took = _caller_error(short, "barrier", tmp_path)
+    assert f"a collective waited longer than timeout={IN_PROCESS_TIMEOUT_S}s; where every rank was:" in error, error
+    assert re.search(rf"rank 0: timed out in wait_for_everyone\(\) after {IN_PROCESS_TIMEOUT_S}\.\d s \(its collective "
+                     rf"#2; 1 completed before\) at \S*{_here('FN_RANK0_WAITS')} in _train: acc.wait_for_everyone\(\)",
                      error), error
-    assert (f"rank 1: not in a qaccel collective (1 completed) at {_line(script, 'RANK1_SLEEPS')} in train: "
-            "time.sleep(60)  # RANK1_SLEEPS") in error, error
-    assert error.count("where every rank was") == 1  # the rank's own traceback does not repeat it
-    assert took < 15, took  # the issue's bound; 4 s of timeout, then the answers and the caller's exit
-    pids = _pids(out)
+    assert re.search(rf"rank 1: not in a qaccel collective \(1 completed\) at \S*{_here('FN_RANK1_SLEEPS')} in _train: "
+                     r"time.sleep\(60\)", error), error
+    assert error.count("where every rank was") == 1
+    assert took < 15, took  # the issue's bound; the timeout, then the answers and the caller's own exit
+    pids = _pids(tmp_path)
     assert len(pids) == 2 and wait_dead(pids, timeout=3) == []
 
 
 @pytest.mark.timeout(60)
-def test_a_timeout_in_torchs_own_collective_is_explained_too(hang):
-    script, out = hang
-    error = _caller_error(script, out, "torch")
-    assert (f"rank 0: timed out in a collective qaccel did not make (1 qaccel collective completed) at "
-            f"{_line(script, 'RANK0_TORCH')} in train: dist.all_reduce(torch.ones(1))  # RANK0_TORCH") in error, error
-    assert f"rank 1: not in a qaccel collective (1 completed) at {_line(script, 'RANK1_SLEEPS')}" in error, error
-    assert wait_dead(_pids(out), timeout=3) == []
+def test_a_timeout_in_torchs_own_collective_is_explained_too(short, tmp_path):
+    error, _ = _caller_error(short, "torch", tmp_path)
+    assert re.search(r"rank 0: timed out in a collective qaccel did not make \(1 qaccel collective completed\) at "
+                     rf"\S*{_here('FN_RANK0_TORCH')} in _train: dist.all_reduce\(torch.ones\(1\)\)", error), error
+    assert re.search(rf"rank 1: not in a qaccel collective \(1 completed\) at \S*{_here('FN_RANK1_SLEEPS')}", error)
+    assert wait_dead(_pids(tmp_path), timeout=3) == []
 
 
 @pytest.mark.timeout(60)
-def test_a_rank_that_returned_waits_in_the_barrier_that_ends_distribute(hang):
-    script, out = hang
-    error = _caller_error(script, out, "return")
+def test_a_rank_that_returned_waits_in_the_barrier_that_ends_distribute(short, tmp_path):
+    error, _ = _caller_error(short, "return", tmp_path)
     assert "rank 0: timed out in the barrier that ends distribute() (fn returned) after" in error, error
-    assert f"rank 1: not in a qaccel collective (1 completed) at {_line(script, 'RANK1_SLEEPS')}" in error, error
+    assert re.search(rf"rank 1: not in a qaccel collective \(1 completed\) at \S*{_here('FN_RANK1_SLEEPS')}", error)
 
 
 @pytest.mark.timeout(120)
