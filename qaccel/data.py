@@ -18,7 +18,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
-from qaccel import batch
+from qaccel import batch, stopping
 from qaccel.group import RankContext
 
 # DataLoader arguments carried over as they are; batch_size, shuffle, sampler and drop_last live in the batch sampler.
@@ -208,7 +208,8 @@ class PreparedDataLoader(DataLoader):
         if self._shard is not None:
             self._shard.skip = skip
         rng = torch.get_rng_state() if skip else None
-        batches = super().__iter__()
+        with stopping.held():  # workers start with the armed signals held until they ignore them
+            batches = super().__iter__()
         if rng is not None:
             # Creating the iterator draws a seed from the global RNG. The interrupted run drew it when this epoch
             # began, before the RNG states were saved, so a resumed epoch must not draw again.

@@ -18,6 +18,7 @@ Python-level handler would keep them from dying of the SIGTERM their pool sends,
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
@@ -25,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -145,10 +146,31 @@ def shield_workers(loader: Any) -> None:
         loader.worker_init_fn = functools.partial(_ignoring, tuple(_previous), init)
 
 
+@contextlib.contextmanager
+def held() -> Iterator[None]:
+    """Hold the armed signals back in this thread while a DataLoader forks its workers.
+
+    Each worker inherits them blocked and unblocks them only in _ignoring, once it ignores them: a SIGTERM sent to
+    the job as an epoch's workers start (torchrun signals the rank's process group) would otherwise kill a worker
+    before its init ran, and its rank would fail instead of saving (seen in CI). The rank gets its own copy when
+    the block ends. Nothing is held while no signal is armed.
+    """
+    if not _previous:
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, set(_previous))
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
 def _ignoring(signals: tuple[int, ...], init: Callable[[int], Any] | None, worker_id: int) -> None:
-    """A DataLoader worker's init: ignore ``signals``, then run the user's ``worker_init_fn``."""
+    """A DataLoader worker's init: ignore ``signals`` (dropping any held back since its fork), then run the user's
+    ``worker_init_fn``."""
     for sig in signals:
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
     if init is not None:
         init(worker_id)
 
