@@ -169,10 +169,13 @@ def report(title: str, wheres: list[Where], missing: list[int]) -> str:
     return "\n".join(lines)
 
 
+_TIMEOUT_WORDS = ("timed out", "operation timeout", "wait timeout", "socket timeout")  # gloo, NCCL, the store
+
+
 def is_timeout(exc: BaseException) -> bool:
     """A collective (or the store under it) gave up waiting for a peer."""
     text = str(exc).lower()
-    return isinstance(exc, (RuntimeError, TimeoutError)) and ("timed out" in text or "timeout" in text)
+    return isinstance(exc, (RuntimeError, TimeoutError)) and any(words in text for words in _TIMEOUT_WORDS)
 
 
 class Watch:
