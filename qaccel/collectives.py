@@ -62,10 +62,12 @@ def _agreed(ctx: RankContext, name: str, describe: Callable[..., str] | None, fn
     return fn(*args, **kwargs)
 
 
+def _dtype(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
 def _kind(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"{str(value.dtype).replace('torch.', '')}{list(value.shape)}"
-    return type(value).__name__
+    return f"{_dtype(value)}{list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
 
 
 def _leaf_kinds(data: Any, kind: Callable[[torch.Tensor], str] = _kind) -> str:
@@ -83,11 +85,11 @@ def _describe_reduce(data: Any, op: str = "sum", *rest: Any) -> str:
 
 
 def _describe_gather(data: Any, *rest: Any) -> str:  # dim 0 may differ by rank
-    return _leaf_kinds(data, lambda t: f"{str(t.dtype).replace('torch.', '')}[*{''.join(f', {n}' for n in t.shape[1:])}]")
+    return _leaf_kinds(data, lambda t: f"{_dtype(t)}[*{''.join(f', {n}' for n in t.shape[1:])}]")
 
 
 def _describe_pad(data: Any, ctx: RankContext, dim: int = 0, *rest: Any) -> str:
-    return f"{_leaf_kinds(data, lambda t: f'{t.dim()}-dim ' + str(t.dtype).replace('torch.', ''))}, dim={dim}"
+    return f"{_leaf_kinds(data, lambda t: f'{t.dim()}-dim {_dtype(t)}')}, dim={dim}"
 
 
 def _describe_broadcast(obj: Any, src: int, *rest: Any) -> str:
