@@ -397,13 +397,16 @@ class Accelerator:
         """This Accelerator's step state in the running session (its own outside any session)."""
         run = group.current_run()
         if run is not None:
-            return run.state_for(self, self._new_steps)
+            return run.state_for(self, lambda: self._new_steps(run))
         if self._step_state is None:
             self._step_state = self._new_steps()
         return self._step_state
 
-    def _new_steps(self) -> training.StepState:
-        return training.StepState(self.gradient_accumulation_steps, precision.make_scaler(self.mixed_precision))
+    def _new_steps(self, run: group.Run | None = None) -> training.StepState:
+        steps = training.StepState(self.gradient_accumulation_steps, precision.make_scaler(self.mixed_precision))
+        if run is not None:
+            run.closers.append(steps.release)
+        return steps
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``, divided over gradient accumulation steps and scaled under fp16."""

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import contextvars
 import datetime
+import gc
 import os
 import socket
+import sys
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -47,11 +50,27 @@ class Run:
     closers: list[Callable[[bool], None]] = field(default_factory=list)
     debug: bool = False  # check each qaccel collective's agreement across ranks first (collectives.tracked)
     watch: hangs.Watch | None = None  # says where this rank is when asked; None in a world of one
+    # What holds this session's process group (prepared DDP and FSDP models): see release().
+    bound: weakref.WeakSet = field(default_factory=weakref.WeakSet)
 
     def close(self, finished: bool) -> None:
         closers, self.closers = self.closers, []
         for close in closers:
             close(finished)
+        self._states.clear()
+
+    def release(self) -> None:
+        """Destroy what holds the session's group while the group still exists; mark what the user keeps.
+
+        A DDP model is a reference cycle, so it is freed by the cyclic garbage collector, not when its last name
+        goes. Left to run later, the collector may run in a DataLoader worker forked by a later session: the worker
+        then destroys the old group's copy and crashes or hangs on threads that do not exist in it. So the
+        collector runs here when something bound to the group is still alive (about 0.1 s with torch loaded).
+        What outlives it is held by the user (a global, a traceback); forked children never collect it (below).
+        """
+        if len(self.bound):
+            gc.collect()
+        _outliving.update(self.bound)
 
     def state_for(self, owner: Any, make: Callable[[], Any]) -> Any:
         """``owner``'s state in this run, made on first use (the owner is kept alive, so its id stays unique)."""
@@ -67,6 +86,21 @@ _RUN: contextvars.ContextVar[Run | None] = contextvars.ContextVar("qaccel_run", 
 # which every rank must agree on (see env_store).
 _in_place_sessions = 0
 _env_store: tuple[tuple, dist.Store] | None = None
+# Objects of this process that hold a destroyed process group, because the user kept them past their session.
+_outliving: weakref.WeakSet = weakref.WeakSet()
+
+
+def _freeze_in_child() -> None:
+    """In a forked child: never collect what the parent holds from an ended session (see Run.release).
+
+    gc.freeze() moves every object the child inherited out of the collector's reach, at once; the child's own
+    objects are collected as usual.
+    """
+    if len(_outliving):
+        gc.freeze()
+
+
+os.register_at_fork(after_in_child=_freeze_in_child)
 
 
 def current_run() -> Run | None:
@@ -152,14 +186,15 @@ def apply_thread_budget(local_world_size: int) -> None:
 @contextmanager
 def session(
     ctx: RankContext, timeout: float, store: dist.Store | None = None, group_of_one: bool = False,
-    debug: bool = False, where_to_log: bool = False,
+    debug: bool = False, where_to_log: bool = False, process_ends: bool = False,
 ) -> Iterator[RankContext]:
     """Run a block as rank ``ctx``: device, threads and process group set up, always torn down afterwards.
 
     A group the caller had already initialised is reused and left alone. ``group_of_one``: make a group even for
     a world of one (FSDP2 shards over a device mesh, which needs one). ``debug``: see Run.debug.
     ``where_to_log``: a rank asked where it is also prints it to its own output (under torchrun and srun, where
-    each rank has its log; a plain launch's caller gets the answers in its error instead).
+    each rank has its log; a plain launch's caller gets the answers in its error instead). ``process_ends``: the
+    process exits after the session (a rank qaccel started), so no later session can meet what this one leaves.
     """
     owns_group = False
     run = Run(ctx, debug=debug)
@@ -169,6 +204,7 @@ def session(
             torch.cuda.set_device(ctx.device)
         if (ctx.world_size > 1 or group_of_one) and not dist.is_initialized():
             apply_thread_budget(ctx.local_world_size)
+            hook = sys.excepthook
             dist.init_process_group(
                 ctx.backend,
                 store=store if store is not None or ctx.world_size > 1 else dist.HashStore(),
@@ -177,6 +213,8 @@ def session(
                 timeout=datetime.timedelta(seconds=timeout),
             )
             owns_group = True
+            if getattr(hook, "__name__", "") == "_distributed_excepthook":
+                sys.excepthook = hook  # torch wraps it at each init: one "[rankN]: " prefix, not one per session
         if ctx.world_size > 1 and dist.is_initialized():
             run.watch = hangs.Watch(ctx.rank, ctx.world_size, timeout, _default_store(), where_to_log)
         yield ctx
@@ -189,6 +227,8 @@ def session(
             run.watch.close()
         _RUN.reset(token)
         if owns_group and dist.is_initialized():
+            if not process_ends:
+                run.release()
             dist.destroy_process_group()
 
 

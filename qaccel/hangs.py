@@ -204,6 +204,7 @@ class Watch:
         seen under torchrun)."""
         if self.usr2 is not None:
             self.usr2.close()
+            self.usr2 = None  # it points back here: no cycle is left for the collector
         if self.listener is None:
             return
         try:

@@ -10,7 +10,7 @@ import os
 import time
 from typing import Any, Callable
 
-from qaccel import collectives, group, launcher_report
+from qaccel import collectives, group, launcher_report, prepare
 from qaccel.config import Config
 from qaccel.environment import Environment, rank_variables
 from qaccel.errors import raised_note, type_name
@@ -28,7 +28,7 @@ def run(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, env: 
     if env.kind.exports_rank_variables:
         _export_rank_variables(env)
     needs_store = env.kind.started_by_launcher and ctx.world_size > 1
-    recorded = None  # the exception written to torchrun's error file, if any
+    recorded = 0  # id() of the exception written to torchrun's error file, if any
     try:
         store = group.env_store(ctx, config.timeout) if needs_store else None
         with group.session(ctx, config.timeout, store=store, group_of_one=config.strategy == "fsdp",
@@ -42,14 +42,15 @@ def run(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, env: 
                     exc.add_note(raised_note(ctx.rank, ctx.world_size, type_name(exc), str(exc), launched=False))
                 # now, before the group is torn down and a peer can see the broken connection and fail first
                 if launcher_report.record_cause(exc, raised_at):
-                    recorded = exc
+                    recorded = id(exc)  # not the exception: its traceback holds this frame, a cycle
                 raise
+            result = prepare.plain_result(result)  # before the session's end frees what it prepared
             return collectives.gather_object(result, ctx) if all_results else result
     except BaseException as exc:
         # errors of the session itself too: a peer's loss seen in gather_object or in the closing barrier
         if ctx.world_size > 1 and not any(str(n).startswith(_NOTE_PREFIX) for n in getattr(exc, "__notes__", ())):
             exc.add_note(raised_note(ctx.rank, ctx.world_size, type_name(exc), str(exc), launched=False))
-        if exc is not recorded and not launcher_report.hold_symptom(exc, ctx.rank, ctx.world_size):
+        if id(exc) != recorded and not launcher_report.hold_symptom(exc, ctx.rank, ctx.world_size):
             launcher_report.record_cause(exc)
         raise
 

@@ -486,7 +486,8 @@ def _rank_main(spec: RankSpec, caller: multiprocessing.connection.Connection,
     reported = False
     try:
         store = dist.TCPStore("127.0.0.1", spec.port, None, False, timeout=datetime.timedelta(seconds=config.timeout))
-        with group.session(ctx, config.timeout, store=store, group_of_one=config.strategy == "fsdp", debug=config.debug):
+        with group.session(ctx, config.timeout, store=store, group_of_one=config.strategy == "fsdp", debug=config.debug,
+                           process_ends=True):
             try:
                 settings, fn, args, kwargs = pickle.loads(Path(spec.run_dir, "payload").read_bytes())
                 if settings is not None:

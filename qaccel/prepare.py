@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from qaccel import collectives, data, precision, sharding, stopping
+from qaccel import collectives, data, group, precision, sharding, stopping
 from qaccel.config import Config
 from qaccel.group import RankContext
 from qaccel.training import PreparedOptimizer, StepState
@@ -18,6 +18,9 @@ from qaccel.training import PreparedOptimizer, StepState
 def prepare_one(obj: Any, ctx: RankContext, config: Config, steps: StepState) -> Any:
     if isinstance(obj, torch.nn.Module):
         model = prepare_model(obj, ctx, config, steps)
+        run = group.current_run()
+        if run is not None and (isinstance(model, DistributedDataParallel) or sharding.is_sharded(model)):
+            run.bound.add(model)  # destroyed before the session's group is (group.Run.release)
         if config.mixed_precision != "no" and not sharding.is_sharded(model) and not hasattr(model, "_qaccel_autocast"):
             model.forward = precision.autocast_forward(model.forward, config.mixed_precision, ctx.device)
             model._qaccel_autocast = True
@@ -100,4 +103,21 @@ def plain_object(obj: Any) -> Any:
         )
     if isinstance(obj, PreparedOptimizer):
         return obj.optimizer
+    return obj
+
+
+def plain_result(obj: Any) -> Any:
+    """fn's result as a run in place gives it back: a prepared DDP model or optimizer, also inside tuples, lists and
+    dicts, becomes the user's own, as in a plain launch's result. The DDP wrapper holds the session's process
+    group, which is gone once distribute() returns. Anything else is returned as it is (the same object)."""
+    if isinstance(obj, (DistributedDataParallel, PreparedOptimizer)):
+        return plain_object(obj)
+    if type(obj) in (list, tuple) or (isinstance(obj, tuple) and hasattr(obj, "_fields")):
+        items = [plain_result(item) for item in obj]
+        if all(new is old for new, old in zip(items, obj)):
+            return obj
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if type(obj) is dict:
+        values = {key: plain_result(value) for key, value in obj.items()}
+        return obj if all(values[key] is value for key, value in obj.items()) else values
     return obj

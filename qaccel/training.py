@@ -37,6 +37,14 @@ class StepState:
     replaced: dict[int, Any] = field(default_factory=dict)
     accumulating: bool = False  # strategy="fsdp": sharded models hold unsharded gradients over micro-steps
 
+    def release(self, finished: bool = True) -> None:
+        """Forget the session's objects as it ends. Prepared optimizers and loaders point back here, so these lists
+        would make cycles that keep the session's models alive for the garbage collector to find later."""
+        for kept in (self.optimizers, self.models, self.schedulers, self.loaders, self.registered):
+            kept.clear()
+        self.replaced.clear()
+        self.stopper = self.mesh = self.checkpoints = None
+
 
 class PreparedOptimizer(torch.optim.Optimizer):
     """The user's optimizer; it steps only when gradients are synchronised, through the fp16 scaler if any.
