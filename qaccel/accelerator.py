@@ -329,7 +329,7 @@ class Accelerator:
         requeue = None if requeue_signal is None else stopping.signal_number(requeue_signal, "requeue_signal")
         steps, ctx = self._steps(), self._ctx()
         steps.checkpoints = (os.fspath(directory), keep)
-        loaded = checkpoint.load_state(directory, steps, ctx, missing_ok=True)
+        loaded = checkpoint.load_state(directory, steps, ctx, missing_ok=True, fall_back=True)
         if steps.stopper is None:
             stopping.arm({signal.SIGTERM} | ({requeue} if requeue is not None else set()))
             steps.stopper = stopping.Stopper(ctx, self.save_state, requeue)

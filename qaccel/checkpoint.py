@@ -1,7 +1,9 @@
-"""Writing checkpoints: once per world, atomically, and loadable into the user's plain model."""
+"""Checkpoints: written once per world, atomically, with every file's size and checksum in the marker written last;
+read back only when intact and only into objects they fit, so a load happens whole or not at all."""
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
@@ -9,18 +11,22 @@ import random
 import re
 import secrets
 import shutil
+import warnings
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from qaccel import collectives, prepare, sharding
+from qaccel import collectives, prepare, sharding, storage
+from qaccel.errors import CheckpointError
 from qaccel.group import RankContext
 from qaccel.training import StepState
 
 MODEL_FILE = "model.pt"
 MARKER_FILE = "qaccel_state.json"  # written last: a checkpoint folder holding it is complete
 SHARDED_DIR = "sharded"  # strategy="fsdp": models and optimizers, in torch.distributed.checkpoint's format
+FORMAT = 2  # the marker lists every file's size and crc32
 _NUMBERED = re.compile(r"checkpoint_(\d+)")
 
 
@@ -32,31 +38,17 @@ def save(obj: Any, path: str | os.PathLike, ctx: RankContext) -> None:
     read the file afterwards should call ``wait_for_everyone()`` first.
     """
     if ctx.rank == 0:
-        _write(obj, path)
+        storage.save(obj, path)
 
 
-def _write(obj: Any, path: str | os.PathLike) -> None:
-    """torch.save through a temporary file beside ``path``, fsynced and renamed onto it."""
-    _write_with(lambda f: torch.save(obj, f), path)
-
-
-def _write_bytes(data: bytes, path: str | os.PathLike) -> None:
-    _write_with(lambda f: f.write(data), path)
-
-
-def _write_with(write: Any, path: str | os.PathLike) -> None:
-    path = os.path.abspath(os.fspath(path))
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
-    try:
-        with open(tmp, "xb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+def _plain_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's module inside DDP and torch.compile wrappers, in either order."""
+    while True:
+        inner = prepare.unwrap_model(model)
+        inner = getattr(inner, "_orig_mod", inner)
+        if inner is model:
+            return model
+        model = inner
 
 
 def get_state_dict(model: torch.nn.Module) -> dict[str, Any]:
@@ -67,12 +59,7 @@ def get_state_dict(model: torch.nn.Module) -> dict[str, Any]:
     """
     if sharding.is_sharded(model):
         return sharding.full_state_dict(model)
-    while True:
-        inner = prepare.unwrap_model(model)
-        inner = getattr(inner, "_orig_mod", inner)
-        if inner is model:
-            return model.state_dict()
-        model = inner
+    return _plain_module(model).state_dict()
 
 
 def save_model(model: torch.nn.Module, directory: str | os.PathLike, ctx: RankContext) -> None:
@@ -87,6 +74,9 @@ def save_model(model: torch.nn.Module, directory: str | os.PathLike, ctx: RankCo
     save(state, os.path.join(directory, MODEL_FILE), ctx)
 
 
+# ---- saving ----
+
+
 def save_state(
     directory: str | os.PathLike, state: StepState, ctx: RankContext, keep: int | None = None, numbered: bool = False
 ) -> str:
@@ -94,38 +84,67 @@ def save_state(
     every rank's RNG states, loader positions, registered objects and the step count. Returns the path written.
 
     ``numbered``: ``directory`` holds numbered checkpoints; this one goes to ``checkpoint_<step>``, and only the
-    ``keep`` newest complete ones stay (None: all). Every rank sends its RNG states to rank 0, which writes all parts into a
-    temporary directory beside the target and swaps it in. A crash before the swap leaves the previous checkpoint
-    untouched; a crash between the swap's two renames leaves it as ``<target>.old-*``, which load_state() falls
-    back to.
+    ``keep`` newest complete ones stay (None: all). Every rank sends its RNG states to rank 0, which writes all
+    parts into a temporary directory beside the target and swaps it in. A crash before the swap leaves the previous
+    checkpoint untouched; a crash between the swap's two renames leaves it as ``<target>.old-*``, which load_state()
+    falls back to. A failure is raised on every rank; a full disk as an OSError saying how much room there was.
     """
     directory = os.path.abspath(os.fspath(directory))
     target = os.path.join(directory, f"checkpoint_{state.updates:08d}") if numbered else directory
     tmp = collectives.broadcast(_new_tmp(target) if ctx.rank == 0 else None, 0, ctx)
     failure: BaseException | None = None
     try:
+        shard_sums: dict[str, dict[str, int]] = {}
         if state.mesh is not None:  # sharded models: every rank writes its own shards (fails on every rank)
-            sharding.save_sharded(os.path.join(tmp, SHARDED_DIR), state.models, _optimizers(state))
-        rng_states = collectives.gather_object(_rng_state(), ctx)
-    except BaseException:
+            sharded = os.path.join(tmp, SHARDED_DIR)
+            sharding.save_sharded(sharded, state.models, _optimizers(state))
+            shard_sums = _own_shard_sums(sharded, ctx.rank)
+        gathered = collectives.gather_object((_rng_state(), shard_sums), ctx)
+    except BaseException as exc:
+        written = storage.tree_size(tmp) if ctx.rank == 0 else None
         if ctx.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        if storage.disk_full(exc) is not None:
+            raise _saving_failed(exc, target, written) from exc
         raise
     if ctx.rank == 0:
         try:
-            _write_checkpoint(target, tmp, state, rng_states, ctx.world_size)
+            _write_checkpoint(target, tmp, state, gathered, ctx.world_size)
             if numbered and keep is not None:
                 _prune(directory, keep)
         except Exception as exc:  # noqa: BLE001 - told to every rank, then raised here
+            written = storage.tree_size(tmp)
             shutil.rmtree(tmp, ignore_errors=True)
-            failure = exc
+            failure = _saving_failed(exc, target, written) if storage.disk_full(exc) is not None else exc
+            if failure is not exc:
+                failure.__cause__ = exc
     # In place of a barrier: every rank learns whether rank 0's part failed, so none trains on as if it was saved.
-    outcome = collectives.broadcast(None if failure is None else f"{type(failure).__name__}: {failure}", 0, ctx)
+    outcome = collectives.broadcast(None if failure is None else _told(failure), 0, ctx)
     if failure is not None:
         raise failure
     if outcome is not None:
-        raise RuntimeError(f"save_state() failed on rank 0 ({outcome}); the previous checkpoint stands")
+        errno_, text = outcome
+        if errno_ is not None:
+            raise OSError(errno_, text)
+        raise RuntimeError(f"save_state() failed on rank 0 ({text}); the previous checkpoint stands")
     return target
+
+
+def _saving_failed(exc: BaseException, target: str, written: int | None) -> OSError:
+    """The OSError a full disk or quota raises from save_state(): which file, how much room, what was written."""
+    full = storage.full_disk_error(exc)
+    what = "the disk is full" if full.errno == errno.ENOSPC else "the disk quota is exceeded"
+    file = full.filename or target
+    partial = "" if written is None else f" (the partial checkpoint, {storage.mib(written)} written, is removed)"
+    return OSError(full.errno, f"save_state() could not write {target}: {what} while writing {file}{partial}; "
+                         f"{storage.space(target)} now; the previous checkpoint stands")
+
+
+def _told(failure: BaseException) -> tuple[int | None, str]:
+    """Rank 0's failure as the other ranks raise it: an OSError keeps its errno."""
+    if isinstance(failure, OSError) and failure.errno is not None and str(failure.strerror).startswith("save_state()"):
+        return failure.errno, failure.strerror
+    return None, f"{type(failure).__name__}: {failure}"
 
 
 def _new_tmp(target: str) -> str:
@@ -141,22 +160,57 @@ def _optimizers(state: StepState) -> list[torch.optim.Optimizer]:
     return [o.optimizer for o in state.optimizers]
 
 
-def _write_checkpoint(directory: str, tmp: str, state: StepState, rng_states: list[dict[str, Any]], world_size: int) -> None:
-    """Rank 0 writes everything but the shards (peers sent their RNG states) and swaps the folder in, so a failure
-    here cannot pull a directory from under a peer that is still writing."""
-    _write_parts(tmp, state)
-    for rank, rng in enumerate(rng_states):
-        _write(rng, os.path.join(tmp, f"random_states_{rank}.pt"))
-    marker = {"format": 1, "step": state.updates, "world_size": world_size}
+def _own_shard_sums(sharded: str, rank: int) -> dict[str, dict[str, int]]:
+    """Sizes and checksums of the shard files this rank wrote (torch.distributed.checkpoint names them
+    ``__<rank>_*``), read back while they are in the page cache; rank 0 sums whatever no rank claimed."""
+    return {f"{SHARDED_DIR}/{name}": storage.sums(os.path.join(sharded, name)).to_json()
+            for name in sorted(os.listdir(sharded)) if name.startswith(f"__{rank}_")}
+
+
+def _write_checkpoint(directory: str, tmp: str, state: StepState, gathered: list[tuple[dict, dict]],
+                      world_size: int) -> None:
+    """Rank 0 writes everything but the shards (peers sent their RNG states and shard sums), the marker last with
+    every file's size and checksum, and swaps the folder in, so a failure here cannot pull a directory from under a
+    peer that is still writing."""
+    files = {name: sums.to_json() for name, sums in _write_parts(tmp, state).items()}
+    for rank, (rng, shard_sums) in enumerate(gathered):
+        files[f"random_states_{rank}.pt"] = storage.save(rng, os.path.join(tmp, f"random_states_{rank}.pt")).to_json()
+        files.update(shard_sums)
+    for base, _, names in os.walk(os.path.join(tmp, SHARDED_DIR)):
+        for name in names:
+            relative = os.path.relpath(os.path.join(base, name), tmp).replace(os.sep, "/")
+            if relative not in files:
+                files[relative] = storage.sums(os.path.join(base, name)).to_json()
+    marker: dict[str, Any] = {"format": FORMAT, "step": state.updates, "world_size": world_size}
     if state.mesh is not None:
         marker["sharded"] = {"model": len(state.models), "optimizer": len(state.optimizers)}
-    _write_bytes(json.dumps(marker).encode(), os.path.join(tmp, MARKER_FILE))
+    marker["files"] = dict(sorted(files.items()))
+    storage.write_bytes(json.dumps(marker, indent=1).encode(), os.path.join(tmp, MARKER_FILE))
     old = f"{directory}.old-{secrets.token_hex(6)}" if os.path.exists(directory) else None
     if old:
         os.rename(directory, old)
     os.rename(tmp, directory)
     if old:
         shutil.rmtree(old)
+
+
+def _write_parts(tmp: str, state: StepState) -> dict[str, storage.Sums]:
+    sharded = state.mesh is not None  # then models and optimizers are in SHARDED_DIR
+    parts = {
+        "model": [] if sharded else [get_state_dict(m) for m in state.models],
+        "optimizer": [] if sharded else [o.state_dict() for o in state.optimizers],
+        "scheduler": [s.state_dict() for s in state.schedulers],
+        "loader": [loader.state_dict() for loader in state.loaders],
+        "registered": [obj.state_dict() for obj in state.registered],
+    }
+    if state.scaler is not None:
+        parts["scaler"] = [state.scaler.state_dict()]
+    written = {}
+    for kind, items in parts.items():
+        for i, item in enumerate(items):
+            name = "scaler.pt" if kind == "scaler" else f"{kind}_{i}.pt"
+            written[name] = storage.save(item, os.path.join(tmp, name))
+    return written
 
 
 def _prune(directory: str, keep: int) -> None:
@@ -170,6 +224,9 @@ def _prune(directory: str, keep: int) -> None:
         for path in glob.glob(os.path.join(glob.escape(directory), pattern)):
             if path not in kept:
                 shutil.rmtree(path, ignore_errors=True)
+
+
+# ---- finding checkpoints ----
 
 
 def _numbered(directory: str) -> list[tuple[int, str]]:
@@ -191,117 +248,280 @@ def _numbered(directory: str) -> list[tuple[int, str]]:
     return sorted(found.items())
 
 
-def newest_checkpoint(directory: str | os.PathLike) -> str | None:
-    """The checkpoint load_state(directory) reads: ``directory`` itself if it is one, else the newest complete
-    ``checkpoint_<step>`` in it; None if there is none."""
-    directory = os.path.abspath(os.fspath(directory))
+def _candidates(directory: str) -> list[str]:
+    """The checkpoints load_state(directory) may read, the preferred first: ``directory`` itself if it is one, else
+    its complete ``checkpoint_<step>`` folders, newest first; else the backup a save left between its renames."""
     if os.path.isfile(os.path.join(directory, MARKER_FILE)) or os.path.isfile(os.path.join(directory, "model_0.pt")):
-        return directory
-    numbered = _numbered(directory)
+        return [directory]
+    numbered = [path for _, path in reversed(_numbered(directory))]
     if numbered:
-        return numbered[-1][1]
+        return numbered
     backups = sorted(glob.glob(f"{glob.escape(directory)}.old-*"), key=os.path.getmtime)
-    return backups[-1] if backups else None  # a save died between its two renames: the previous checkpoint
+    return backups[-1:]  # a save died between its two renames: the previous checkpoint
 
 
-def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, model: int = 0) -> str:
-    """Write prepared model ``model`` of a save_state() checkpoint (sharded or not) to ``out`` as one plain state
-    dict, loadable strictly into the user's model, atomically. ``checkpoint`` may be a folder of numbered ones (the
-    newest is read). Runs in one process, without ranks. Returns the checkpoint read."""
-    found = newest_checkpoint(checkpoint)
-    if found is None:
-        raise FileNotFoundError(f"no checkpoint at {os.path.abspath(os.fspath(checkpoint))}")
-    sharded = os.path.join(found, SHARDED_DIR)
-    if os.path.isdir(sharded):
-        state = sharding.read_full_model(sharded, model)
-    elif os.path.isfile(os.path.join(found, f"model_{model}.pt")):
-        state = torch.load(os.path.join(found, f"model_{model}.pt"), map_location="cpu", weights_only=True)
-    else:
-        raise ValueError(f"{found} holds no model {model}")
-    _write(state, out)
-    return found
+def newest_checkpoint(directory: str | os.PathLike) -> str | None:
+    """The checkpoint load_state(directory) reads first; None if there is none."""
+    candidates = _candidates(os.path.abspath(os.fspath(directory)))
+    return candidates[0] if candidates else None
 
 
-def _write_parts(tmp: str, state: StepState) -> None:
-    sharded = state.mesh is not None  # then models and optimizers are in SHARDED_DIR
-    parts = {
-        "model": [] if sharded else [get_state_dict(m) for m in state.models],
-        "optimizer": [] if sharded else [o.state_dict() for o in state.optimizers],
-        "scheduler": [s.state_dict() for s in state.schedulers],
-        "loader": [loader.state_dict() for loader in state.loaders],
-        "registered": [obj.state_dict() for obj in state.registered],
-    }
-    for kind, items in parts.items():
-        for i, item in enumerate(items):
-            _write(item, os.path.join(tmp, f"{kind}_{i}.pt"))
-    if state.scaler is not None:
-        _write(state.scaler.state_dict(), os.path.join(tmp, "scaler.pt"))
+def _not_a_checkpoint(path: str) -> FileNotFoundError:
+    """What is at ``path`` instead of a checkpoint, in an error."""
+    if not os.path.lexists(path):
+        return FileNotFoundError(f"no checkpoint at {path}: there is no such file or folder")
+    if not os.path.isdir(path):
+        return FileNotFoundError(f"no checkpoint at {path}: it is a file; give the checkpoint's folder")
+    names = sorted(os.listdir(path))
+    held = ", ".join(names[:8]) + (f", ... ({len(names)} entries)" if len(names) > 8 else "") if names else "nothing"
+    return FileNotFoundError(
+        f"{path} is not a qaccel checkpoint: it holds no {MARKER_FILE} (written last, so a half-written checkpoint "
+        f"has none) and no complete checkpoint_<step> folder; it holds {held}")
 
 
-def load_state(
-    directory: str | os.PathLike, state: StepState, ctx: RankContext, missing_ok: bool = False
-) -> str | None:
+# ---- loading ----
+
+
+@dataclass
+class _Read:
+    """What one rank read of a checkpoint before touching any object: the parts, by kind, in saved order."""
+
+    marker: dict[str, Any]
+    sharded: bool
+    parts: dict[str, list[Any]] = field(default_factory=dict)
+    rng: Any = None
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # a sharded checkpoint's tensors
+
+
+def load_state(directory: str | os.PathLike, state: StepState, ctx: RankContext, missing_ok: bool = False,
+               fall_back: bool = False) -> str | None:
     """Restore what save_state() wrote into the objects prepared (and registered) in this run, in order.
 
     ``directory`` is a checkpoint or a folder of numbered ones (the newest complete one is read). Returns the path
-    read; with ``missing_ok``, None when there is no checkpoint yet (a first start).
+    read; with ``missing_ok``, None when there is no checkpoint yet (a first start). Every file is checked against
+    the sizes and checksums in the marker, and every part is read and checked against the prepared objects, before
+    any object changes; a damaged checkpoint raises CheckpointError on every rank, or with ``fall_back`` (resume,
+    which no one may be watching) the next older intact one is read, with a warning naming what was skipped.
     """
-    found = newest_checkpoint(directory)
-    if found is None:
+    directory = os.path.abspath(os.fspath(directory))
+    candidates = collectives.broadcast(_candidates(directory) if ctx.rank == 0 else None, 0, ctx)
+    if not candidates:
         if missing_ok:
             return None
-        raise FileNotFoundError(f"no checkpoint at {os.path.abspath(os.fspath(directory))}")
-    directory = found
-    marker = _marker(directory)
-    sharded = os.path.isdir(os.path.join(directory, SHARDED_DIR))
-    kinds = [("scheduler", state.schedulers), ("loader", state.loaders), ("registered", state.registered)]
-    if sharded:
-        for kind, objects in (("model", state.models), ("optimizer", state.optimizers)):
-            _check_count(directory, kind, marker["sharded"][kind], len(objects))
-        sharding.load_sharded(os.path.join(directory, SHARDED_DIR), state.models, _optimizers(state))
-    else:
-        kinds = [("model", [prepare.unwrap_model(m) for m in state.models]), ("optimizer", state.optimizers)] + kinds
-    full: dict[str, list] = {}  # a DDP checkpoint's full states, for sharded models
-    for kind, objects in kinds:
-        _check_count(directory, kind, len(glob.glob(os.path.join(glob.escape(directory), f"{kind}_*.pt"))), len(objects))
-        for i, obj in enumerate(objects):
-            saved = _read(os.path.join(directory, f"{kind}_{i}.pt"), ctx, weights_only=kind != "registered")
-            if state.mesh is not None and kind in ("model", "optimizer"):
-                full.setdefault(kind, []).append(saved)
-            else:
-                obj.load_state_dict(saved)
-    if full:
-        sharding.load_full(state.models, _optimizers(state), full.get("model", []), full.get("optimizer", []))
-    if state.scaler is not None:
-        state.scaler.load_state_dict(_read(os.path.join(directory, "scaler.pt"), ctx))
-    rng_file = os.path.join(directory, f"random_states_{ctx.rank}.pt")
-    if not os.path.exists(rng_file):
-        raise ValueError(f"{directory} has no RNG states for rank {ctx.rank}: it was saved by a smaller world")
-    _set_rng_state(_read(rng_file, ctx))
-    if "step" in marker:
-        state.updates = int(marker["step"])
-    return directory
+        raise _not_a_checkpoint(directory)
+    skipped: list[CheckpointError] = []
+    for found in candidates:
+        try:
+            read = _read_checked(found, state, ctx)
+        except CheckpointError as failed:
+            if not (fall_back and failed.damaged):
+                raise
+            skipped.append(failed)
+            continue
+        if skipped and ctx.rank == 0:
+            warnings.warn(f"resume() skipped {len(skipped)} damaged checkpoint(s) and loaded {found}: "
+                          + "; ".join(str(s) for s in skipped), stacklevel=3)
+        _apply(found, read, state, ctx)
+        return found
+    raise CheckpointError(f"every checkpoint in {directory} is damaged, so none was loaded (move them away to "
+                          "start afresh): " + "; ".join(str(s) for s in skipped), directory, skipped[0].file,
+                          damaged=True)
+
+
+def _read_checked(found: str, state: StepState, ctx: RankContext) -> _Read:
+    """Check the files (each rank a share), read the parts and check that they fit the prepared objects, all before
+    any object changes. The ranks agree on the outcome in one collective, so all raise the same CheckpointError:
+    damaged, naming the first damaged file (a file that differs from what was written before one torch could not
+    read), else naming the first thing that does not fit."""
+    problems: list[tuple[int, str, str]] = []  # (0: not what was written, 1: unreadable; file; why)
+    misfit: tuple[str, str | None] | None = None
+    read = None
+    try:
+        marker = _marker(found)
+        files = sorted(marker.get("files", {}).items())
+        share = files[ctx.rank::ctx.world_size] if ctx.world_size > 1 else files
+        problems = [(0, name, why) for name, recorded in share
+                    if (why := storage.damage(os.path.join(found, name), recorded))]
+        if not problems:
+            read = _read_parts(found, marker, state, ctx)
+            _check_fit(found, read, state, ctx)
+    except _Unreadable as exc:
+        problems.append((1, exc.file, exc.why))
+    except CheckpointError as exc:
+        misfit = (str(exc), exc.file)
+    outcomes = collectives.gather_object((problems, misfit), ctx)
+    damaged: dict[str, str] = {}
+    for _, file, why in sorted(p for rank_problems, _ in outcomes for p in rank_problems):
+        damaged.setdefault(file, why)
+    if damaged:
+        (file, why), others = next(iter(damaged.items())), list(damaged)[1:]
+        more = f" (and {len(others)} more: {', '.join(others[:3])})" if others else ""
+        raise CheckpointError(f"checkpoint {found} is damaged: {file} {why}{more}", found, os.path.join(found, file),
+                              damaged=True)
+    misfits = [m for _, m in outcomes if m is not None]
+    if misfits:
+        raise CheckpointError(misfits[0][0], found, misfits[0][1])
+    assert read is not None
+    return read
+
+
+class _Unreadable(Exception):
+    def __init__(self, file: str, why: str) -> None:
+        super().__init__(f"{file} {why}")
+        self.file, self.why = file, why
 
 
 def _marker(directory: str) -> dict[str, Any]:
     """The checkpoint's marker ({} for a checkpoint older than markers)."""
     try:
         with open(os.path.join(directory, MARKER_FILE), "rb") as f:
-            return json.load(f)
+            marker = json.load(f)
     except FileNotFoundError:
         return {}
+    except (OSError, ValueError) as exc:
+        raise _Unreadable(MARKER_FILE, f"cannot be read ({exc})") from exc
+    if not isinstance(marker, dict):
+        raise _Unreadable(MARKER_FILE, "is not what save_state() writes")
+    return marker
+
+
+def _read_parts(found: str, marker: dict[str, Any], state: StepState, ctx: RankContext) -> _Read:
+    read = _Read(marker, os.path.isdir(os.path.join(found, SHARDED_DIR)))
+    kinds = ["scheduler", "loader", "registered"] if read.sharded else ["model", "optimizer", "scheduler", "loader",
+                                                                         "registered"]
+    for kind in kinds:
+        count = len(glob.glob(os.path.join(glob.escape(found), f"{kind}_*.pt")))
+        read.parts[kind] = [_read(found, f"{kind}_{i}.pt", ctx, weights_only=kind != "registered")
+                            for i in range(count)]
+    if state.scaler is not None:
+        read.parts["scaler"] = [_read(found, "scaler.pt", ctx)]
+    if os.path.exists(os.path.join(found, f"random_states_{ctx.rank}.pt")):
+        read.rng = _read(found, f"random_states_{ctx.rank}.pt", ctx)
+    if read.sharded:
+        try:
+            read.shapes = sharding.saved_shapes(os.path.join(found, SHARDED_DIR))
+        except Exception as exc:  # noqa: BLE001 - any failure to read it is damage
+            raise _Unreadable(f"{SHARDED_DIR}/.metadata", f"cannot be read ({type(exc).__name__}: {exc})") from exc
+    return read
+
+
+def _read(found: str, name: str, ctx: RankContext, weights_only: bool = True) -> Any:
+    try:
+        return torch.load(os.path.join(found, name), map_location=ctx.device, weights_only=weights_only)
+    except Exception as exc:  # noqa: BLE001 - torch names neither the file nor the checkpoint
+        first = str(exc).splitlines()[0].split(". ")[0] if str(exc) else ""
+        raise _Unreadable(name, f"cannot be read ({type(exc).__name__}: {first})") from exc
+
+
+def _check_fit(found: str, read: _Read, state: StepState, ctx: RankContext) -> None:
+    """Raise CheckpointError, before anything is loaded, when the checkpoint was not written for these objects."""
+    counts = {"scheduler": state.schedulers, "loader": state.loaders, "registered": state.registered}
+    if read.sharded:
+        for kind, objects in (("model", state.models), ("optimizer", state.optimizers)):
+            _check_count(found, kind, read.marker.get("sharded", {}).get(kind, 0), len(objects))
+    else:
+        counts = {"model": state.models, "optimizer": state.optimizers, **counts}
+    for kind, objects in counts.items():
+        _check_count(found, kind, len(read.parts[kind]), len(objects))
+    for i, model in enumerate(state.models):
+        if read.sharded:
+            prefix = f"model_{i}."
+            saved = {k[len(prefix):]: shape for k, shape in read.shapes.items() if k.startswith(prefix)}
+        else:
+            saved = {k: tuple(v.shape) for k, v in read.parts["model"][i].items() if torch.is_tensor(v)}
+        mismatch = _first_mismatch(saved, _target(model))
+        if mismatch:
+            file = SHARDED_DIR if read.sharded else f"model_{i}.pt"
+            raise CheckpointError(f"checkpoint {found} was not written for this run's model {i} (prepared model "
+                                  f"number {i}): {mismatch}; nothing was loaded", found, os.path.join(found, file))
+    if not read.sharded:
+        for j, (saved_opt, optimizer) in enumerate(zip(read.parts["optimizer"], state.optimizers)):
+            saved_sizes = [len(g["params"]) for g in saved_opt.get("param_groups", [])]
+            sizes = [len(g["params"]) for g in optimizer.param_groups]
+            if saved_sizes != sizes:
+                raise CheckpointError(
+                    f"checkpoint {found} was not written for this run's optimizer {j}: optimizer_{j}.pt has parameter "
+                    f"groups of {saved_sizes} parameters, the prepared optimizer {sizes}; nothing was loaded",
+                    found, os.path.join(found, f"optimizer_{j}.pt"))
+    if read.rng is None:
+        raise CheckpointError(f"checkpoint {found} has no RNG states for rank {ctx.rank}: it was saved by a world of "
+                              f"{read.marker.get('world_size', 'fewer')} ranks; nothing was loaded", found)
+
+
+def _target(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """The full shape of each tensor in ``model``'s state dict (a sharded parameter's too)."""
+    module = model if sharding.is_sharded(model) else _plain_module(model)
+    return {k: tuple(v.shape) for k, v in module.state_dict().items() if torch.is_tensor(v)}
+
+
+def _first_mismatch(saved: dict[str, tuple[int, ...]], wanted: dict[str, tuple[int, ...]]) -> str | None:
+    for key, shape in wanted.items():
+        if key not in saved:
+            return f"it holds no {key!r}"
+        if saved[key] != shape:
+            return f"its {key!r} has shape {list(saved[key])}, the model's {list(shape)}"
+    extra = [key for key in saved if key not in wanted]
+    return f"it holds {extra[0]!r}, which the model has not" if extra else None
 
 
 def _check_count(directory: str, kind: str, saved: int, prepared: int) -> None:
     if saved != prepared:
-        raise ValueError(
+        raise CheckpointError(
             f"{directory} holds {saved} {kind} state(s) but this run prepared/registered {prepared}; "
-            "prepare the same objects, in the same order, before load_state()"
-        )
+            "prepare the same objects, in the same order, before load_state()", directory)
 
 
-def _read(path: str, ctx: RankContext, weights_only: bool = True) -> Any:
-    return torch.load(path, map_location=ctx.device, weights_only=weights_only)
+def _apply(found: str, read: _Read, state: StepState, ctx: RankContext) -> None:
+    """Load what was read into the prepared objects (a sharded checkpoint's models and optimizers are read here)."""
+    if read.sharded:
+        sharding.load_sharded(os.path.join(found, SHARDED_DIR), state.models, _optimizers(state))
+    elif state.mesh is not None:  # a DDP checkpoint's full states, into sharded models
+        sharding.load_full(state.models, _optimizers(state), read.parts["model"], read.parts["optimizer"])
+    else:
+        for model, saved in zip(state.models, read.parts["model"]):
+            _plain_module(model).load_state_dict(saved)
+        for optimizer, saved in zip(state.optimizers, read.parts["optimizer"]):
+            optimizer.load_state_dict(saved)
+    for kind, objects in (("scheduler", state.schedulers), ("loader", state.loaders), ("registered", state.registered)):
+        for obj, saved in zip(objects, read.parts[kind]):
+            obj.load_state_dict(saved)
+    if state.scaler is not None:
+        state.scaler.load_state_dict(read.parts["scaler"][0])
+    _set_rng_state(read.rng)
+    if "step" in read.marker:
+        state.updates = int(read.marker["step"])
+
+
+def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, model: int = 0) -> str:
+    """Write prepared model ``model`` of a save_state() checkpoint (sharded or not) to ``out`` as one plain state
+    dict, loadable strictly into the user's model, atomically. ``checkpoint`` may be a folder of numbered ones (the
+    newest is read). Runs in one process, without ranks. Returns the checkpoint read."""
+    path = os.path.abspath(os.fspath(checkpoint))
+    found = newest_checkpoint(path)
+    if found is None:
+        raise _not_a_checkpoint(path)
+    try:
+        marker = _marker(found)
+        for name, recorded in sorted(marker.get("files", {}).items()):
+            if why := storage.damage(os.path.join(found, name), recorded):
+                raise _Unreadable(name, why)
+        sharded = os.path.join(found, SHARDED_DIR)
+        if os.path.isdir(sharded):
+            state = sharding.read_full_model(sharded, model)
+        elif os.path.isfile(os.path.join(found, f"model_{model}.pt")):
+            state = torch.load(os.path.join(found, f"model_{model}.pt"), map_location="cpu", weights_only=True)
+        else:
+            models = len(glob.glob(os.path.join(glob.escape(found), "model_*.pt")))
+            raise CheckpointError(f"checkpoint {found} holds no model {model} (it holds {models})", found)
+    except _Unreadable as exc:
+        raise CheckpointError(f"checkpoint {found} is damaged: {exc}", found, os.path.join(found, exc.file),
+                              damaged=True) from exc
+    except (OSError, RuntimeError, ValueError) as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        raise CheckpointError(f"checkpoint {found} cannot be read: {type(exc).__name__}: {exc}", found) from exc
+    storage.save(state, out)
+    return found
 
 
 def _rng_state() -> dict[str, Any]:

@@ -51,6 +51,23 @@ class CollectiveMismatchError(QaccelError):
     """Debug mode: the ranks called different collectives, or the same one with different shapes."""
 
 
+class CheckpointError(QaccelError):
+    """A checkpoint cannot be read or does not fit what this run prepared; names the checkpoint and the file.
+
+    ``damaged``: its files are not what was written (cut short, changed, missing) or cannot be read, as opposed to
+    a checkpoint that is intact but was written for other objects.
+    """
+
+    def __init__(self, message: str, checkpoint: str, file: str | None = None, damaged: bool = False) -> None:
+        super().__init__(message)
+        self.checkpoint = checkpoint
+        self.file = file
+        self.damaged = damaged
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.checkpoint, self.file, self.damaged))
+
+
 class RankError(QaccelError):
     """A rank failed and its exception could not be rebuilt in the caller (or it exited without one)."""
 

@@ -10,6 +10,7 @@ every DDP rank would otherwise pay (benchmarks/launch.py).
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 import weakref
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
+from qaccel import storage
 from qaccel.group import RankContext
 
 if TYPE_CHECKING:
@@ -138,7 +140,28 @@ def save_sharded(path: str, models: list[torch.nn.Module], optimizers: list[Any]
     """Every rank writes its shards under ``path`` (rank 0 also the metadata). A collective."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(state_dicts(models, optimizers), checkpoint_id=path)
+    dcp.save(state_dicts(models, optimizers), storage_writer=_writer(path))
+
+
+def _writer(path: str) -> Any:
+    """torch.distributed.checkpoint's file writer, keeping a full disk's errno in the error every rank raises.
+
+    It sends each rank's failure to the others pickled, which drops the OSError that torch.save's own error was
+    raised from: the error is re-raised here as that OSError, which pickles whole.
+    """
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class Writer(FileSystemWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            try:
+                return super().write_data(plan, planner)
+            except Exception as exc:
+                full = storage.disk_full(exc)
+                if full is None:
+                    raise
+                raise OSError(full, f"{os.strerror(full)} writing shards under {path}", path) from exc
+
+    return Writer(path)
 
 
 def load_sharded(path: str, models: list[torch.nn.Module], optimizers: list[Any]) -> None:
@@ -155,6 +178,15 @@ def load_sharded(path: str, models: list[torch.nn.Module], optimizers: list[Any]
         set_model_state_dict(model, states[f"model_{i}"])
     for j, optimizer in enumerate(optimizers):
         set_optimizer_state_dict(_owner(optimizer, models), optimizer, states[f"optimizer_{j}"])
+
+
+def saved_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """The full shape of every tensor a sharded checkpoint holds, by flattened name ("model_0.fc.weight")."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return {key: tuple(meta.size) for key, meta in metadata.items() if isinstance(meta, TensorStorageMetadata)}
 
 
 def read_full_model(path: str, index: int) -> dict[str, torch.Tensor]:

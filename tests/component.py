@@ -1,4 +1,5 @@
-"""Tests that need a real component: a local SLURM (marker ``slurm``) or two simulated hosts (marker ``two_hosts``).
+"""Tests that need a real component: a local SLURM (marker ``slurm``), two simulated hosts (marker ``two_hosts``) or
+a small file system that fills up (marker ``small_disk``).
 
 Whether the component can run here, installing what it needs with apt-get when root, and what happens when it
 cannot: the test is skipped with the reason, or fails under CI=true, so that CI never passes without it.
@@ -25,6 +26,8 @@ SLURM_NEEDS_ROOT = ("SLURM is not installed, and installing it (apt-get) needs r
 TWO_HOSTS_NEED_ROOT = ("two simulated hosts need root (network namespaces); "
                        "-m 'not two_hosts' leaves these tests out")
 TWO_HOST_TOOLS = {"ip": "iproute2", "unshare": "util-linux"}
+SMALL_DISK_NEEDS_ROOT = ("a small file system that fills up (tmpfs) needs root to mount; "
+                         "-m 'not small_disk' leaves these tests out")
 
 
 def in_ci(environ: Mapping[str, str] = os.environ) -> bool:
@@ -75,6 +78,32 @@ def two_hosts_missing(announce: Announce) -> str | None:
     return None
 
 
+def small_disk_missing(announce: Announce) -> str | None:
+    """None when a small tmpfs can be mounted here (root), else why the small_disk tests cannot run."""
+    if os.geteuid() != 0:
+        return SMALL_DISK_NEEDS_ROOT
+    with tempfile.TemporaryDirectory(prefix="qaccel-tests-tmpfs-probe-") as probe:
+        try:
+            with small_disk(probe, 64 * 1024):
+                return None
+        except RuntimeError as e:
+            return f"cannot mount a small file system: {e}"
+
+
+@contextlib.contextmanager
+def small_disk(path: str | os.PathLike, size: int) -> Iterator[str]:
+    """A tmpfs of ``size`` bytes mounted on ``path`` (created if needed) for the block; root only."""
+    os.makedirs(path, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0777", "tmpfs", str(path)],
+                             capture_output=True, text=True, timeout=30)
+    if mounted.returncode != 0:
+        raise RuntimeError(f"mount -t tmpfs failed: {mounted.stderr.strip()}")
+    try:
+        yield str(path)
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
+
+
 def report(environ: Mapping[str, str] = os.environ) -> list[str]:
     """Lines for pytest's header: what the slurm and two_hosts tests will find, before they run."""
     from slurm_cluster import missing_binaries
@@ -94,7 +123,8 @@ def report(environ: Mapping[str, str] = os.environ) -> list[str]:
         hosts = f"root; {', '.join(tools)} missing: installing with apt-get before the first test"
     else:
         hosts = "root, ip and unshare found"
-    return [f"slurm tests: {slurm}", f"two_hosts tests: {hosts}"]
+    disk = "root: mounts a tmpfs" if root else f"not root: {cannot}"
+    return [f"slurm tests: {slurm}", f"two_hosts tests: {hosts}", f"small_disk tests: {disk}"]
 
 
 def apt_get_install(packages: Sequence[str], missing: Callable[[], list[str]], announce: Announce,

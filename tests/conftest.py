@@ -19,7 +19,8 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     except ValueError:  # not the main thread: nothing to do from here
         pass
 
-_COMPONENTS = {"slurm": component.slurm_missing, "two_hosts": component.two_hosts_missing}
+_COMPONENTS = {"slurm": component.slurm_missing, "two_hosts": component.two_hosts_missing,
+               "small_disk": component.small_disk_missing}
 _WHY_NOT = pytest.StashKey[dict]()
 
 
@@ -29,8 +30,9 @@ def pytest_report_header(config):
 
 def pytest_collection_modifyitems(items):
     for item in items:
-        if "slurm_cluster" in getattr(item, "fixturenames", ()) and item.get_closest_marker("slurm") is None:
-            raise pytest.UsageError(f"{item.nodeid} uses the slurm_cluster fixture: mark it slurm")
+        for fixture, marker in (("slurm_cluster", "slurm"), ("small_disk", "small_disk")):
+            if fixture in getattr(item, "fixturenames", ()) and item.get_closest_marker(marker) is None:
+                raise pytest.UsageError(f"{item.nodeid} uses the {fixture} fixture: mark it {marker}")
 
 
 def pytest_collection_finish(session):
@@ -95,3 +97,10 @@ def slurm_cluster():
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MiB tmpfs mounted at ``tmp_path / "disk"`` for tests marked small_disk (root; others skip)."""
+    with component.small_disk(tmp_path / "disk", 2 * 2**20) as path:
+        yield path

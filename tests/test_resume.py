@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 
 import pytest
 import torch
@@ -53,7 +54,12 @@ def test_numbered_checkpoints_keep_the_newest_k(single, tmp_path):
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["checkpoint_00000012", "checkpoint_00000015"]
     assert written[-1] == str(tmp_path / "ckpt" / "checkpoint_00000015")
     marker = json.loads((tmp_path / "ckpt" / "checkpoint_00000015" / "qaccel_state.json").read_text())
-    assert marker == {"format": 1, "step": 15, "world_size": 1}
+    files = marker.pop("files")
+    assert marker == {"format": 2, "step": 15, "world_size": 1}
+    assert sorted(files) == ["loader_0.pt", "model_0.pt", "optimizer_0.pt", "random_states_0.pt"]
+    for name, recorded in files.items():  # every file's size and checksum, as written
+        data = (tmp_path / "ckpt" / "checkpoint_00000015" / name).read_bytes()
+        assert recorded == {"size": len(data), "crc32": zlib.crc32(data)}
 
 
 def test_the_newest_complete_checkpoint_is_read_never_a_half_written_one(single, tmp_path):

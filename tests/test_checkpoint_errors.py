@@ -1,0 +1,314 @@
+"""When saving or loading a checkpoint goes wrong, every rank says what happened and nothing is lost or half-loaded:
+a disk that fills up during save_state, a checkpoint damaged after it completed (cut short, changed, a file
+missing), a folder that is not a checkpoint, and a checkpoint written for another model. Real 2-rank gloo worlds."""
+
+from __future__ import annotations
+
+import errno
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from qaccel import Accelerator, CheckpointError, consolidate
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _net(width=8, extra=False):
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(4, width), torch.nn.ReLU(), torch.nn.Linear(width, 1)]
+    if extra:
+        layers.append(torch.nn.Linear(1, 1))
+    return torch.nn.Sequential(*layers)
+
+
+def _prepared(acc, width=8, extra=False):
+    model = _net(width, extra)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    loader = DataLoader(TensorDataset(torch.arange(32.0).reshape(8, 4)), batch_size=2, shuffle=True)
+    return acc.prepare(model, optimizer, loader)
+
+
+def _train(acc, model, optimizer, loader, steps):
+    for _, (x,) in zip(range(steps), loader):
+        optimizer.zero_grad()
+        acc.backward(model(x).pow(2).mean())
+        optimizer.step()
+
+
+def _params(model):
+    full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]  # FSDP2: DTensors
+    return [round(v, 6) for p in full for v in p.detach().flatten().tolist()[:3]]
+
+
+def _checkpoints(acc, folder):
+    """Two numbered checkpoints (steps 2 and 4); returns the parameters at each."""
+    model, optimizer, loader = _prepared(acc)
+    acc.resume(folder, keep=None)
+    seen = []
+    for _ in range(2):
+        _train(acc, model, optimizer, loader, 2)
+        acc.save_state()
+        seen.append(_params(model))
+    return seen
+
+
+def _resume(acc, folder):
+    model, optimizer, loader = _prepared(acc)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = acc.resume(folder)
+    said = [str(w.message) for w in caught if "resume()" in str(w.message)]
+    return os.path.basename(loaded), acc.step, _params(model), said
+
+
+def _outcome(fn, *args):
+    """fn's result, or the type and message of what it raised: what one rank saw."""
+    try:
+        return ("returned", fn(*args))
+    except Exception as exc:  # noqa: BLE001 - the test compares what every rank raised
+        return (type(exc).__name__, str(exc), getattr(exc, "file", None))
+
+
+def _load_explicitly(acc, path):
+    model, optimizer, loader = _prepared(acc)
+    before = (_params(model), optimizer.state_dict()["state"], loader.state_dict())
+    result = _outcome(acc.load_state, path)
+    after = (_params(model), optimizer.state_dict()["state"], loader.state_dict())
+    return result, before == after
+
+
+def _cut_short(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["cut short", "changed", "missing"])
+def test_resume_skips_a_damaged_newest_checkpoint_on_every_rank(acc, tmp_path, damage):
+    folder = str(tmp_path / "ckpt")
+    seen = acc.distribute(_checkpoints)(acc, folder)
+    newest = tmp_path / "ckpt" / "checkpoint_00000004"
+    victim = newest / ("model_0.pt" if damage != "missing" else "random_states_1.pt")
+    {"cut short": _cut_short, "changed": _flip_a_byte, "missing": os.remove}[damage](victim)
+
+    ranks = acc.distribute(_resume, all_results=True)(acc, folder)
+    assert [r[:3] for r in ranks] == [("checkpoint_00000002", 2, seen[0])] * 2, "the same older checkpoint everywhere"
+    [said] = ranks[0][3]
+    assert ranks[1][3] == [], "one warning, from rank 0"
+    assert str(newest) in said and victim.name in said and {"cut short": "bytes long", "changed": "checksum",
+                                                              "missing": "is missing"}[damage] in said
+
+    # load_state() given that checkpoint raises on every rank, naming it and the file, and loads nothing
+    ranks = acc.distribute(_load_explicitly, all_results=True)(acc, str(newest))
+    assert [untouched for _, untouched in ranks] == [True, True]
+    errors = {result for result, _ in ranks}
+    assert len(errors) == 1, "every rank raises the same error"
+    kind, message, file = errors.pop()
+    assert kind == "CheckpointError" and file == str(victim)
+    assert message.startswith(f"checkpoint {newest} is damaged: {victim.name} ")
+
+
+def test_a_checkpoint_torch_cannot_read_is_damaged_too(acc, tmp_path):
+    """A checkpoint written before sizes and checksums were recorded: torch's own error, named."""
+    folder = tmp_path / "ckpt"
+    acc.distribute(_checkpoints)(acc, str(folder))
+    newest = folder / "checkpoint_00000004"
+    marker = newest / "qaccel_state.json"
+    marker.write_text(marker.read_text().replace('"files"', '"unchecked"'))
+    _cut_short(newest / "optimizer_0.pt")
+    ranks = acc.distribute(_load_explicitly, all_results=True)(acc, str(newest))
+    (kind, message, file), untouched = ranks[0]
+    assert ranks[1] == ranks[0] and untouched
+    assert kind == "CheckpointError" and file == str(newest / "optimizer_0.pt")
+    assert "optimizer_0.pt cannot be read (RuntimeError: PytorchStreamReader failed" in message
+
+
+def test_resume_raises_when_every_checkpoint_is_damaged(acc, tmp_path):
+    folder = tmp_path / "ckpt"
+    acc.distribute(_checkpoints)(acc, str(folder))
+    for step in (2, 4):
+        _cut_short(folder / f"checkpoint_{step:08d}" / "model_0.pt")
+    with pytest.raises(CheckpointError, match=f"every checkpoint in {folder} is damaged, so none was loaded") as info:
+        acc.distribute(_resume)(acc, str(folder))
+    assert "checkpoint_00000004 is damaged" in str(info.value) and "checkpoint_00000002 is damaged" in str(info.value)
+
+
+def test_resume_skips_a_damaged_sharded_checkpoint(tmp_path):
+    acc = Accelerator(nprocs=2, compute_setup="cpu", strategy="fsdp", fsdp_min_params=1, timeout=60)
+    folder = tmp_path / "ckpt"
+    seen = acc.distribute(_checkpoints)(acc, str(folder))
+    shards = sorted((folder / "checkpoint_00000004" / "sharded").glob("__1_*"))
+    assert shards, "rank 1's shard files"
+    _cut_short(shards[0])
+    ranks = acc.distribute(_resume, all_results=True)(acc, str(folder))
+    assert [r[:3] for r in ranks] == [("checkpoint_00000002", 2, seen[0])] * 2
+    assert f"sharded/{shards[0].name} is " in ranks[0][3][0]
+
+
+# ---- checkpoints written for another model ----
+
+
+def _save_one(acc, path):
+    model, optimizer, loader = _prepared(acc)
+    _train(acc, model, optimizer, loader, 2)
+    acc.save_state(path)
+
+
+@pytest.mark.parametrize("other, wanted", [
+    ({"width": 16}, "its '0.weight' has shape [8, 4], the model's [16, 4]"),
+    ({"extra": True}, "it holds no '3.weight'"),
+])
+def test_loading_another_models_checkpoint_names_the_parameter_and_loads_nothing(acc, tmp_path, other, wanted):
+    path = str(tmp_path / "ckpt")
+    acc.distribute(_save_one)(acc, path)
+
+    def load_into_other(acc):
+        model, optimizer, loader = _prepared(acc, **other)
+        before = (_params(model), loader.state_dict())
+        result = _outcome(acc.load_state, path)
+        return result, before == (_params(model), loader.state_dict())
+
+    ranks = acc.distribute(load_into_other, all_results=True)(acc)
+    assert ranks[0] == ranks[1], "the same error on every rank"
+    (kind, message, file), untouched = ranks[0]
+    assert kind == "CheckpointError" and untouched
+    assert message == (f"checkpoint {path} was not written for this run's model 0 (prepared model number 0): "
+                       f"{wanted}; nothing was loaded")
+    assert file == os.path.join(path, "model_0.pt")
+
+
+def test_a_smaller_model_than_saved_is_named_too(single, tmp_path):
+    path = str(tmp_path / "ckpt")
+    model, optimizer, loader = _prepared(single, extra=True)
+    single.save_state(path)
+    fresh = Accelerator(nprocs=1, compute_setup="cpu")
+    _prepared(fresh)
+    with pytest.raises(CheckpointError, match="it holds '3.weight', which the model has not; nothing was loaded"):
+        fresh.load_state(path)
+
+
+def test_a_sharded_checkpoint_of_another_model_is_refused_on_every_rank(tmp_path):
+    acc = Accelerator(nprocs=2, compute_setup="cpu", strategy="fsdp", fsdp_min_params=1, timeout=60)
+    path = str(tmp_path / "ckpt")
+    acc.distribute(_save_one)(acc, path)
+
+    def load_wider(acc):
+        model, _, _ = _prepared(acc, width=16)
+        return _outcome(acc.load_state, path)
+
+    ranks = acc.distribute(load_wider, all_results=True)(acc)
+    assert ranks[0] == ranks[1]
+    assert ranks[0][0] == "CheckpointError" and "its '0.weight' has shape [8, 4], the model's [16, 4]" in ranks[0][1]
+
+
+def test_a_checkpoint_of_one_process_into_two_ranks_fails_on_both_without_hanging(single, tmp_path):
+    path = str(tmp_path / "ckpt")
+    _prepared(single)
+    single.save_state(path)
+    acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=30)
+
+    def load(acc):
+        _prepared(acc)
+        return _outcome(acc.load_state, path)
+
+    ranks = acc.distribute(load, all_results=True)(acc)
+    assert ranks[0] == ranks[1] and ranks[0][0] == "CheckpointError"
+    assert "has no RNG states for rank 1: it was saved by a world of 1 ranks" in ranks[0][1]
+
+
+# ---- not a checkpoint ----
+
+
+def test_consolidate_and_load_state_say_what_is_there_instead_of_a_checkpoint(single, tmp_path):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("x")
+    (tmp_path / "file.pt").write_bytes(b"x")
+    out = str(tmp_path / "out.pt")
+    with pytest.raises(FileNotFoundError, match=r"notes is not a qaccel checkpoint: it holds no qaccel_state.json .* "
+                                                r"it holds a.txt$"):
+        consolidate(tmp_path / "notes", out)
+    with pytest.raises(FileNotFoundError, match="file.pt: it is a file; give the checkpoint's folder"):
+        consolidate(tmp_path / "file.pt", out)
+    with pytest.raises(FileNotFoundError, match="missing: there is no such file or folder"):
+        consolidate(tmp_path / "missing", out)
+    _prepared(single)
+    with pytest.raises(FileNotFoundError, match="notes is not a qaccel checkpoint"):
+        single.load_state(tmp_path / "notes")
+    assert single.load_state(tmp_path / "notes", missing_ok=True) is None
+    assert not os.path.exists(out)
+
+
+def test_consolidate_refuses_a_damaged_checkpoint(single, tmp_path):
+    path = tmp_path / "ckpt"
+    _prepared(single)
+    single.save_state(path)
+    assert consolidate(path, tmp_path / "ok.pt") == str(path)
+    _flip_a_byte(path / "model_0.pt")
+    with pytest.raises(CheckpointError, match=f"checkpoint {path} is damaged: model_0.pt does not hold what was"):
+        consolidate(path, tmp_path / "out.pt")
+    _flip_a_byte(path / "model_0.pt")  # back as it was
+    with pytest.raises(CheckpointError, match="holds no model 3 \\(it holds 1\\)"):
+        consolidate(path, tmp_path / "out.pt", model=3)
+    assert not (tmp_path / "out.pt").exists()
+
+
+# ---- a disk that fills up ----
+
+
+def _big(acc):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(300, 300)  # 0.34 MiB, Adam's moments twice that: one checkpoint fits in 2 MiB
+    return acc.prepare(model, torch.optim.Adam(model.parameters()))
+
+
+def _fill_up(acc, folder):
+    """Save a checkpoint that fits, then one that does not (the first one stays): what each rank saw."""
+    model, optimizer = _big(acc)
+    for _ in range(2):
+        acc.backward(model(torch.ones(2, 300)).sum())
+        optimizer.step()
+        if acc.step == 1:
+            first = acc.save_state(folder, keep=5)
+    return first, _outcome(lambda: acc.save_state(folder, keep=5))
+
+
+def _load_big(acc, folder):
+    _big(acc)
+    return os.path.basename(acc.load_state(folder)), acc.step
+
+
+@pytest.mark.small_disk
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_disk_that_fills_up_during_save_state_is_named_on_every_rank(small_disk, strategy):
+    options = {"strategy": "fsdp", "fsdp_min_params": 1} if strategy == "fsdp" else {}
+    acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=60, **options)
+    folder = os.path.join(small_disk, "ckpt")
+    ranks = acc.distribute(_fill_up, all_results=True)(acc, folder)
+    first = ranks[0][0]
+    for rank, (_, (kind, message, _)) in enumerate(ranks):
+        assert kind == "OSError", (rank, message)
+        assert message.startswith(f"[Errno {errno.ENOSPC}] save_state() could not write {folder}/checkpoint_00000002: "
+                                  "the disk is full while writing "), message
+        assert f"MiB free of 2.0 MiB on the file system holding {folder} now; the previous checkpoint stands" in message
+        assert "checkpoint_00000002.tmp-" in message, "the file (or the shards' folder) being written"
+    assert "(the partial checkpoint, " in ranks[0][1][1]
+    assert os.listdir(folder) == [os.path.basename(first)], "no partial checkpoint is left"
+    assert acc.distribute(_load_big)(acc, folder) == ("checkpoint_00000001", 1), "the previous checkpoint loads"
+
+
+@pytest.mark.small_disk
+def test_save_on_a_full_disk_says_so(single, small_disk):
+    path = os.path.join(small_disk, "big.pt")
+    with pytest.raises(OSError, match=f"no space left on device writing {path} \\(.* MiB free of 2.0 MiB") as info:
+        single.save(torch.zeros(1_000_000), path)
+    assert info.value.errno == errno.ENOSPC and os.listdir(small_disk) == []
