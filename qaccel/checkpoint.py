@@ -3,6 +3,7 @@ read back only when intact and only into objects they fit, so a load happens who
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import glob
 import json
@@ -26,7 +27,7 @@ from qaccel.training import StepState
 MODEL_FILE = "model.pt"
 MARKER_FILE = "qaccel_state.json"  # written last: a checkpoint folder holding it is complete
 SHARDED_DIR = "sharded"  # strategy="fsdp": models and optimizers, in torch.distributed.checkpoint's format
-FORMAT = 2  # the marker lists every file's size and crc32
+FORMAT = 2  # the marker lists every file's size and checksum
 _NUMBERED = re.compile(r"checkpoint_(\d+)")
 
 
@@ -162,7 +163,7 @@ def _optimizers(state: StepState) -> list[torch.optim.Optimizer]:
 
 def _own_shard_sums(sharded: str, rank: int) -> dict[str, dict[str, int]]:
     """Sizes and checksums of the shard files this rank wrote (torch.distributed.checkpoint names them
-    ``__<rank>_*``), read back while they are in the page cache; rank 0 sums whatever no rank claimed."""
+    ``__<rank>_*``), taken while they are in the page cache; rank 0 sums whatever no rank claimed."""
     return {f"{SHARDED_DIR}/{name}": storage.sums(os.path.join(sharded, name)).to_json()
             for name in sorted(os.listdir(sharded)) if name.startswith(f"__{rank}_")}
 
@@ -338,17 +339,26 @@ def _read_checked(found: str, state: StepState, ctx: RankContext) -> _Read:
     read = None
     try:
         marker = _marker(found)
-        files = sorted(marker.get("files", {}).items())
-        share = files[ctx.rank::ctx.world_size] if ctx.world_size > 1 else files
-        problems = [(0, name, why) for name, recorded in share
-                    if (why := storage.damage(os.path.join(found, name), recorded))]
-        if not problems:
-            read = _read_parts(found, marker, state, ctx)
-            _check_fit(found, read, state, ctx)
     except _Unreadable as exc:
         problems.append((1, exc.file, exc.why))
-    except CheckpointError as exc:
-        misfit = (str(exc), exc.file)
+    else:
+        files = sorted(marker.get("files", {}).items())
+        share = files[ctx.rank::ctx.world_size] if ctx.world_size > 1 else files
+        # The share is checked in a second thread while the parts are read (numpy's sum and torch's reads release
+        # the GIL), so checking costs little more than reading (benchmarks/checkpoint_integrity.py).
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qaccel-check") as pool:
+            checking = pool.submit(lambda: [(0, name, why) for name, recorded in share
+                                            if (why := storage.damage(os.path.join(found, name), recorded))])
+            try:
+                read = _read_parts(found, marker, state, ctx)
+            except _Unreadable as exc:
+                problems.append((1, exc.file, exc.why))
+            problems += checking.result()
+        if not problems:
+            try:
+                _check_fit(found, read, state, ctx)
+            except CheckpointError as exc:
+                misfit = (str(exc), exc.file)
     outcomes = collectives.gather_object((problems, misfit), ctx)
     damaged: dict[str, str] = {}
     for _, file, why in sorted(p for rank_problems, _ in outcomes for p in rank_problems):
