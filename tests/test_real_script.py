@@ -95,6 +95,24 @@ def test_torchrun_restarts_resume_bitwise(reference, tmp_path):
     assert result["hash"] == reference
 
 
+def test_torchrun_resumes_past_a_damaged_newest_checkpoint_bitwise(reference, tmp_path):
+    """A run of 2 epochs leaves checkpoints at steps 6 and 12; the newest is cut short (a bad copy, a quota hit
+    during rsync). The rerun of 3 epochs skips it with one warning, resumes every rank from step 6, and ends with
+    the uninterrupted run's parameters."""
+    first = run_torchrun(REAL, "--ckpt", str(tmp_path / "ckpt"), "--epochs", "2", env=_env(), cwd=tmp_path,
+                         timeout=200)
+    assert first.returncode == 0, first.stderr
+    damaged = tmp_path / "ckpt" / "checkpoint_00000012" / "optimizer_0.pt"
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    proc = run_torchrun(REAL, "--ckpt", str(tmp_path / "ckpt"), env=_env(), cwd=tmp_path, timeout=200)
+    result = _checked(proc)
+    assert result["resumed"] and result["hash"] == reference
+    assert proc.stderr.count("resume() skipped 1 damaged checkpoint(s)") == 1, proc.stderr
+    assert f"{damaged.name} is 100 bytes long" in proc.stderr
+    for rank in (0, 1):
+        assert f"rank {rank} resumed from {tmp_path / 'ckpt' / 'checkpoint_00000006'} at epoch 1 step 6" in proc.stderr
+
+
 def test_plain_max_restarts_resume_bitwise(reference, tmp_path):
     """Accelerator(max_restarts=2) does for a plain launch what torchrun --max-restarts does, with the same
     attempt numbers (acc.restart_count) and the failure printed before each restart."""
