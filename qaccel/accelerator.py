@@ -303,7 +303,9 @@ class Accelerator:
         """Restore a save_state() checkpoint into the objects prepared (and registered) in this run, in order.
 
         ``directory`` is a checkpoint, or a folder of them whose newest complete one is read (a half-written
-        one never is). Returns the path read; with ``missing_ok``, None if there is none yet.
+        one never is). Returns the path read; with ``missing_ok``, None if there is none yet. A damaged checkpoint
+        (a file cut short, changed or missing), or one written for other objects, raises CheckpointError on every
+        rank, and nothing is loaded.
         """
         steps = self._steps()
         if directory is None:
@@ -315,8 +317,10 @@ class Accelerator:
     def resume(
         self, directory: str | os.PathLike, keep: int | None = 3, *, requeue_signal: int | str | None = "SIGUSR1"
     ) -> str | None:
-        """Make ``directory`` this run's checkpoint folder, continue from its newest checkpoint if there is one,
-        and stop cleanly on a signal. Returns the checkpoint loaded (None on a first start).
+        """Make ``directory`` this run's checkpoint folder, continue from its newest intact checkpoint if there is
+        one, and stop cleanly on a signal. Returns the checkpoint loaded (None on a first start).
+
+        Damaged checkpoints are skipped, with a warning naming them; if every one is damaged, CheckpointError.
 
         Afterwards save_state() with no argument saves into ``directory`` as ``checkpoint_<step>``, keeping the
         ``keep`` newest (None: all). On SIGTERM or ``requeue_signal`` every rank finishes its step, the state is

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from procs import REPO, free_job_id, result_lines, run_torchrun, slurm_env, srun_env
 from qaccel import Accelerator
-from scripts.sessions import session
+from scripts.sessions import Counter, session
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -83,24 +83,13 @@ def test_a_thread_started_in_fn_sees_its_rank_and_world():
     assert acc.distribute(_rank_from_a_thread, all_results=True)(acc) == [(0, 2, "cpu"), (1, 2, "cpu")]
 
 
-class _Counter:
-    def __init__(self):
-        self.n = 0
-
-    def state_dict(self):
-        return {"n": self.n}
-
-    def load_state_dict(self, state):
-        self.n = state["n"]
-
-
 def _prepare_everything(acc, ckpt, refs):
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.Adam(model.parameters())
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
     loader = DataLoader(TensorDataset(torch.ones(8, 2)), batch_size=2)
     model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
-    counter = _Counter()
+    counter = Counter()
     acc.register_for_checkpointing(counter)
     acc.resume(ckpt)
     for (x,) in loader:
@@ -180,8 +169,10 @@ def _nothing():
 def test_sessions_that_make_groups_prefix_tracebacks_once(monkeypatch):
     """torch's init_process_group wraps sys.excepthook to prefix a traceback's lines with [rankN]:, at every call:
     without care, a script's N-th session would print its uncaught error with N prefixes."""
-    original = sys.excepthook
-    monkeypatch.setattr(sys, "excepthook", original)  # restored after the test
+    def original(*args):  # the hook the script had (restored after the test)
+        sys.__excepthook__(*args)
+
+    monkeypatch.setattr(sys, "excepthook", original)
     acc = Accelerator(nprocs=1, compute_setup="cpu", strategy="fsdp")  # a group of one, made by each session
     for _ in range(3):
         acc.distribute(_nothing)()
