@@ -116,11 +116,12 @@ def save_state(
         except Exception as exc:  # noqa: BLE001 - told to every rank, then raised here
             written = storage.tree_size(tmp)
             shutil.rmtree(tmp, ignore_errors=True)
-            failure = _saving_failed(exc, target, written) if storage.disk_full(exc) is not None else exc
-            if failure is not exc:
-                failure.__cause__ = exc
+            failure, told = exc, (None, f"{type(exc).__name__}: {exc}")
+            if storage.disk_full(exc) is not None:  # every rank raises the same OSError
+                failure = _saving_failed(exc, target, written)
+                failure.__cause__, told = exc, (failure.errno, failure.strerror)
     # In place of a barrier: every rank learns whether rank 0's part failed, so none trains on as if it was saved.
-    outcome = collectives.broadcast(None if failure is None else _told(failure), 0, ctx)
+    outcome = collectives.broadcast(None if failure is None else told, 0, ctx)
     if failure is not None:
         raise failure
     if outcome is not None:
@@ -139,13 +140,6 @@ def _saving_failed(exc: BaseException, target: str, written: int | None) -> OSEr
     partial = "" if written is None else f" (the partial checkpoint, {storage.mib(written)} written, is removed)"
     return OSError(full.errno, f"save_state() could not write {target}: {what} while writing {file}{partial}; "
                          f"{storage.space(target)} now; the previous checkpoint stands")
-
-
-def _told(failure: BaseException) -> tuple[int | None, str]:
-    """Rank 0's failure as the other ranks raise it: an OSError keeps its errno."""
-    if isinstance(failure, OSError) and failure.errno is not None and str(failure.strerror).startswith("save_state()"):
-        return failure.errno, failure.strerror
-    return None, f"{type(failure).__name__}: {failure}"
 
 
 def _new_tmp(target: str) -> str:
