@@ -8,6 +8,8 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from qaccel import Accelerator
+
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -81,6 +83,20 @@ def test_get_state_dict_strips_torch_compile(single):
     state = single.get_state_dict(compiled)
     assert list(state) == list(model.state_dict())
     _model().load_state_dict(state, strict=True)
+
+
+def test_a_compiled_models_checkpoint_loads_into_a_compiled_model(single, tmp_path):
+    """save_state writes the state without torch.compile's ``_orig_mod.`` prefix; load_state strips the same
+    wrappers, so the checkpoint loads back (and into the plain model, and vice versa)."""
+    saved = single.prepare(torch.compile(_model()))
+    single.save_state(tmp_path / "ckpt")
+    for model in (torch.compile(_model()), _model()):
+        fresh = Accelerator(nprocs=1, compute_setup="cpu")
+        fresh.prepare(model)
+        plain = getattr(model, "_orig_mod", model)
+        torch.nn.init.zeros_(plain[0].weight)
+        fresh.load_state(tmp_path / "ckpt")
+        assert torch.equal(plain[0].weight, saved._orig_mod[0].weight)
 
 
 def test_save_model_round_trip_in_one_process(single, tmp_path):
