@@ -10,7 +10,6 @@ every DDP rank would otherwise pay (benchmarks/launch.py).
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 import weakref
@@ -156,10 +155,10 @@ def _writer(path: str) -> Any:
             try:
                 return super().write_data(plan, planner)
             except Exception as exc:
-                full = storage.disk_full(exc)
-                if full is None:
+                named = storage.named_full_disk(exc, path)
+                if named is None:
                     raise
-                raise OSError(full, f"{os.strerror(full)} writing shards under {path}", path) from exc
+                raise named from exc
 
     return Writer(path)
 

@@ -68,9 +68,9 @@ def write_with(write: Callable[[Any], Any], path: str | os.PathLike) -> Sums:
     except BaseException as exc:
         if os.path.exists(tmp):
             os.remove(tmp)
-        full = disk_full(exc)
-        if full is not None:
-            raise OSError(full, f"{_FULL[full]} writing {path} ({space(path)})", path) from exc
+        named = named_full_disk(exc, path)
+        if named is not None:
+            raise named from exc
         if isinstance(exc, Exception):
             exc.add_note(f"[qaccel] while writing {path}")
         raise
@@ -110,6 +110,12 @@ def disk_full(exc: BaseException) -> int | None:
     """ENOSPC or EDQUOT when ``exc`` comes from a full disk or quota, else None."""
     found = full_disk_error(exc)
     return None if found is None else found.errno
+
+
+def named_full_disk(exc: BaseException, path: str) -> OSError | None:
+    """The OSError to raise in place of ``exc`` when a full disk or quota is behind it: what, where, how much room."""
+    full = disk_full(exc)
+    return None if full is None else OSError(full, f"{_FULL[full]} writing {path} ({space(path)})", path)
 
 
 def full_disk_error(exc: BaseException) -> OSError | None:
