@@ -9,7 +9,7 @@ same qaccel-launched ranks:
     step      a DDP training step of a small MLP plus acc.all_reduce_dict({"loss": ...}), off and on
     barrier   acc.wait_for_everyone(), off and on
 
-Debug is switched by the session's flag between blocks (``group.current_run().debug``, what ``debug=True`` sets),
+Debug is switched by the session's flag between blocks (``session.current_run().debug``, what ``debug=True`` sets),
 so the ways alternate in the same ranks instead of in two launches. A sample is a block of calls timed from a
 barrier, per call, on the slowest rank; medians over the samples.
 
@@ -29,7 +29,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from qaccel import Accelerator, group
+from qaccel import Accelerator
+from qaccel.comm import session
 from report import row, timed, verdict
 
 WORLD = 2
@@ -38,7 +39,7 @@ OFF_TARGET, STEP_TARGET = 1.3, 1.5
 
 
 def rank_main(acc: Accelerator, runs: int, calls: int) -> dict[str, list[float]]:
-    run = group.current_run()
+    run = session.current_run()
     metrics = {f"m{i}": 0.5 * i + acc.rank for i in range(8)}
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))

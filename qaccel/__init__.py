@@ -1,10 +1,21 @@
-"""qaccel: turn a plain PyTorch training function into multi-process, multi-GPU, multi-node training."""
+"""qaccel: turn a plain PyTorch training function into multi-process, multi-GPU, multi-node training.
+
+Layers, each importing only the ones below it:
+
+- ``accelerator`` (the facade users hold) and ``cli`` (``qaccel env``, ``qaccel test``);
+- ``launch``: starting ranks (a plain launch) or running in place (torchrun, srun), and bringing results back;
+- ``train``: what runs inside a rank's training function: prepare, data, the step, precision, checkpoints;
+- ``comm``: the session of one rank, its process group, collectives and hang reports;
+- the vocabulary every layer uses: ``options``, ``errors``, ``environment``, ``storage``, ``nested``.
+"""
 
 __version__ = "0.1.0"
 
 from qaccel.accelerator import Accelerator
-from qaccel.checkpoint import consolidate
-from qaccel.errors import CheckpointError, CollectiveMismatchError, QaccelError, RankError, RankKilledError
-from qaccel.stopping import Preempted
+from qaccel.errors import CheckpointError, CollectiveMismatchError, Preempted, QaccelError, RankError, RankKilledError
+from qaccel.train.checkpoint import consolidate
 
-__all__ = ["Accelerator", "Preempted", "consolidate", "CheckpointError", "CollectiveMismatchError", "QaccelError", "RankError", "RankKilledError", "__version__"]
+__all__ = [
+    "Accelerator", "Preempted", "consolidate", "CheckpointError", "CollectiveMismatchError", "QaccelError", "RankError",
+    "RankKilledError", "__version__",
+]

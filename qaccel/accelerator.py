@@ -11,12 +11,12 @@ from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
 import torch
 
-from qaccel import (
-    batch, checkpoint, collectives, group, in_place, launch, precision, prepare, progress, ranks, seeding, sharding,
-    stopping, training,
-)
-from qaccel.config import FSDP_MIN_PARAMS, make_config
+from qaccel.comm import collectives, ranks, session
 from qaccel.environment import Environment, detect
+from qaccel.launch import caller, in_place
+from qaccel.options import FSDP_MIN_PARAMS, make_config
+from qaccel.train import batch, checkpoint, gradients, precision, prepare, progress, seeding, sharding, stopping
+from qaccel.train.registry import Registry
 
 R = TypeVar("R")
 _warned_world_mismatch = False
@@ -77,7 +77,7 @@ class Accelerator:
             gradient_accumulation_steps, mixed_precision, max_restarts, strategy, fsdp_modules, fsdp_min_params,
             debug, rank_prefix,
         )
-        self._step_state: training.StepState | None = None
+        self._own_registry: Registry | None = None
         if env.kind.started_by_launcher and nprocs > 1 and nprocs != env.world_size and env.rank == 0:
             _warn_world_mismatch(nprocs, env)  # once per job, not once per rank
         if env.kind.started_by_launcher and max_restarts and env.rank == 0:
@@ -92,13 +92,13 @@ class Accelerator:
                 "environment, or srun --label",
                 stacklevel=2,
             )
-        if env.kind.creates_processes and nprocs > 1 and group.current() is None:
-            launch.warm_up(start_method)
+        if env.kind.creates_processes and nprocs > 1 and session.current() is None:
+            caller.warm_up(start_method)
 
     # ---- where this rank runs (valid in the caller and in every rank) ----
 
-    def _ctx(self) -> group.RankContext:
-        return group.current() or group.plan(self._config, detect())
+    def _ctx(self) -> session.RankContext:
+        return session.current() or session.plan(self._config, detect())
 
     @property
     def rank(self) -> int:
@@ -173,10 +173,10 @@ class Accelerator:
     @property
     def step(self) -> int:
         """Optimizer steps taken so far (of the first prepared optimizer), counting those before a resume."""
-        return self._steps().updates
+        return self._registry().updates
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_step_state": None}  # step state (scaler, counters) belongs to one process
+        return {**self.__dict__, "_own_registry": None}  # step state (scaler, counters) belongs to one process
 
     def __repr__(self) -> str:
         ctx = self._ctx()
@@ -204,8 +204,8 @@ class Accelerator:
 
     def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, all_results: bool) -> Any:
         env = detect()
-        if group.current() is None and env.kind.creates_processes and self._config.nprocs > 1:
-            return launch.launch(fn, args, kwargs, self._config, all_results)
+        if session.current() is None and env.kind.creates_processes and self._config.nprocs > 1:
+            return caller.launch(fn, args, kwargs, self._config, all_results)
         return in_place.run(fn, args, kwargs, self._config, env, all_results)
 
     # ---- collectives (identity in a single process) ----
@@ -241,7 +241,7 @@ class Accelerator:
 
     def gather_for_metrics(self, data: Any) -> Any:
         """Like gather, minus the samples duplicated to even out the last batches: exact counts."""
-        return collectives.gather_for_metrics(data, self._ctx(), self._steps().marks.remainder)
+        return collectives.gather_for_metrics(data, self._ctx(), self._registry().marks.remainder)
 
     def pad_across_processes(self, data: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
         """Pad tensors along ``dim`` to the largest size any rank has."""
@@ -290,14 +290,14 @@ class Accelerator:
         ``keep=K`` makes ``directory`` a folder of checkpoints named by step (``checkpoint_<step>``) of which the
         K newest stay. Without a directory, it saves into the folder given to resume(), keeping as many as it said.
         """
-        steps = self._steps()
+        registry = self._registry()
         numbered = keep is not None
         if directory is None:
-            if steps.checkpoints is None:
+            if registry.checkpoints is None:
                 raise ValueError("save_state() needs a directory, or a resume(directory) call before it")
-            directory, resume_keep = steps.checkpoints
+            directory, resume_keep = registry.checkpoints
             keep, numbered = resume_keep if keep is None else keep, True
-        return checkpoint.save_state(directory, steps, self._ctx(), _keep(keep), numbered)
+        return checkpoint.save_state(directory, registry, self._ctx(), _keep(keep), numbered)
 
     def load_state(self, directory: str | os.PathLike | None = None, *, missing_ok: bool = False) -> str | None:
         """Restore a save_state() checkpoint into the objects prepared (and registered) in this run, in order.
@@ -307,12 +307,12 @@ class Accelerator:
         (a file cut short, changed or missing), or one written for other objects, raises CheckpointError on every
         rank, and nothing is loaded.
         """
-        steps = self._steps()
+        registry = self._registry()
         if directory is None:
-            if steps.checkpoints is None:
+            if registry.checkpoints is None:
                 raise ValueError("load_state() needs a directory, or a resume(directory) call before it")
-            directory = steps.checkpoints[0]
-        return checkpoint.load_state(directory, steps, self._ctx(), missing_ok)
+            directory = registry.checkpoints[0]
+        return checkpoint.load_state(directory, registry, self._ctx(), missing_ok)
 
     def resume(
         self, directory: str | os.PathLike, keep: int | None = 3, *, requeue_signal: int | str | None = "SIGUSR1"
@@ -331,17 +331,17 @@ class Accelerator:
         self._inside_ranks("resume()")
         keep = _keep(keep)
         requeue = None if requeue_signal is None else stopping.signal_number(requeue_signal, "requeue_signal")
-        steps, ctx = self._steps(), self._ctx()
-        steps.checkpoints = (os.fspath(directory), keep)
-        loaded = checkpoint.load_state(directory, steps, ctx, missing_ok=True, fall_back=True)
-        if steps.stopper is None:
+        registry, ctx = self._registry(), self._ctx()
+        registry.checkpoints = (os.fspath(directory), keep)
+        loaded = checkpoint.load_state(directory, registry, ctx, missing_ok=True, fall_back=True)
+        if registry.stopper is None:
             stopping.arm({signal.SIGTERM} | ({requeue} if requeue is not None else set()))
-            steps.stopper = stopping.Stopper(ctx, self.save_state, requeue)
-            for loader in steps.loaders:
+            registry.stopper = stopping.Stopper(ctx, self.save_state, requeue)
+            for loader in registry.loaders:
                 stopping.shield_workers(loader)
-            run = group.current_run()
+            run = session.current_run()
             if run is not None:
-                run.closers.append(steps.stopper.close)
+                run.closers.append(registry.stopper.close)
         return loaded
 
     def register_for_checkpointing(self, *objs: Any) -> None:
@@ -349,7 +349,7 @@ class Accelerator:
         for obj in objs:
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
                 raise TypeError(f"register_for_checkpointing needs state_dict() and load_state_dict(); {type(obj).__name__} lacks them")
-        self._steps().registered.extend(objs)
+        self._registry().registered.extend(objs)
 
     def skip_first_batches(self, dataloader: Any, num_batches: int) -> Any:
         """The prepared ``dataloader``, set to pass over its first ``num_batches`` next epoch (to resume)."""
@@ -383,13 +383,13 @@ class Accelerator:
         """
         self._inside_ranks("prepare()")
         ctx = self._ctx()
-        steps = self._steps()
-        out = tuple(prepare.prepare_one(obj, ctx, self._config, steps) for obj in objs)
+        registry = self._registry()
+        out = tuple(prepare.prepare_one(obj, ctx, self._config, registry) for obj in objs)
         return out[0] if len(out) == 1 else out
 
     def _inside_ranks(self, what: str) -> None:
         """Raise if called in the caller of a launch that starts ranks: it would act for rank 0 only."""
-        if group.current() is None and not detect().is_launched and self._config.nprocs > 1:
+        if session.current() is None and not detect().is_launched and self._config.nprocs > 1:
             raise RuntimeError(
                 f"{what} must run inside the function you distribute: here, in the caller, it would act for rank 0 "
                 "only (prepare() would give every rank rank 0's shard)"
@@ -397,44 +397,44 @@ class Accelerator:
 
     # ---- the training step ----
 
-    def _steps(self) -> training.StepState:
+    def _registry(self) -> Registry:
         """This Accelerator's step state in the running session (its own outside any session)."""
-        run = group.current_run()
+        run = session.current_run()
         if run is not None:
-            return run.state_for(self, lambda: self._new_steps(run))
-        if self._step_state is None:
-            self._step_state = self._new_steps()
-        return self._step_state
+            return run.state_for(self, lambda: self._new_registry(run))
+        if self._own_registry is None:
+            self._own_registry = self._new_registry()
+        return self._own_registry
 
-    def _new_steps(self, run: group.Run | None = None) -> training.StepState:
-        steps = training.StepState(self.gradient_accumulation_steps, precision.make_scaler(self.mixed_precision))
+    def _new_registry(self, run: session.Run | None = None) -> Registry:
+        registry = Registry(self.gradient_accumulation_steps, precision.make_scaler(self.mixed_precision))
         if run is not None:
-            run.closers.append(steps.release)
-        return steps
+            run.closers.append(registry.release)
+        return registry
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``, divided over gradient accumulation steps and scaled under fp16."""
-        training.backward(loss, self._steps(), **kwargs)
+        gradients.backward(loss, self._registry(), **kwargs)
 
     def accumulate(self, *models: torch.nn.Module) -> Any:
         """Context for one micro-step: gradients sync (and optimizers step) every
         ``gradient_accumulation_steps`` micro-steps and on the last batch of an epoch; DDP ``no_sync`` otherwise."""
-        return training.accumulate(models, self._steps())
+        return gradients.accumulate(models, self._registry())
 
     @property
     def sync_gradients(self) -> bool:
-        """Whether this micro-step synchronises gradients and updates (False on accumulation steps)."""
-        return self._steps().sync_gradients
+        """Whether this micro-step synchronises gradients and updates (False on accumulation registry)."""
+        return self._registry().sync_gradients
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
         """True when the fp16 scaler skipped the last optimizer step (inf/nan gradients)."""
-        return any(opt.step_was_skipped for opt in self._steps().optimizers)
+        return any(opt.step_was_skipped for opt in self._registry().optimizers)
 
     @property
     def scaler(self) -> torch.amp.GradScaler | None:
         """fp16's gradient scaler (saved by save_state); None without fp16."""
-        return self._steps().scaler
+        return self._registry().scaler
 
     def autocast(self) -> Any:
         """Context running its block in the configured mixed precision (a no-op for "no").
@@ -444,12 +444,12 @@ class Accelerator:
         return precision.autocast(self.mixed_precision, self.device)
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
-        """Clip gradients by total norm (unscaled first under fp16); the norm, or None on accumulation steps."""
-        return training.clip(sharding.clip_grad_norm_, parameters, self._steps(), max_norm, norm_type)
+        """Clip gradients by total norm (unscaled first under fp16); the norm, or None on accumulation registry."""
+        return gradients.clip(sharding.clip_grad_norm_, parameters, self._registry(), max_norm, norm_type)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
-        """Clip gradients elementwise (unscaled first under fp16); skipped on accumulation steps."""
-        training.clip(torch.nn.utils.clip_grad_value_, parameters, self._steps(), clip_value)
+        """Clip gradients elementwise (unscaled first under fp16); skipped on accumulation registry."""
+        gradients.clip(torch.nn.utils.clip_grad_value_, parameters, self._registry(), clip_value)
 
     def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The user's module inside the DDP wrapper prepare() added."""

@@ -14,10 +14,11 @@ import torch
 import torch.distributed as dist
 
 import qaccel
-from qaccel import checkpoint, group, hangs
 from qaccel.accelerator import Accelerator
-from qaccel.config import cuda_device_count
+from qaccel.comm import hangs, session
 from qaccel.environment import detect
+from qaccel.options import cuda_device_count
+from qaccel.train import checkpoint
 
 
 def _accelerator(args: argparse.Namespace) -> Accelerator:
@@ -53,7 +54,7 @@ def env_report(args: argparse.Namespace) -> int:
         local = acc.world_size
     device_key = "device (rank 0)" if acc.world_size > 1 and not env.is_launched else "device"
     lines += [(device_key, str(acc.device)), ("backend", acc.backend), ("log device", str(acc.log_device))]
-    threads, why = group.thread_budget(local)
+    threads, why = session.thread_budget(local)
     lines.append(("threads per rank", f"{threads if threads is not None else torch.get_num_threads()} ({why})"))
     width = max(len(k) for k, _ in lines)
     for key, value in lines:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 
 # Errors a rank raises because a peer left the group: symptoms, reported before their cause more often than not.
 _PEER_LOSS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Failed to recv")
@@ -101,3 +102,24 @@ class RemoteTraceback(Exception):
 
     def __str__(self) -> str:
         return "\n\n" + self.args[0].rstrip()
+
+
+class Preempted(SystemExit):
+    """Training stopped after a signal, and its state is saved in ``checkpoint``: run again to resume from it.
+
+    A SystemExit, so a user's ``except Exception`` does not swallow it and, uncaught, the process exits quietly with
+    128 + the signal's number, as if the signal had ended it (rank 0 prints what happened).
+    """
+
+    def __init__(self, signal_name: str, checkpoint: str, requeued: bool = False) -> None:
+        super().__init__(128 + signal.Signals[signal_name].value)
+        self.signal_name = signal_name
+        self.checkpoint = checkpoint
+        self.requeued = requeued
+
+    def __str__(self) -> str:
+        text = f"stopped by {self.signal_name} after saving state to {self.checkpoint}"
+        return text + ("; the SLURM job was requeued and will resume from it" if self.requeued else "")
+
+    def __reduce__(self):
+        return (type(self), (self.signal_name, self.checkpoint, self.requeued))

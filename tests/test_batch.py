@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from qaccel import Accelerator
-from qaccel.batch import prepare_batch
+from qaccel.train.batch import prepare_batch
 
 CPU = torch.device("cpu")
 Pair = namedtuple("Pair", ["x", "y"])

@@ -7,7 +7,7 @@ import pickle
 import pytest
 
 from qaccel.errors import raised_note
-from qaccel.failures import ErrorReport, RankFailure, root_cause
+from qaccel.launch.failures import ErrorReport, RankFailure, root_cause
 
 RESET = "Connection reset by peer"
 

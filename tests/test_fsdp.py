@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from procs import once_per_session, run_script, run_torchrun, slurm_env
 from qaccel import Accelerator
-from qaccel.config import FSDP_MIN_PARAMS, _sharding_choices
-from qaccel.sharding import units
+from qaccel.options import FSDP_MIN_PARAMS, _sharding_choices
+from qaccel.train.sharding import units
 from test_real_script import REAL, _checked, _env
 
 EPOCHS = 3

@@ -315,7 +315,7 @@ def test_debug_in_one_process_checks_nothing_and_costs_nothing():
 def test_the_users_stack_leaves_out_qaccel_torch_and_the_standard_library():
     import json
 
-    from qaccel import hangs
+    from qaccel.comm import hangs
 
     def user_function():  # user code -> json (standard library) -> user code -> qaccel
         return json.loads("1", parse_int=lambda _: hangs.user_stack(hangs.live_frames(sys._getframe())))
@@ -334,7 +334,7 @@ def torch_file() -> str:
 
 
 def test_what_counts_as_a_timeout():
-    from qaccel.hangs import is_timeout
+    from qaccel.comm.hangs import is_timeout
 
     assert is_timeout(RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv"))
     assert is_timeout(RuntimeError("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=3)"))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from procs import once_per_session, result_lines, run_script, run_torchrun, write_script
-from qaccel import inherit
+from qaccel.launch import inherit
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -169,7 +169,7 @@ def _error(exc_type, *args, cause=None):
 def test_the_error_file_is_what_torchrun_reads_and_it_wins_over_a_later_peer(tmp_path, monkeypatch):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from qaccel import launcher_report
+    from qaccel.launch import launcher_report
 
     path = tmp_path / "attempt_0" / "1" / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
@@ -190,7 +190,7 @@ def test_the_error_file_is_what_torchrun_reads_and_it_wins_over_a_later_peer(tmp
     "ValueError from a peer loss",
 ], ids=["exit-0", "exit-3", "keyboard-interrupt", "peer-loss", "raised-from-peer-loss"])
 def test_no_error_file_for_an_exit_an_interrupt_or_a_symptom(tmp_path, monkeypatch, exc):
-    from qaccel import launcher_report
+    from qaccel.launch import launcher_report
 
     if exc == "ValueError from a peer loss":
         exc = _error(ValueError, "step failed", cause=RuntimeError("Connection reset by peer"))
@@ -200,14 +200,14 @@ def test_no_error_file_for_an_exit_an_interrupt_or_a_symptom(tmp_path, monkeypat
 
 
 def test_no_error_file_without_torchrun(monkeypatch):
-    from qaccel import launcher_report
+    from qaccel.launch import launcher_report
 
     monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
     assert not launcher_report.record_cause(_error(ValueError, "x"))
 
 
 def test_only_a_symptom_is_held_and_it_says_why(capfd):
-    from qaccel import launcher_report
+    from qaccel.launch import launcher_report
 
     started = time.monotonic()
     assert not launcher_report.hold_symptom(_error(ValueError, "x"), 1, 2, hold_s=5)

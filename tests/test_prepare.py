@@ -18,7 +18,7 @@ from torch.utils.data import (
 )
 
 from qaccel import Accelerator
-from qaccel.data import BatchShard
+from qaccel.train.data import BatchShard
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from qaccel import Accelerator, progress
-from qaccel.group import RankContext
+from qaccel import Accelerator
+from qaccel.train import progress
+from qaccel.comm.session import RankContext
 
 pytestmark = [
     pytest.mark.timeout(120),

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from qaccel import group, ranks
+from qaccel.comm import ranks, session
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -43,7 +43,7 @@ def test_main_process_runs_the_block_first(acc, tmp_path, local):
 
 
 def _two_nodes_local_first(path):
-    ctx = group.current()
+    ctx = session.current()
     one_rank_per_node = dataclasses.replace(ctx, local_rank=0, local_world_size=1, node_rank=ctx.rank)
     with ranks.main_process_first(one_rank_per_node, local=True):
         _append(path, str(ctx.rank))

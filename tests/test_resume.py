@@ -268,7 +268,7 @@ def early():  # registered before qaccel's hook, so it runs first in the child, 
     print(signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, []), flush=True)
     os.kill(os.getpid(), signal.SIGTERM)
 os.register_at_fork(after_in_child=early)
-from qaccel import stopping
+from qaccel.train import stopping
 stopping.arm({signal.SIGTERM})
 pid = os.fork()
 if pid == 0:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from procs import REPO, left_in, run_script, script_env, write_script
-from qaccel import run_dir
+from qaccel.launch import run_dir
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -17,9 +17,9 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from qaccel import hangs
-from qaccel.config import Config
+from qaccel.comm import hangs
 from qaccel.environment import Environment
+from qaccel.options import Config
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def current() -> RankContext | None:
 
 def explain_timeout(exc: BaseException) -> None:
     """If ``exc`` is a collective's timeout (one qaccel did not make: DDP's, the user's own), add where every rank
-    of this session is (qaccel/hangs.py); qaccel's own collectives did so already."""
+    of this session is (hangs.py); qaccel's own collectives did so already."""
     run = _RUN.get()
     if run is not None and run.watch is not None and hangs.is_timeout(exc):
         run.watch.explain(exc, hangs.traceback_frames(exc.__traceback__))

@@ -35,7 +35,8 @@ REPORT_WAIT_S = 3.0  # how long a rank that timed out waits for the others' answ
 CLOSE_WAIT_S = 2.0  # for the watcher to return from the store once woken
 STACK_DEPTH = 6  # frames of the user's code shown per rank
 _NEVER = datetime.timedelta(days=365)
-_OWN_DIRS = tuple(os.path.dirname(p) + os.sep for p in (__file__, torch.__file__))  # qaccel, torch
+# qaccel (the whole package, wherever this module sits in it) and torch
+_OWN_DIRS = tuple(os.path.dirname(sys.modules[name].__file__) + os.sep for name in (__name__.partition(".")[0], "torch"))
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
 _sessions = 0  # sessions of this process so far; ranks start them in the same order, so the count agrees
 
@@ -145,11 +146,15 @@ class Where:
         return cls(rank, state or calls.state(), [(f.filename, f.lineno, f.function, f.code(), f.calls) for f in stack])
 
     def summary(self) -> str:
+        return f"rank {self.rank}: {self.doing()}"
+
+    def doing(self) -> str:
+        """What the rank is doing and where in the user's code, in a few words."""
         if not self.stack:
-            return f"rank {self.rank}: {self.state}, outside the user's code"
+            return f"{self.state}, outside the user's code"
         file, line, function, code, calls = self.stack[-1]
         into = f" -> {calls}" if calls and not code else ""
-        return f"rank {self.rank}: {self.state} at {_short(file)}:{line} in {function}: {code}{into}"
+        return f"{self.state} at {_short(file)}:{line} in {function}: {code}{into}"
 
     def details(self) -> str:
         lines = [f"rank {self.rank} (pid {self.pid} on {self.host}), its code (most recent call last):"]
@@ -337,7 +342,7 @@ class _Usr2:
             if signal.SIGUSR2 in data and signal.getsignal(signal.SIGUSR2) is _ignore:
                 where = self.watch.where_now()
                 _write_stderr(f"[qaccel] SIGUSR2: rank {self.watch.rank} of {self.watch.world_size} is "
-                              f"{where.summary().split(': ', 1)[1]}\n{where.details()}\n")
+                              f"{where.doing()}\n{where.details()}\n")
 
     def close(self) -> None:
         if self.previous_fd == -2:

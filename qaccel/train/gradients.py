@@ -1,49 +1,19 @@
 """What a training step needs beyond the model: loss scaling, gradient accumulation, clipping.
 
-One ``StepState`` per Accelerator per process tells the prepared optimizers whether this step updates: on
-accumulation steps gradients stay local (DDP ``no_sync``) and ``step``/``zero_grad`` do nothing. It also
-lists what save_state() writes: prepared models, optimizers, loaders, schedulers and registered objects.
+The session's registry (registry.py) tells the prepared optimizers whether this step updates: on accumulation
+steps gradients stay local (DDP ``no_sync``) and ``step``/``zero_grad`` do nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from qaccel import data, sharding
-
-
-@dataclass
-class StepState:
-    accumulation_steps: int
-    scaler: torch.amp.GradScaler | None
-    micro_step: int = 0
-    sync_gradients: bool = True
-    optimizers: list["PreparedOptimizer"] = field(default_factory=list)
-    models: list[torch.nn.Module] = field(default_factory=list)
-    schedulers: list[Any] = field(default_factory=list)
-    loaders: list[Any] = field(default_factory=list)
-    registered: list[Any] = field(default_factory=list)
-    marks: data.LoopMarks = field(default_factory=data.LoopMarks)
-    updates: int = 0  # steps of the first prepared optimizer, over resumes too (the Accelerator's ``step``)
-    checkpoints: tuple[str, int | None] | None = None  # resume()'s folder and keep: save_state()'s default
-    stopper: Any = None  # a stopping.Stopper once resume() armed the stop on a signal
-    mesh: Any = None  # strategy="fsdp": the device mesh the models are sharded on
-    # strategy="fsdp": replaced parameter's id -> (weak reference to it, its shard), for optimizers built before
-    replaced: dict[int, Any] = field(default_factory=dict)
-    accumulating: bool = False  # strategy="fsdp": sharded models hold unsharded gradients over micro-steps
-
-    def release(self, finished: bool = True) -> None:
-        """Forget the session's objects as it ends. Prepared optimizers and loaders point back here, so these lists
-        would make cycles that keep the session's models alive for the garbage collector to find later."""
-        for kept in (self.optimizers, self.models, self.schedulers, self.loaders, self.registered):
-            kept.clear()
-        self.replaced.clear()
-        self.stopper = self.mesh = self.checkpoints = None
+from qaccel.train import sharding
+from qaccel.train.registry import Registry
 
 
 class PreparedOptimizer(torch.optim.Optimizer):
@@ -53,9 +23,9 @@ class PreparedOptimizer(torch.optim.Optimizer):
     user's optimizer's own objects, so a scheduler built on either drives the same learning rates.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, steps: StepState) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, registry: Registry) -> None:
         self.optimizer = optimizer
-        self._steps = steps
+        self._registry = registry
         self.step_was_skipped = False
 
     @property
@@ -83,17 +53,17 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self.optimizer.defaults = value
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._steps.sync_gradients:
+        if self._registry.sync_gradients:
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         self.step_was_skipped = False
-        steps = self._steps
-        if not steps.sync_gradients:
+        registry = self._registry
+        if not registry.sync_gradients:
             return None
-        if steps.optimizers and steps.optimizers[0] is self:
-            steps.updates += 1
-        scaler = steps.scaler
+        if registry.optimizers and registry.optimizers[0] is self:
+            registry.updates += 1
+        scaler = registry.scaler
         if scaler is None:
             return self.optimizer.step(closure)
         scale = scaler.get_scale()
@@ -121,12 +91,12 @@ class PreparedOptimizer(torch.optim.Optimizer):
         return f"PreparedOptimizer({self.optimizer!r})"
 
 
-def backward(loss: torch.Tensor, steps: StepState, **kwargs: Any) -> None:
+def backward(loss: torch.Tensor, registry: Registry, **kwargs: Any) -> None:
     """``loss.backward()``, divided over the accumulation steps and scaled for fp16."""
-    if steps.accumulation_steps > 1:
-        loss = loss / steps.accumulation_steps
-    if steps.scaler is not None:
-        loss = steps.scaler.scale(loss)
+    if registry.accumulation_steps > 1:
+        loss = loss / registry.accumulation_steps
+    if registry.scaler is not None:
+        loss = registry.scaler.scale(loss)
     loss.backward(**kwargs)
 
 
@@ -134,21 +104,21 @@ def backward(loss: torch.Tensor, steps: StepState, **kwargs: Any) -> None:
 _NOTHING = contextlib.nullcontext()
 
 
-def accumulate(models: tuple[torch.nn.Module, ...], steps: StepState) -> contextlib.AbstractContextManager[None]:
+def accumulate(models: tuple[torch.nn.Module, ...], registry: Registry) -> contextlib.AbstractContextManager[None]:
     """One micro-step: synchronise gradients every ``accumulation_steps`` and on an epoch's last batch.
 
     The micro-step is counted here, when called, and what comes back is DDP's own ``no_sync()`` (or a shared
     no-op when gradients sync): a generator context manager and an ExitStack around it cost more than no_sync().
     """
-    if steps.marks.end_of_epoch:
-        steps.micro_step, steps.sync_gradients = 0, True
+    if registry.marks.end_of_epoch:
+        registry.micro_step, registry.sync_gradients = 0, True
     else:
-        steps.micro_step += 1
-        steps.sync_gradients = steps.micro_step % steps.accumulation_steps == 0
-    if steps.mesh is not None and steps.accumulating == steps.sync_gradients:  # FSDP2: a switch, not a context
-        steps.accumulating = not steps.sync_gradients
-        sharding.set_accumulating(steps.models, steps.accumulating)
-    if steps.sync_gradients:
+        registry.micro_step += 1
+        registry.sync_gradients = registry.micro_step % registry.accumulation_steps == 0
+    if registry.mesh is not None and registry.accumulating == registry.sync_gradients:  # FSDP2: a switch, not a context
+        registry.accumulating = not registry.sync_gradients
+        sharding.set_accumulating(registry.models, registry.accumulating)
+    if registry.sync_gradients:
         return _NOTHING
     ddp = [model for model in models if isinstance(model, DistributedDataParallel)]
     if not ddp:
@@ -166,12 +136,12 @@ def _no_sync_all(models: list[DistributedDataParallel]) -> Iterator[None]:
 
 
 def clip(
-    clip_fn: Callable[..., Any], parameters: Iterable[torch.Tensor] | torch.Tensor, steps: StepState, *args: Any
+    clip_fn: Callable[..., Any], parameters: Iterable[torch.Tensor] | torch.Tensor, registry: Registry, *args: Any
 ) -> Any:
     """Clip with ``clip_fn`` after unscaling fp16 gradients; None on accumulation steps (nothing to clip yet)."""
-    if not steps.sync_gradients:
+    if not registry.sync_gradients:
         return None
-    if steps.scaler is not None:
-        for optimizer in steps.optimizers:
-            steps.scaler.unscale_(optimizer.optimizer)
+    if registry.scaler is not None:
+        for optimizer in registry.optimizers:
+            registry.scaler.unscale_(optimizer.optimizer)
     return clip_fn(parameters, *args)

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import torch
 
-from qaccel import batch
+from qaccel.train import batch
 
 _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -5,7 +5,7 @@ yields global batches B0, B1, ...; rank r takes B[r], B[r+N], B[r+2N], ... One s
 the samples one step of a single process with batch N·b would, in the same global order: that is what makes
 training equivalent and gather_for_metrics exact. When the batches do not divide by N, the last round is
 completed with batches from the start of the epoch (drop_last=False) or dropped (drop_last=True), so every rank
-takes the same number of steps, as DDP requires.
+takes the same number of registry, as DDP requires.
 """
 
 from __future__ import annotations
@@ -13,13 +13,16 @@ from __future__ import annotations
 import copy
 import itertools
 import math
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
-from qaccel import batch, stopping
-from qaccel.group import RankContext
+from qaccel.comm.session import RankContext
+
+if TYPE_CHECKING:
+    from qaccel.train.registry import Registry
+from qaccel.train import batch, stopping
 
 # DataLoader arguments carried over as they are; batch_size, shuffle, sampler and drop_last live in the batch sampler.
 _CARRIED = (
@@ -110,11 +113,11 @@ class PreparedDataLoader(DataLoader):
     IterableDataset is sharded by batch: each rank reads the stream and keeps every N-th batch.
     """
 
-    def __init__(self, loader: DataLoader, ctx: RankContext, seed: int, steps: Any) -> None:
+    def __init__(self, loader: DataLoader, ctx: RankContext, seed: int, registry: Registry) -> None:
         kwargs = {name: getattr(loader, name) for name in _CARRIED}
         dataset = loader.dataset
-        self._steps = steps  # the session's training.StepState: loop marks, optimizer updates, the stopper
-        self._marks = steps.marks
+        self._registry = registry  # the session's: loop marks, optimizer updates, the stopper
+        self._marks = registry.marks
         # Step boundaries of a loop that trains (an optimizer stepped in it) are where a signal may stop the run:
         # the updates count seen at the last one, and whether this loader's loop trains (evaluation loops don't,
         # and may run on rank 0 alone, so they must not take part in the ranks' agreement).
@@ -192,12 +195,12 @@ class PreparedDataLoader(DataLoader):
         return super().__len__()
 
     def __iter__(self) -> Iterator[Any]:
-        steps, seen = self._steps, self._seen
-        if steps.stopper is not None and seen[1] and steps.updates != seen[0]:
-            seen[0] = steps.updates
-            steps.stopper.boundary()  # between epochs: may save and raise Preempted
+        registry, seen = self._registry, self._seen
+        if registry.stopper is not None and seen[1] and registry.updates != seen[0]:
+            seen[0] = registry.updates
+            registry.stopper.boundary()  # between epochs: may save and raise Preempted
         if not seen[1]:
-            seen[0] = steps.updates
+            seen[0] = registry.updates
         epoch, self._epoch = self._epoch, self._epoch + 1
         self._generator.manual_seed(self._seed + epoch)
         sampler = self._user_sampler
@@ -231,9 +234,9 @@ class PreparedDataLoader(DataLoader):
                 step += 1
                 position[1] = skip + step
                 yield batch.prepare_batch(item, device, None)
-                if steps.stopper is not None and steps.updates != seen[0]:  # the step's body is done
-                    seen[0], seen[1] = steps.updates, True
-                    steps.stopper.boundary()  # may save and raise Preempted
+                if registry.stopper is not None and registry.updates != seen[0]:  # the step's body is done
+                    seen[0], seen[1] = registry.updates, True
+                    registry.stopper.boundary()  # may save and raise Preempted
         finally:
             marks.remainder, marks.end_of_epoch = outer
             self._position = None

@@ -12,17 +12,17 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from qaccel import group, hangs
-from qaccel.batch import map_leaves
+from qaccel.comm import hangs, session
+from qaccel.comm.session import RankContext
 from qaccel.errors import CollectiveMismatchError
-from qaccel.group import RankContext
+from qaccel.nested import map_leaves
 
 REDUCE_OPS = ("mean", "sum", "max", "min")
 _TORCH_OPS = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 def tracked(name: str, describe: Callable[..., str] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Make a function a qaccel collective named ``name``: counted and explained on a timeout (qaccel/hangs.py),
+    """Make a function a qaccel collective named ``name``: counted and explained on a timeout (hangs.py),
     and in debug mode checked first to be the same call on every rank, with ``describe(*args)`` the same.
 
     Only the outermost tracked call counts: gather_for_metrics is one collective, not three.
@@ -30,7 +30,7 @@ def tracked(name: str, describe: Callable[..., str] | None = None) -> Callable[[
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
-            run = group.current_run()
+            run = session.current_run()
             watch = None if run is None else run.watch
             if watch is None or watch.calls.current is not None:
                 return fn(*args, **kwargs)
@@ -201,7 +201,7 @@ def gather_object(obj: Any, ctx: RankContext) -> list[Any]:
 def barrier(ctx: RankContext) -> None:
     """Block until every rank reaches this point."""
     if _distributed(ctx):
-        group.barrier(ctx)
+        session.barrier(ctx)
 
 
 def main_print(ctx: RankContext, *args: Any, **kwargs: Any) -> None:

@@ -10,34 +10,36 @@ import os
 import time
 from typing import Any, Callable
 
-from qaccel import collectives, group, launcher_report, prepare
-from qaccel.config import Config
+from qaccel.comm import collectives, session
 from qaccel.environment import Environment, rank_variables
 from qaccel.errors import raised_note, type_name
+from qaccel.launch import launcher_report
+from qaccel.options import Config
+from qaccel.train import prepare
 
 _NOTE_PREFIX = "[qaccel] raised on rank "
 
 
 def run(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, env: Environment, all_results: bool) -> Any:
     """``fn(*args, **kwargs)`` here, as this process's rank; its result (or every rank's, by rank)."""
-    running = group.current()
+    running = session.current()
     if running is not None:  # a distribute() inside a distributed fn: already a rank of a live group
         result = fn(*args, **kwargs)
         return collectives.gather_object(result, running) if all_results else result
-    ctx = group.plan(config, env)
+    ctx = session.plan(config, env)
     if env.kind.exports_rank_variables:
         _export_rank_variables(env)
     needs_store = env.kind.started_by_launcher and ctx.world_size > 1
     recorded = 0  # id() of the exception written to torchrun's error file, if any
     try:
-        store = group.env_store(ctx, config.timeout) if needs_store else None
-        with group.session(ctx, config.timeout, store=store, group_of_one=config.strategy == "fsdp",
+        store = session.env_store(ctx, config.timeout) if needs_store else None
+        with session.session(ctx, config.timeout, store=store, group_of_one=config.strategy == "fsdp",
                            debug=config.debug, where_to_log=env.kind.started_by_launcher):
             try:
                 result = fn(*args, **kwargs)
             except BaseException as exc:
                 raised_at = time.time()
-                group.explain_timeout(exc)
+                session.explain_timeout(exc)
                 if ctx.world_size > 1:
                     exc.add_note(raised_note(ctx.rank, ctx.world_size, type_name(exc), str(exc), launched=False))
                 # now, before the group is torn down and a peer can see the broken connection and fail first

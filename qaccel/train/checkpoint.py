@@ -19,10 +19,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from qaccel import collectives, prepare, sharding, storage
+from qaccel import storage
+from qaccel.comm import collectives
+from qaccel.comm.session import RankContext
 from qaccel.errors import CheckpointError
-from qaccel.group import RankContext
-from qaccel.training import StepState
+from qaccel.train import prepare, sharding
+from qaccel.train.registry import Registry
 
 MODEL_FILE = "model.pt"
 MARKER_FILE = "qaccel_state.json"  # written last: a checkpoint folder holding it is complete
@@ -79,7 +81,7 @@ def save_model(model: torch.nn.Module, directory: str | os.PathLike, ctx: RankCo
 
 
 def save_state(
-    directory: str | os.PathLike, state: StepState, ctx: RankContext, keep: int | None = None, numbered: bool = False
+    directory: str | os.PathLike, registry: Registry, ctx: RankContext, keep: int | None = None, numbered: bool = False
 ) -> str:
     """Checkpoint everything a resumed run needs, atomically: models, optimizers, schedulers, the fp16 scaler,
     every rank's RNG states, loader positions, registered objects and the step count. Returns the path written.
@@ -91,14 +93,14 @@ def save_state(
     falls back to. A failure is raised on every rank; a full disk as an OSError saying how much room there was.
     """
     directory = os.path.abspath(os.fspath(directory))
-    target = os.path.join(directory, f"checkpoint_{state.updates:08d}") if numbered else directory
+    target = os.path.join(directory, f"checkpoint_{registry.updates:08d}") if numbered else directory
     tmp = collectives.broadcast(_new_tmp(target) if ctx.rank == 0 else None, 0, ctx)
     failure: BaseException | None = None
     try:
         shard_sums: dict[str, dict[str, int]] = {}
-        if state.mesh is not None:  # sharded models: every rank writes its own shards (fails on every rank)
+        if registry.mesh is not None:  # sharded models: every rank writes its own shards (fails on every rank)
             sharded = os.path.join(tmp, SHARDED_DIR)
-            sharding.save_sharded(sharded, state.models, _optimizers(state))
+            sharding.save_sharded(sharded, registry.models, _optimizers(registry))
             shard_sums = _own_shard_sums(sharded, ctx.rank)
         gathered = collectives.gather_object((_rng_state(), shard_sums), ctx)
     except BaseException as exc:
@@ -110,7 +112,7 @@ def save_state(
         raise
     if ctx.rank == 0:
         try:
-            _write_checkpoint(target, tmp, state, gathered, ctx.world_size)
+            _write_checkpoint(target, tmp, registry, gathered, ctx.world_size)
             if numbered and keep is not None:
                 _prune(directory, keep)
         except Exception as exc:  # noqa: BLE001 - told to every rank, then raised here
@@ -151,8 +153,8 @@ def _new_tmp(target: str) -> str:
     return tmp
 
 
-def _optimizers(state: StepState) -> list[torch.optim.Optimizer]:
-    return [o.optimizer for o in state.optimizers]
+def _optimizers(registry: Registry) -> list[torch.optim.Optimizer]:
+    return [o.optimizer for o in registry.optimizers]
 
 
 def _own_shard_sums(sharded: str, rank: int) -> dict[str, dict[str, int]]:
@@ -162,12 +164,12 @@ def _own_shard_sums(sharded: str, rank: int) -> dict[str, dict[str, int]]:
             for name in sorted(os.listdir(sharded)) if name.startswith(f"__{rank}_")}
 
 
-def _write_checkpoint(directory: str, tmp: str, state: StepState, gathered: list[tuple[dict, dict]],
+def _write_checkpoint(directory: str, tmp: str, registry: Registry, gathered: list[tuple[dict, dict]],
                       world_size: int) -> None:
     """Rank 0 writes everything but the shards (peers sent their RNG states and shard sums), the marker last with
     every file's size and checksum, and swaps the folder in, so a failure here cannot pull a directory from under a
     peer that is still writing."""
-    files = {name: sums.to_json() for name, sums in _write_parts(tmp, state).items()}
+    files = {name: sums.to_json() for name, sums in _write_parts(tmp, registry).items()}
     for rank, (rng, shard_sums) in enumerate(gathered):
         files[f"random_states_{rank}.pt"] = storage.save(rng, os.path.join(tmp, f"random_states_{rank}.pt")).to_json()
         files.update(shard_sums)
@@ -176,9 +178,9 @@ def _write_checkpoint(directory: str, tmp: str, state: StepState, gathered: list
             relative = os.path.relpath(os.path.join(base, name), tmp).replace(os.sep, "/")
             if relative not in files:
                 files[relative] = storage.sums(os.path.join(base, name)).to_json()
-    marker: dict[str, Any] = {"format": FORMAT, "step": state.updates, "world_size": world_size}
-    if state.mesh is not None:
-        marker["sharded"] = {"model": len(state.models), "optimizer": len(state.optimizers)}
+    marker: dict[str, Any] = {"format": FORMAT, "step": registry.updates, "world_size": world_size}
+    if registry.mesh is not None:
+        marker["sharded"] = {"model": len(registry.models), "optimizer": len(registry.optimizers)}
     marker["files"] = dict(sorted(files.items()))
     storage.write_bytes(json.dumps(marker, indent=1).encode(), os.path.join(tmp, MARKER_FILE))
     old = f"{directory}.old-{secrets.token_hex(6)}" if os.path.exists(directory) else None
@@ -189,17 +191,17 @@ def _write_checkpoint(directory: str, tmp: str, state: StepState, gathered: list
         shutil.rmtree(old)
 
 
-def _write_parts(tmp: str, state: StepState) -> dict[str, storage.Sums]:
-    sharded = state.mesh is not None  # then models and optimizers are in SHARDED_DIR
+def _write_parts(tmp: str, registry: Registry) -> dict[str, storage.Sums]:
+    sharded = registry.mesh is not None  # then models and optimizers are in SHARDED_DIR
     parts = {
-        "model": [] if sharded else [get_state_dict(m) for m in state.models],
-        "optimizer": [] if sharded else [o.state_dict() for o in state.optimizers],
-        "scheduler": [s.state_dict() for s in state.schedulers],
-        "loader": [loader.state_dict() for loader in state.loaders],
-        "registered": [obj.state_dict() for obj in state.registered],
+        "model": [] if sharded else [get_state_dict(m) for m in registry.models],
+        "optimizer": [] if sharded else [o.state_dict() for o in registry.optimizers],
+        "scheduler": [s.state_dict() for s in registry.schedulers],
+        "loader": [loader.state_dict() for loader in registry.loaders],
+        "registered": [obj.state_dict() for obj in registry.registered],
     }
-    if state.scaler is not None:
-        parts["scaler"] = [state.scaler.state_dict()]
+    if registry.scaler is not None:
+        parts["scaler"] = [registry.scaler.state_dict()]
     written = {}
     for kind, items in parts.items():
         for i, item in enumerate(items):
@@ -288,7 +290,7 @@ class _Read:
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # a sharded checkpoint's tensors
 
 
-def load_state(directory: str | os.PathLike, state: StepState, ctx: RankContext, missing_ok: bool = False,
+def load_state(directory: str | os.PathLike, registry: Registry, ctx: RankContext, missing_ok: bool = False,
                fall_back: bool = False) -> str | None:
     """Restore what save_state() wrote into the objects prepared (and registered) in this run, in order.
 
@@ -307,7 +309,7 @@ def load_state(directory: str | os.PathLike, state: StepState, ctx: RankContext,
     skipped: list[CheckpointError] = []
     for found in candidates:
         try:
-            read = _read_checked(found, state, ctx)
+            read = _read_checked(found, registry, ctx)
         except CheckpointError as failed:
             if not (fall_back and failed.damaged):
                 raise
@@ -316,14 +318,14 @@ def load_state(directory: str | os.PathLike, state: StepState, ctx: RankContext,
         if skipped and ctx.rank == 0:
             warnings.warn(f"resume() skipped {len(skipped)} damaged checkpoint(s) and loaded {found}: "
                           + "; ".join(str(s) for s in skipped), stacklevel=3)
-        _apply(found, read, state, ctx)
+        _apply(found, read, registry, ctx)
         return found
     raise CheckpointError(f"every checkpoint in {directory} is damaged, so none was loaded (move them away to "
                           "start afresh): " + "; ".join(str(s) for s in skipped), directory, skipped[0].file,
                           damaged=True)
 
 
-def _read_checked(found: str, state: StepState, ctx: RankContext) -> _Read:
+def _read_checked(found: str, registry: Registry, ctx: RankContext) -> _Read:
     """Check the files (each rank a share), read the parts and check that they fit the prepared objects, all before
     any object changes. The ranks agree on the outcome in one collective, so all raise the same CheckpointError:
     damaged, naming the first damaged file (a file that differs from what was written before one torch could not
@@ -344,13 +346,13 @@ def _read_checked(found: str, state: StepState, ctx: RankContext) -> _Read:
             checking = pool.submit(lambda: [(0, name, why) for name, recorded in share
                                             if (why := storage.damage(os.path.join(found, name), recorded))])
             try:
-                read = _read_parts(found, marker, state, ctx)
+                read = _read_parts(found, marker, registry, ctx)
             except _Unreadable as exc:
                 problems.append((1, exc.file, exc.why))
             problems += checking.result()
         if not problems:
             try:
-                _check_fit(found, read, state, ctx)
+                _check_fit(found, read, registry, ctx)
             except CheckpointError as exc:
                 misfit = (str(exc), exc.file)
     outcomes = collectives.gather_object((problems, misfit), ctx)
@@ -389,7 +391,7 @@ def _marker(directory: str) -> dict[str, Any]:
     return marker
 
 
-def _read_parts(found: str, marker: dict[str, Any], state: StepState, ctx: RankContext) -> _Read:
+def _read_parts(found: str, marker: dict[str, Any], registry: Registry, ctx: RankContext) -> _Read:
     read = _Read(marker, os.path.isdir(os.path.join(found, SHARDED_DIR)))
     kinds = ["scheduler", "loader", "registered"] if read.sharded else ["model", "optimizer", "scheduler", "loader",
                                                                          "registered"]
@@ -397,7 +399,7 @@ def _read_parts(found: str, marker: dict[str, Any], state: StepState, ctx: RankC
         count = len(glob.glob(os.path.join(glob.escape(found), f"{kind}_*.pt")))
         read.parts[kind] = [_read(found, f"{kind}_{i}.pt", ctx, weights_only=kind != "registered")
                             for i in range(count)]
-    if state.scaler is not None:
+    if registry.scaler is not None:
         read.parts["scaler"] = [_read(found, "scaler.pt", ctx)]
     if os.path.exists(os.path.join(found, f"random_states_{ctx.rank}.pt")):
         read.rng = _read(found, f"random_states_{ctx.rank}.pt", ctx)
@@ -417,17 +419,17 @@ def _read(found: str, name: str, ctx: RankContext, weights_only: bool = True) ->
         raise _Unreadable(name, f"cannot be read ({type(exc).__name__}: {first})") from exc
 
 
-def _check_fit(found: str, read: _Read, state: StepState, ctx: RankContext) -> None:
+def _check_fit(found: str, read: _Read, registry: Registry, ctx: RankContext) -> None:
     """Raise CheckpointError, before anything is loaded, when the checkpoint was not written for these objects."""
-    counts = {"scheduler": state.schedulers, "loader": state.loaders, "registered": state.registered}
+    counts = {"scheduler": registry.schedulers, "loader": registry.loaders, "registered": registry.registered}
     if read.sharded:
-        for kind, objects in (("model", state.models), ("optimizer", state.optimizers)):
+        for kind, objects in (("model", registry.models), ("optimizer", registry.optimizers)):
             _check_count(found, kind, read.marker.get("sharded", {}).get(kind, 0), len(objects))
     else:
-        counts = {"model": state.models, "optimizer": state.optimizers, **counts}
+        counts = {"model": registry.models, "optimizer": registry.optimizers, **counts}
     for kind, objects in counts.items():
         _check_count(found, kind, len(read.parts[kind]), len(objects))
-    for i, model in enumerate(state.models):
+    for i, model in enumerate(registry.models):
         if read.sharded:
             prefix = f"model_{i}."
             saved = {k[len(prefix):]: shape for k, shape in read.shapes.items() if k.startswith(prefix)}
@@ -439,7 +441,7 @@ def _check_fit(found: str, read: _Read, state: StepState, ctx: RankContext) -> N
             raise CheckpointError(f"checkpoint {found} was not written for this run's model {i} (prepared model "
                                   f"number {i}): {mismatch}; nothing was loaded", found, os.path.join(found, file))
     if not read.sharded:
-        for j, (saved_opt, optimizer) in enumerate(zip(read.parts["optimizer"], state.optimizers)):
+        for j, (saved_opt, optimizer) in enumerate(zip(read.parts["optimizer"], registry.optimizers)):
             saved_sizes = [len(g["params"]) for g in saved_opt.get("param_groups", [])]
             sizes = [len(g["params"]) for g in optimizer.param_groups]
             if saved_sizes != sizes:
@@ -475,25 +477,25 @@ def _check_count(directory: str, kind: str, saved: int, prepared: int) -> None:
             "prepare the same objects, in the same order, before load_state()", directory)
 
 
-def _apply(found: str, read: _Read, state: StepState, ctx: RankContext) -> None:
+def _apply(found: str, read: _Read, registry: Registry, ctx: RankContext) -> None:
     """Load what was read into the prepared objects (a sharded checkpoint's models and optimizers are read here)."""
     if read.sharded:
-        sharding.load_sharded(os.path.join(found, SHARDED_DIR), state.models, _optimizers(state))
-    elif state.mesh is not None:  # a DDP checkpoint's full states, into sharded models
-        sharding.load_full(state.models, _optimizers(state), read.parts["model"], read.parts["optimizer"])
+        sharding.load_sharded(os.path.join(found, SHARDED_DIR), registry.models, _optimizers(registry))
+    elif registry.mesh is not None:  # a DDP checkpoint's full states, into sharded models
+        sharding.load_full(registry.models, _optimizers(registry), read.parts["model"], read.parts["optimizer"])
     else:
-        for model, saved in zip(state.models, read.parts["model"]):
+        for model, saved in zip(registry.models, read.parts["model"]):
             _plain_module(model).load_state_dict(saved)
-        for optimizer, saved in zip(state.optimizers, read.parts["optimizer"]):
+        for optimizer, saved in zip(registry.optimizers, read.parts["optimizer"]):
             optimizer.load_state_dict(saved)
-    for kind, objects in (("scheduler", state.schedulers), ("loader", state.loaders), ("registered", state.registered)):
+    for kind, objects in (("scheduler", registry.schedulers), ("loader", registry.loaders), ("registered", registry.registered)):
         for obj, saved in zip(objects, read.parts[kind]):
             obj.load_state_dict(saved)
-    if state.scaler is not None:
-        state.scaler.load_state_dict(read.parts["scaler"][0])
+    if registry.scaler is not None:
+        registry.scaler.load_state_dict(read.parts["scaler"][0])
     _set_rng_state(read.rng)
     if "step" in read.marker:
-        state.updates = int(read.marker["step"])
+        registry.updates = int(read.marker["step"])
 
 
 def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, model: int = 0) -> str:

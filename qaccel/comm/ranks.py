@@ -8,8 +8,8 @@ from typing import Any, Iterator
 
 import torch
 
-from qaccel import collectives
-from qaccel.group import RankContext
+from qaccel.comm import collectives
+from qaccel.comm.session import RankContext
 
 SPLITTABLE = (list, tuple, dict, torch.Tensor)
 

@@ -7,12 +7,12 @@ Ranks never re-import the caller's ``__main__``: fn and its arguments travel by 
 lambdas, closures and notebook functions work, and a script without an ``if __name__ == "__main__":`` guard
 cannot start ranks recursively.
 
-Each rank then sets itself up as a torchrun worker would be (qaccel/worker.py) and takes over the settings the
-caller's top-level code made (qaccel/inherit.py). A rank leads its own process group, so stopping it stops what it
+Each rank then sets itself up as a torchrun worker would be (worker.py) and takes over the settings the
+caller's top-level code made (inherit.py). A rank leads its own process group, so stopping it stops what it
 started (DataLoader workers, pools), as torchrun's agent does. With ``rank_prefix`` its fds 1 and 2 are pipes the
-caller reads, prefixing each line with the rank (qaccel/output.py).
+caller reads, prefixing each line with the rank (output.py).
 
-Files that carry fn, results and errors live in a private temporary directory (mode 0700, qaccel/run_dir.py)
+Files that carry fn, results and errors live in a private temporary directory (mode 0700, run_dir.py)
 removed afterwards, or by a later launch if the caller was killed.
 """
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import inspect
-import io
 import itertools
 import multiprocessing
 import multiprocessing.connection
@@ -39,41 +38,25 @@ import threading
 import time
 import traceback
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import cloudpickle
 import torch.distributed as dist
 
-from qaccel import group, inherit, output, prepare, worker
-from qaccel.config import Config
-from qaccel.environment import Environment, Kind, rank_variables
-from qaccel.errors import RankError, RankKilledError, RemoteTraceback, raised_note
-from qaccel.failures import ErrorReport, RankFailure, root_cause
-from qaccel.run_dir import run_directory, write_atomic
-from qaccel.stopping import Preempted
+from qaccel.errors import Preempted, RankError, RankKilledError, RemoteTraceback, raised_note
+from qaccel.launch import inherit, output, worker
+from qaccel.launch.failures import ErrorReport, RankFailure, root_cause
+from qaccel.launch.run_dir import run_directory, write_atomic
+from qaccel.options import Config
 
 # torch._dynamo: DistributedDataParallel's constructor imports it (with sympy, 1.3 s); preloaded, a fresh rank need
 # not import it again.
-PRELOAD = ["torch", "torch._dynamo", "qaccel.launch"]
+PRELOAD = ["torch", "torch._dynamo", __name__]
 STOP_GRACE_S = 3.0
 UNIX_PATH_MAX = 107  # sun_path's 108 bytes, less the terminating NUL
 CAUSE_GRACE_S = 3.0
 _PREPARE_LOCK = threading.Lock()
-
-
-@dataclass(frozen=True)
-class RankSpec:
-    """What one rank process is told at start; everything else it reads from the run directory."""
-
-    run_dir: str
-    rank: int
-    world_size: int
-    port: int
-    config: Config
-    keep_result: bool
-    environ: dict[str, str]
 
 
 def warm_up(start_method: str) -> None:
@@ -165,9 +148,9 @@ def _attempt(ctx: Any, procs: list, run_dir: str, config: Config, all_results: b
             streams = output.PrefixedOutput(rank) if config.rank_prefix else None
             if streams is not None:
                 outputs.append(streams)
-            spec = RankSpec(run_dir, rank, config.nprocs, store.port, config, all_results or rank == 0, dict(environ))
+            spec = worker.RankSpec(run_dir, rank, config.nprocs, store.port, config, all_results or rank == 0, dict(environ))
             ends = streams.ends if streams is not None else None
-            proc = ctx.Process(target=_rank_main, args=(spec, writer, ends), name=f"qaccel-rank-{rank}")
+            proc = ctx.Process(target=worker.rank_main, args=(spec, writer, ends), name=f"qaccel-rank-{rank}")
             _start_without_main(proc)
             writer.close()
             if streams is not None:
@@ -450,95 +433,3 @@ def _read_result(run_dir: str, rank: int) -> Any:
 def _read_report(run_dir: str, rank: int) -> ErrorReport | None:
     path = Path(run_dir, f"error-{rank}")
     return pickle.loads(path.read_bytes()) if path.exists() else None
-
-
-# ---- inside a rank process ----
-
-
-def _watch_caller(lifeline: multiprocessing.connection.Connection) -> None:
-    """SIGKILL this rank once the caller's end of ``lifeline`` closes: a dead caller leaves no rank behind.
-
-    (PR_SET_PDEATHSIG cannot do this: a forkserver child's parent is the forkserver, which itself stays up
-    while any of its children holds the caller's 'alive' fd.)
-    """
-    try:
-        lifeline.recv_bytes()
-    except (EOFError, OSError):
-        pass
-    os.killpg(0, signal.SIGKILL)  # this rank's group: the rank and what it started
-
-
-def _rank_main(spec: RankSpec, caller: multiprocessing.connection.Connection,
-               streams: tuple[multiprocessing.connection.Connection, ...] | None = None) -> None:
-    """Entry point of a rank process: set up the rank, run fn, record its result or its exception. ``streams``:
-    the caller's pipes for its stdout and stderr (rank_prefix)."""
-    if streams is not None:
-        output.redirect(streams)
-    config = spec.config
-    layout = Environment(Kind.PLAIN, rank=spec.rank, local_rank=spec.rank, world_size=spec.world_size,
-                         local_world_size=spec.world_size, master_addr="127.0.0.1", master_port=spec.port)
-    worker.become_worker({**spec.environ, **rank_variables(layout)})
-    threading.Thread(target=_watch_caller, args=(caller,), name="qaccel-lifeline", daemon=True).start()
-    loopback = group.loopback_interface()
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
-    os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
-    ctx = group.rank_context(config, spec.rank, spec.rank, 0, spec.world_size, spec.world_size)
-    reported = False
-    try:
-        store = dist.TCPStore("127.0.0.1", spec.port, None, False, timeout=datetime.timedelta(seconds=config.timeout))
-        with group.session(ctx, config.timeout, store=store, group_of_one=config.strategy == "fsdp", debug=config.debug,
-                           process_ends=True):
-            try:
-                settings, fn, args, kwargs = pickle.loads(Path(spec.run_dir, "payload").read_bytes())
-                if settings is not None:
-                    inherit.apply(settings)
-                inherit.adopt_script(settings, fn, args, kwargs)
-                result = fn(*args, **kwargs)
-                if spec.keep_result:
-                    write_atomic(Path(spec.run_dir, f"result-{spec.rank}"), _dumps_result(result, spec.rank))
-            except BaseException as exc:
-                group.explain_timeout(exc)
-                _report(spec, exc, caller)  # before teardown, which may take a while
-                reported = True
-                raise
-    except BaseException as exc:
-        if not reported:
-            _report(spec, exc, caller)
-        raise SystemExit(1) from None
-
-
-class _ResultPickler(cloudpickle.Pickler):
-    """cloudpickle, with prepared objects given back as the user's own (a DDP model as its module): the caller
-    has no process group to rebuild them in."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        plain = prepare.plain_object(obj)
-        if plain is not obj:
-            return _same, (plain,)
-        return super().reducer_override(obj)
-
-
-def _same(obj: Any) -> Any:
-    return obj
-
-
-def _dumps_result(result: Any, rank: int) -> bytes:
-    buffer = io.BytesIO()
-    try:
-        _ResultPickler(buffer).dump(result)
-    except Exception as exc:
-        raise TypeError(f"rank {rank}'s return value ({type(result).__name__}) cannot be pickled: {exc}") from exc
-    return buffer.getvalue()
-
-
-def _report(spec: RankSpec, exc: BaseException, caller: multiprocessing.connection.Connection) -> None:
-    """Write the exception for the caller, then tell it at once (teardown may still take a while).
-
-    The rank's output is flushed first: the caller stops it as soon as it hears, before exit would flush.
-    """
-    worker.flush_std_streams()
-    write_atomic(Path(spec.run_dir, f"error-{spec.rank}"), pickle.dumps(ErrorReport.of(spec.rank, exc)))
-    try:
-        caller.send(spec.rank)
-    except OSError:
-        pass

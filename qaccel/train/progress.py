@@ -13,8 +13,8 @@ import sys
 import time
 from typing import Any, Iterable, Iterator, TypeVar
 
-from qaccel.data import PreparedDataLoader
-from qaccel.group import RankContext
+from qaccel.comm.session import RankContext
+from qaccel.train.data import PreparedDataLoader
 
 T = TypeVar("T")
 STATUS_INTERVAL_S = 10.0

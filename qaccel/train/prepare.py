@@ -9,44 +9,46 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from qaccel import collectives, data, group, precision, sharding, stopping
-from qaccel.config import Config
-from qaccel.group import RankContext
-from qaccel.training import PreparedOptimizer, StepState
+from qaccel.comm import collectives, session
+from qaccel.comm.session import RankContext
+from qaccel.options import Config
+from qaccel.train import data, precision, sharding, stopping
+from qaccel.train.gradients import PreparedOptimizer
+from qaccel.train.registry import Registry
 
 
-def prepare_one(obj: Any, ctx: RankContext, config: Config, steps: StepState) -> Any:
+def prepare_one(obj: Any, ctx: RankContext, config: Config, registry: Registry) -> Any:
     if isinstance(obj, torch.nn.Module):
-        model = prepare_model(obj, ctx, config, steps)
-        run = group.current_run()
+        model = prepare_model(obj, ctx, config, registry)
+        run = session.current_run()
         if run is not None and (isinstance(model, DistributedDataParallel) or sharding.is_sharded(model)):
-            run.bound.add(model)  # destroyed before the session's group is (group.Run.release)
+            run.bound.add(model)  # destroyed before the session's group is (session.Run.release)
         if config.mixed_precision != "no" and not sharding.is_sharded(model) and not hasattr(model, "_qaccel_autocast"):
             model.forward = precision.autocast_forward(model.forward, config.mixed_precision, ctx.device)
             model._qaccel_autocast = True
-        if not any(model is known for known in steps.models):
-            steps.models.append(model)
+        if not any(model is known for known in registry.models):
+            registry.models.append(model)
         return model
     if isinstance(obj, PreparedOptimizer):
         return obj
     if isinstance(obj, torch.optim.Optimizer):
-        sharding.point_at_shards(obj, steps.replaced)
-        prepared = PreparedOptimizer(prepare_optimizer(obj), steps)
-        steps.optimizers.append(prepared)
+        sharding.point_at_shards(obj, registry.replaced)
+        prepared = PreparedOptimizer(prepare_optimizer(obj), registry)
+        registry.optimizers.append(prepared)
         return prepared
     if isinstance(obj, DataLoader) and not isinstance(obj, data.PreparedDataLoader):
         seed = collectives.broadcast(data.shared_seed(obj), 0, ctx)
-        loader = data.PreparedDataLoader(obj, ctx, seed, steps)
-        steps.loaders.append(loader)
-        if steps.stopper is not None:  # prepared after resume()
+        loader = data.PreparedDataLoader(obj, ctx, seed, registry)
+        registry.loaders.append(loader)
+        if registry.stopper is not None:  # prepared after resume()
             stopping.shield_workers(loader)
         return loader
-    if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and not any(obj is s for s in steps.schedulers):
-        steps.schedulers.append(obj)
+    if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and not any(obj is s for s in registry.schedulers):
+        registry.schedulers.append(obj)
     return obj
 
 
-def prepare_model(model: torch.nn.Module, ctx: RankContext, config: Config, steps: StepState) -> torch.nn.Module:
+def prepare_model(model: torch.nn.Module, ctx: RankContext, config: Config, registry: Registry) -> torch.nn.Module:
     """Place the model on this rank's device (and dtype); wrap it in DDP when there is more than one rank, or
     shard it with FSDP2 (strategy="fsdp", also with one rank).
 
@@ -57,11 +59,11 @@ def prepare_model(model: torch.nn.Module, ctx: RankContext, config: Config, step
     trainable = any(p.requires_grad for p in model.parameters())
     if config.strategy == "fsdp" and trainable and dist.is_initialized():
         model.to(dtype=config.dtype)  # fully_shard moves each shard to the mesh's device: no full copy there
-        if steps.mesh is None:
-            steps.mesh = sharding.mesh_for(ctx)
-        replaced = sharding.shard(model, config.fsdp_modules, config.fsdp_min_params, config.mixed_precision, steps.mesh)
-        steps.replaced.update(replaced)
-        for prepared in steps.optimizers:  # prepared before this model
+        if registry.mesh is None:
+            registry.mesh = sharding.mesh_for(ctx)
+        replaced = sharding.shard(model, config.fsdp_modules, config.fsdp_min_params, config.mixed_precision, registry.mesh)
+        registry.replaced.update(replaced)
+        for prepared in registry.optimizers:  # prepared before this model
             sharding.point_at_shards(prepared.optimizer, replaced)
         return model
     model.to(device=ctx.device, dtype=config.dtype)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 
 from qaccel import storage
-from qaccel.group import RankContext
+from qaccel.comm.session import RankContext
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

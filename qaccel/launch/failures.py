@@ -13,9 +13,7 @@ from dataclasses import dataclass, field
 
 import cloudpickle
 
-from qaccel.errors import is_peer_loss, type_name
-
-STOP_TYPE = "qaccel.stopping.Preempted"  # the type name a rank's Preempted is reported under
+from qaccel.errors import Preempted, is_peer_loss, type_name
 
 
 @dataclass(frozen=True)
@@ -27,6 +25,7 @@ class ErrorReport:
     message: str
     traceback: str
     exc: bytes | None = None  # the exception object itself, when cloudpickle can carry it
+    preempted: bool = False  # a Preempted: the rank saved and stopped after a signal
     time: float = field(default_factory=time.time)
 
     @classmethod
@@ -35,7 +34,8 @@ class ErrorReport:
             exc_bytes: bytes | None = cloudpickle.dumps(exc)
         except Exception:
             exc_bytes = None
-        return cls(rank, type_name(exc), str(exc), _text(exc, notes=exc_bytes is None), exc_bytes)
+        return cls(rank, type_name(exc), str(exc), _text(exc, notes=exc_bytes is None), exc_bytes,
+                   isinstance(exc, Preempted))
 
     @property
     def is_peer_loss(self) -> bool:
@@ -74,7 +74,7 @@ class RankFailure:
     @property
     def is_stop(self) -> bool:
         """Saved and raised Preempted after a signal: its peers are doing the same, so let them finish."""
-        return self.report is not None and self.report.type == STOP_TYPE
+        return self.report is not None and self.report.preempted
 
 
 def root_cause(failures: Sequence[RankFailure]) -> RankFailure:

@@ -2,7 +2,7 @@
 preemption) every rank finishes its step, saves state, and leaves; under SLURM the job is also requeued.
 
 Ranks receive a signal at slightly different moments, possibly in different steps, so none may act on its own.
-Each prepared training loop asks at its step boundaries (qaccel/data.py); the ranks combine what they received
+Each prepared training loop asks at its step boundaries (train/data.py); the ranks combine what they received
 with one small asynchronous all-reduce (MAX of the signal number), started at one boundary and read at a later
 one. All ranks read the same value at the same boundary, so all stop after the same step. An all-reduce per step
 would cost up to 20 % of a small CPU step (measured: benchmarks/step_overhead.py --only resume), so the ranks
@@ -31,7 +31,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from qaccel.group import RankContext
+from qaccel.comm.session import RankContext
+from qaccel.errors import Preempted
 
 CHECK_EVERY_S = 0.5  # how often the ranks agree whether to stop: a stop comes within about twice this
 MAX_CHECK_STEPS = 10_000
@@ -39,27 +40,6 @@ MAX_CHECK_STEPS = 10_000
 _received = 0  # the first armed signal this process received since it armed them; 0: none
 _previous: dict[int, Any] = {}  # armed signal -> the handler it had before
 _owner_pid = 0
-
-
-class Preempted(SystemExit):
-    """Training stopped after a signal, and its state is saved in ``checkpoint``: run again to resume from it.
-
-    A SystemExit, so a user's ``except Exception`` does not swallow it and, uncaught, the process exits quietly with
-    128 + the signal's number, as if the signal had ended it (rank 0 prints what happened).
-    """
-
-    def __init__(self, signal_name: str, checkpoint: str, requeued: bool = False) -> None:
-        super().__init__(128 + signal.Signals[signal_name].value)
-        self.signal_name = signal_name
-        self.checkpoint = checkpoint
-        self.requeued = requeued
-
-    def __str__(self) -> str:
-        text = f"stopped by {self.signal_name} after saving state to {self.checkpoint}"
-        return text + ("; the SLURM job was requeued and will resume from it" if self.requeued else "")
-
-    def __reduce__(self):
-        return (type(self), (self.signal_name, self.checkpoint, self.requeued))
 
 
 def signal_number(value: int | str | signal.Signals, name: str) -> signal.Signals:

@@ -1,0 +1,168 @@
+"""What a rank process started by qaccel sets up before user code runs, so that it looks like a torchrun worker.
+
+- **Own session and process group**, as torchrun's agent gives each worker (``start_new_session``): the launcher
+  stops a rank by signalling its group, so the DataLoader workers and pools it started stop with it.
+- **``fork`` for the processes a rank creates** (DataLoader workers, ``multiprocessing`` pools), as a torchrun
+  worker on Linux gets. A rank never re-imports the user's script (fn travels by value), so a child started with
+  spawn or forkserver could not find a Dataset class defined in the script; a forked child inherits it. Forking
+  is also what makes an epoch's workers start in milliseconds. It is CUDA-safe in the way torchrun's is: workers
+  forked from a rank that uses CUDA must not use CUDA themselves (torch raises "Cannot re-initialize CUDA in
+  forked subprocess"); DataLoader workers don't, and pinning runs in a thread of the rank.
+- **Ctrl-C raises KeyboardInterrupt**, as in any Python process: the forkserver it was forked from ignores SIGINT
+  (so that a Ctrl-C while it imports torch does not print a second traceback), and that setting is undone here.
+- **Output that survives a stop**: stdout is line-buffered (each line reaches the caller whole and at once, so
+  lines of two ranks never split each other), and both streams are flushed before a failure is reported.
+- **SIGTERM kills at once** (its default action, as in a torchrun worker). A Python-level handler would run only
+  between bytecodes: a rank blocked in a collective would wait for the SIGKILL, and a forked child that inherits
+  it can miss the signal while it starts, which left ``multiprocessing.Pool.__exit__`` waiting forever for a
+  worker about 1 run in 6.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import torch.distributed as dist
+
+from qaccel.comm import session
+from qaccel.environment import Environment, Kind, rank_variables
+from qaccel.launch import inherit, output
+from qaccel.launch.failures import ErrorReport
+from qaccel.launch.run_dir import write_atomic
+from qaccel.options import Config
+from qaccel.train import prepare
+
+CHILD_START_METHOD = "fork"
+
+
+def become_worker(environ: dict[str, str]) -> None:
+    """Turn this freshly started rank process into a torchrun-like worker with environment ``environ``."""
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(environ)
+    multiprocessing.set_start_method(CHILD_START_METHOD, force=True)
+    if sys.stdout is not None and hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def flush_std_streams() -> None:
+    """Flush stdout and stderr, ignoring a closed or broken stream."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except Exception:  # noqa: BLE001 - a rank on its way out must not fail on its output
+            pass
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What one rank process is told at start; everything else it reads from the run directory."""
+
+    run_dir: str
+    rank: int
+    world_size: int
+    port: int
+    config: Config
+    keep_result: bool
+    environ: dict[str, str]
+
+def _watch_caller(lifeline: multiprocessing.connection.Connection) -> None:
+    """SIGKILL this rank once the caller's end of ``lifeline`` closes: a dead caller leaves no rank behind.
+
+    (PR_SET_PDEATHSIG cannot do this: a forkserver child's parent is the forkserver, which itself stays up
+    while any of its children holds the caller's 'alive' fd.)
+    """
+    try:
+        lifeline.recv_bytes()
+    except (EOFError, OSError):
+        pass
+    os.killpg(0, signal.SIGKILL)  # this rank's group: the rank and what it started
+
+
+def rank_main(spec: RankSpec, caller: multiprocessing.connection.Connection,
+               streams: tuple[multiprocessing.connection.Connection, ...] | None = None) -> None:
+    """Entry point of a rank process: set up the rank, run fn, record its result or its exception. ``streams``:
+    the caller's pipes for its stdout and stderr (rank_prefix)."""
+    if streams is not None:
+        output.redirect(streams)
+    config = spec.config
+    layout = Environment(Kind.PLAIN, rank=spec.rank, local_rank=spec.rank, world_size=spec.world_size,
+                         local_world_size=spec.world_size, master_addr="127.0.0.1", master_port=spec.port)
+    become_worker({**spec.environ, **rank_variables(layout)})
+    threading.Thread(target=_watch_caller, args=(caller,), name="qaccel-lifeline", daemon=True).start()
+    loopback = session.loopback_interface()
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
+    ctx = session.rank_context(config, spec.rank, spec.rank, 0, spec.world_size, spec.world_size)
+    reported = False
+    try:
+        store = dist.TCPStore("127.0.0.1", spec.port, None, False, timeout=datetime.timedelta(seconds=config.timeout))
+        with session.session(ctx, config.timeout, store=store, group_of_one=config.strategy == "fsdp", debug=config.debug,
+                           process_ends=True):
+            try:
+                settings, fn, args, kwargs = pickle.loads(Path(spec.run_dir, "payload").read_bytes())
+                if settings is not None:
+                    inherit.apply(settings)
+                inherit.adopt_script(settings, fn, args, kwargs)
+                result = fn(*args, **kwargs)
+                if spec.keep_result:
+                    write_atomic(Path(spec.run_dir, f"result-{spec.rank}"), _dumps_result(result, spec.rank))
+            except BaseException as exc:
+                session.explain_timeout(exc)
+                _report(spec, exc, caller)  # before teardown, which may take a while
+                reported = True
+                raise
+    except BaseException as exc:
+        if not reported:
+            _report(spec, exc, caller)
+        raise SystemExit(1) from None
+
+
+class _ResultPickler(cloudpickle.Pickler):
+    """cloudpickle, with prepared objects given back as the user's own (a DDP model as its module): the caller
+    has no process group to rebuild them in."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        plain = prepare.plain_object(obj)
+        if plain is not obj:
+            return _same, (plain,)
+        return super().reducer_override(obj)
+
+
+def _same(obj: Any) -> Any:
+    return obj
+
+
+def _dumps_result(result: Any, rank: int) -> bytes:
+    buffer = io.BytesIO()
+    try:
+        _ResultPickler(buffer).dump(result)
+    except Exception as exc:
+        raise TypeError(f"rank {rank}'s return value ({type(result).__name__}) cannot be pickled: {exc}") from exc
+    return buffer.getvalue()
+
+
+def _report(spec: RankSpec, exc: BaseException, caller: multiprocessing.connection.Connection) -> None:
+    """Write the exception for the caller, then tell it at once (teardown may still take a while).
+
+    The rank's output is flushed first: the caller stops it as soon as it hears, before exit would flush.
+    """
+    flush_std_streams()
+    write_atomic(Path(spec.run_dir, f"error-{spec.rank}"), pickle.dumps(ErrorReport.of(spec.rank, exc)))
+    try:
+        caller.send(spec.rank)
+    except OSError:
+        pass

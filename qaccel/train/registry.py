@@ -1,0 +1,56 @@
+"""The session's registry of what an Accelerator prepared, and the step state the prepared objects share.
+
+One per Accelerator per session: prepared optimizers read from it whether this step updates, prepared loaders
+write where the loop is, and save_state()/load_state() walk its lists (models, optimizers, schedulers, loaders,
+registered objects).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+
+from qaccel.train.data import LoopMarks
+
+if TYPE_CHECKING:
+    import weakref
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from qaccel.train.data import PreparedDataLoader
+    from qaccel.train.gradients import PreparedOptimizer
+    from qaccel.train.stopping import Stopper
+
+
+@dataclass
+class Registry:
+    """What one Accelerator prepared in this session, and where its training step is."""
+
+    accumulation_steps: int
+    scaler: torch.amp.GradScaler | None
+    micro_step: int = 0
+    sync_gradients: bool = True
+    optimizers: list[PreparedOptimizer] = field(default_factory=list)
+    models: list[torch.nn.Module] = field(default_factory=list)
+    schedulers: list[torch.optim.lr_scheduler.LRScheduler] = field(default_factory=list)
+    loaders: list[PreparedDataLoader] = field(default_factory=list)
+    registered: list[Stateful] = field(default_factory=list)
+    marks: LoopMarks = field(default_factory=LoopMarks)
+    updates: int = 0  # steps of the first prepared optimizer, over resumes too (the Accelerator's ``step``)
+    checkpoints: tuple[str, int | None] | None = None  # resume()'s folder and keep: save_state()'s default
+    stopper: Stopper | None = None  # once resume() armed the stop on a signal
+    mesh: DeviceMesh | None = None  # strategy="fsdp": the device mesh the models are sharded on
+    # strategy="fsdp": replaced parameter's id -> (weak reference to it, its shard), for optimizers built before
+    replaced: dict[int, tuple[weakref.ref[torch.nn.Parameter], torch.nn.Parameter]] = field(default_factory=dict)
+    accumulating: bool = False  # strategy="fsdp": sharded models hold unsharded gradients over micro-steps
+
+    def release(self, finished: bool = True) -> None:
+        """Forget the session's objects as it ends. Prepared optimizers and loaders point back here, so these lists
+        would make cycles that keep the session's models alive for the garbage collector to find later."""
+        for kept in (self.optimizers, self.models, self.schedulers, self.loaders, self.registered):
+            kept.clear()
+        self.replaced.clear()
+        self.stopper = self.mesh = self.checkpoints = None

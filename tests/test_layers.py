@@ -1,0 +1,71 @@
+"""The package's layers: every module imports only modules of its own layer or of the layers below it, so a reader
+(and a later change) can take each layer as built on the ones under it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import qaccel
+
+PACKAGE = Path(qaccel.__file__).parent
+# lowest first; the package's own __init__ and __main__ re-export and may import anything
+LAYERS = [
+    {"qaccel.options", "qaccel.errors", "qaccel.environment", "qaccel.storage", "qaccel.nested"},
+    {"qaccel.comm"},
+    {"qaccel.train"},
+    {"qaccel.launch"},
+    {"qaccel.accelerator"},
+    {"qaccel.cli", "qaccel"},
+]
+
+
+def _layer(module: str) -> int:
+    for depth in range(module.count(".") + 1, 0, -1):
+        prefix = ".".join(module.split(".")[:depth])
+        for index, layer in enumerate(LAYERS):
+            if prefix in layer:
+                return index
+    raise AssertionError(f"{module} belongs to no layer: add it to LAYERS")
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "qaccel":
+            if node.module in ("qaccel", "qaccel.comm", "qaccel.train", "qaccel.launch"):
+                found |= {f"{node.module}.{alias.name}" for alias in node.names}
+            else:
+                found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.split(".")[0] == "qaccel"}
+    return found
+
+
+def _modules() -> dict[str, Path]:
+    return {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts): p for p in PACKAGE.rglob("*.py")}
+
+
+def test_every_module_belongs_to_a_layer():
+    for module in _modules():
+        if not module.endswith(("__init__", "__main__")):
+            _layer(module)
+
+
+def test_imports_only_go_down():
+    upward = []
+    for module, path in _modules().items():
+        if module in ("qaccel.__init__", "qaccel.__main__"):
+            continue
+        own = _layer(module.removesuffix(".__init__"))
+        for imported in _imports(path):
+            if imported != "qaccel.__version__" and _layer(imported) > own:
+                upward.append(f"{module} imports {imported}")
+    assert upward == []
+
+
+def test_the_check_sees_an_upward_import(tmp_path):
+    """The check itself can fail: a comm module importing from train is caught."""
+    path = tmp_path / "fake.py"
+    path.write_text("from qaccel.train import checkpoint\nimport qaccel.launch.caller\n")
+    assert {_layer(name) for name in _imports(path)} == {2, 3} and _layer("qaccel.comm.fake") == 1
