@@ -1,14 +1,21 @@
-"""Shared fixtures, and the rule for tests that need a real component (markers slurm and two_hosts, see
-component.py): they run only where the component can, else they are skipped saying why, or fail under CI=true."""
+"""Shared fixtures, and the rule for tests that need a real component (markers slurm, two_hosts and small_disk, see
+support/component.py): they run only where the component can, else they are skipped saying why, or fail under
+CI=true."""
 
 import contextlib
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 
-import component
-from slurm_cluster import LocalSlurm
+# The tests import their helpers from tests/support (``from support.procs import ...``) and tests/scripts
+# (``from scripts.sessions import ...``): tests/ is on sys.path under any of pytest's import modes.
+if str(Path(__file__).parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).parent))
+
+from support import component  # noqa: E402 - after the path is set
+from support.slurm_cluster import LocalSlurm  # noqa: E402
 
 # A shell starts a background job (`cmd &`) with SIGINT ignored, and an ignored signal stays ignored across fork and
 # exec: every script the tests start would inherit it, and the Ctrl-C tests would wait for a KeyboardInterrupt that
@@ -86,7 +93,7 @@ def single():
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
-    """A real 2-node SLURM (fake nodes n1, n2; see tests/slurm_cluster.py), one per pytest(-xdist) worker process,
+    """A real 2-node SLURM (fake nodes n1, n2; see tests/support/slurm_cluster.py), one per pytest(-xdist) worker process,
     for tests marked slurm (installed, or skipped, before this runs).  Fails (never skips) if it cannot start."""
     try:
         cluster = LocalSlurm(nodes=2).start()

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from procs import run_script, script_env, write_script
+from support.procs import run_script, script_env, write_script
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from procs import script_env, torchrun_cmd
+from support.procs import script_env, torchrun_cmd
 
 pytestmark = pytest.mark.timeout(180)
 

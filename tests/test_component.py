@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from component import in_ci, unavailable
+from support.component import in_ci, unavailable
 
 
 @pytest.mark.parametrize("value", ["true", "TRUE", "True", "1", "yes", " true "])

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from procs import script_env, write_script
+from support.procs import script_env, write_script
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from qaccel import Accelerator
-from procs import REPO, run_script, script_env, write_script
+from support.procs import REPO, run_script, script_env, write_script
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from procs import REPO, script_env, slurm_env, torchrun_cmd
+from support.procs import REPO, script_env, slurm_env, torchrun_cmd
 
 pytestmark = pytest.mark.timeout(240)
 

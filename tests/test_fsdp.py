@@ -12,11 +12,11 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from procs import once_per_session, run_script, run_torchrun, slurm_env
 from qaccel import Accelerator
 from qaccel.options import FSDP_MIN_PARAMS, _sharding_choices
 from qaccel.train.sharding import units
-from test_real_script import REAL, _checked, _env
+from support.procs import once_per_session, run_script, run_torchrun, slurm_env
+from support.real_train import REAL, checked, real_env
 
 EPOCHS = 3
 
@@ -365,8 +365,8 @@ def test_save_model_and_consolidate_write_one_plain_file(checkpoints, tmp_path):
 
 def _fsdp_plain_run(tmp_path_factory) -> str:
     tmp = tmp_path_factory.mktemp("fsdp_reference")
-    proc = run_script(REAL, "--ckpt", str(tmp / "ckpt"), "--strategy", "fsdp", env=_env(), cwd=tmp, timeout=200)
-    result = _checked(proc)
+    proc = run_script(REAL, "--ckpt", str(tmp / "ckpt"), "--strategy", "fsdp", env=real_env(), cwd=tmp, timeout=200)
+    result = checked(proc)
     assert sorted(os.listdir(tmp / "ckpt" / "checkpoint_00000018" / "sharded")) == \
         [".metadata", "__0_0.distcp", "__1_0.distcp"]
     return result["hash"]
@@ -381,8 +381,8 @@ def fsdp_reference(tmp_path_factory):
 @pytest.mark.timeout(300)
 def test_the_real_script_sharded_under_torchrun_restarts_and_resumes_bitwise(fsdp_reference, tmp_path):
     proc = run_torchrun(REAL, "--ckpt", str(tmp_path / "ckpt"), "--strategy", "fsdp", "--crash-at", "1:2",
-                        torchrun_args=("--max-restarts", "1"), env=_env(), cwd=tmp_path, timeout=250)
-    result = _checked(proc)
+                        torchrun_args=("--max-restarts", "1"), env=real_env(), cwd=tmp_path, timeout=250)
+    result = checked(proc)
     assert (result["attempt"], result["resumed"]) == ("1", True), result
     assert result["hash"] == fsdp_reference
 
@@ -394,4 +394,4 @@ def test_the_real_script_sharded_under_srun_ends_alike(fsdp_reference, slurm_clu
     env.pop("PYTHONUNBUFFERED", None)
     proc = slurm_cluster.srun(["-N1", "-n2", "python", str(REAL), "--ckpt", str(tmp_path / "ckpt"), "--strategy",
                                "fsdp"], timeout=200, env=env)
-    assert _checked(proc)["hash"] == fsdp_reference
+    assert checked(proc)["hash"] == fsdp_reference

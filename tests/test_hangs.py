@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from procs import REPO, run_torchrun, script_env, slurm_env, torchrun_cmd, wait_dead, write_script
+from support.procs import REPO, run_torchrun, script_env, slurm_env, torchrun_cmd, wait_dead, write_script
 
 TIMEOUT_S = 4
 SCRIPT = """

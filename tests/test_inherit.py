@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from procs import once_per_session, result_lines, run_script, run_torchrun, write_script
 from qaccel.launch import inherit
+from support.procs import once_per_session, result_lines, run_script, run_torchrun, write_script
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from procs import marked_pids, script_env, wait_dead, write_script
+from support.procs import marked_pids, script_env, wait_dead, write_script
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -15,8 +15,8 @@ import torch
 import subprocess
 import sys
 
-from procs import script_env, wait_dead, write_script
 from qaccel import Accelerator, RankError, RankKilledError
+from support.procs import script_env, wait_dead, write_script
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from procs import run_torchrun, slurm_env, wait_dead, write_script
+from support.procs import run_torchrun, slurm_env, wait_dead, write_script
 
 SCRIPT = """
 import os, sys, time

@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from procs import wait_dead
 from qaccel import Accelerator, RankKilledError
+from support.procs import wait_dead
 
 pytestmark = [
     pytest.mark.timeout(120),

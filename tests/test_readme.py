@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from procs import REPO, run_script, run_torchrun, slurm_env
+from support.procs import REPO, run_script, run_torchrun, slurm_env
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -17,37 +17,18 @@ import uuid
 
 import pytest
 
-from procs import (
-    REPO, marked_pids, once_per_session, result_lines, run_script, run_torchrun, script_env, signal_when, slurm_env, torchrun_cmd, wait_dead,
+from support.procs import (
+    REPO, marked_pids, once_per_session, result_lines, run_script, run_torchrun, signal_when, slurm_env, torchrun_cmd, wait_dead,
 )
+from support.real_train import REAL, checked, real_env
 
 pytestmark = pytest.mark.timeout(300)
-
-REAL = REPO / "tests" / "scripts" / "real_train.py"
-
-
-def _env(**extra):
-    env = script_env(OMP_NUM_THREADS="1", **extra)  # the same thread count under every launcher
-    env.pop("PYTHONUNBUFFERED", None)  # output must arrive without it
-    return env
-
-
-def _checked(proc, world=2):
-    """The rank-0 result of a finished run, after the checks every launcher must pass."""
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    [result] = result_lines(proc.stdout)
-    assert (result["rank"], result["world"], result["dtype"]) == (0, world, "torch.float64"), result
-    assert result["workers"] == [0, 1], "both DataLoader workers delivered batches"
-    for rank in range(world):
-        assert f"INFO [real_train] rank {rank} epoch 3 loss" in proc.stderr, proc.stderr
-    return result
-
 
 def _plain_run(tmp_path_factory):
     """An uninterrupted plain launch, checked: its parameters' hash and the checkpoints it left."""
     tmp = tmp_path_factory.mktemp("reference")
-    proc = run_script(REAL, "--ckpt", str(tmp / "ckpt"), env=_env(), cwd=tmp, timeout=200)
-    return {"hash": _checked(proc)["hash"], "checkpoints": sorted(os.listdir(tmp / "ckpt"))}
+    proc = run_script(REAL, "--ckpt", str(tmp / "ckpt"), env=real_env(), cwd=tmp, timeout=200)
+    return {"hash": checked(proc)["hash"], "checkpoints": sorted(os.listdir(tmp / "ckpt"))}
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +44,14 @@ def reference(plain_run):
 
 
 def test_plain_launch_runs_the_real_script(plain_run):
-    # the launch itself ran (and passed _checked) in the plain_run fixture, which the other tests compare with
+    # the launch itself ran (and passed checked) in the plain_run fixture, which the other tests compare with
     # a checkpoint after each of the 3 epochs (6 steps each), named by step; resume(keep=2) kept the last two
     assert plain_run["checkpoints"] == ["checkpoint_00000012", "checkpoint_00000018"]
 
 
 def test_torchrun_runs_the_real_script_to_the_same_parameters(reference, tmp_path):
-    proc = run_torchrun(REAL, "--ckpt", str(tmp_path / "ckpt"), env=_env(), cwd=tmp_path, timeout=200)
-    assert _checked(proc)["hash"] == reference
+    proc = run_torchrun(REAL, "--ckpt", str(tmp_path / "ckpt"), env=real_env(), cwd=tmp_path, timeout=200)
+    assert checked(proc)["hash"] == reference
 
 
 @pytest.mark.slurm
@@ -79,7 +60,7 @@ def test_srun_runs_the_real_script_to_the_same_parameters(reference, slurm_clust
     env["OMP_NUM_THREADS"] = "1"
     env.pop("PYTHONUNBUFFERED", None)
     proc = slurm_cluster.srun(["-N1", "-n2", "python", str(REAL), "--ckpt", str(tmp_path / "ckpt")], timeout=200, env=env)
-    assert _checked(proc)["hash"] == reference
+    assert checked(proc)["hash"] == reference
 
 
 def test_torchrun_restarts_resume_bitwise(reference, tmp_path):
@@ -87,8 +68,8 @@ def test_torchrun_restarts_resume_bitwise(reference, tmp_path):
     with the uninterrupted run's parameters. Each restart must rendezvous anew: the dead attempt's addresses
     stay in torchrun's store (they made restarts hang or fail with 'Connection refused')."""
     proc = run_torchrun(REAL, "--ckpt", str(tmp_path / "ckpt"), "--crash-at", "0:3,1:2",
-                        torchrun_args=("--max-restarts", "2"), env=_env(), cwd=tmp_path, timeout=250)
-    result = _checked(proc)
+                        torchrun_args=("--max-restarts", "2"), env=real_env(), cwd=tmp_path, timeout=250)
+    result = checked(proc)
     assert (result["attempt"], result["resumed"]) == ("2", True), result
     assert "rank 1 crashes at epoch 0 batch 3 on purpose" in proc.stderr
     assert "rank 1 crashes at epoch 1 batch 2 on purpose" in proc.stderr
@@ -99,13 +80,13 @@ def test_torchrun_resumes_past_a_damaged_newest_checkpoint_bitwise(reference, tm
     """A run of 2 epochs leaves checkpoints at steps 6 and 12; the newest is cut short (a bad copy, a quota hit
     during rsync). The rerun of 3 epochs skips it with one warning, resumes every rank from step 6, and ends with
     the uninterrupted run's parameters."""
-    first = run_torchrun(REAL, "--ckpt", str(tmp_path / "ckpt"), "--epochs", "2", env=_env(), cwd=tmp_path,
+    first = run_torchrun(REAL, "--ckpt", str(tmp_path / "ckpt"), "--epochs", "2", env=real_env(), cwd=tmp_path,
                          timeout=200)
     assert first.returncode == 0, first.stderr
     damaged = tmp_path / "ckpt" / "checkpoint_00000012" / "optimizer_0.pt"
     damaged.write_bytes(damaged.read_bytes()[:100])
-    proc = run_torchrun(REAL, "--ckpt", str(tmp_path / "ckpt"), env=_env(), cwd=tmp_path, timeout=200)
-    result = _checked(proc)
+    proc = run_torchrun(REAL, "--ckpt", str(tmp_path / "ckpt"), env=real_env(), cwd=tmp_path, timeout=200)
+    result = checked(proc)
     assert result["resumed"] and result["hash"] == reference
     assert proc.stderr.count("resume() skipped 1 damaged checkpoint(s)") == 1, proc.stderr
     assert f"{damaged.name} is 100 bytes long" in proc.stderr
@@ -117,8 +98,8 @@ def test_plain_max_restarts_resume_bitwise(reference, tmp_path):
     """Accelerator(max_restarts=2) does for a plain launch what torchrun --max-restarts does, with the same
     attempt numbers (acc.restart_count) and the failure printed before each restart."""
     proc = run_script(REAL, "--ckpt", str(tmp_path / "ckpt"), "--crash-at", "0:3,1:2", "--max-restarts", "2",
-                      env=_env(), cwd=tmp_path, timeout=250)
-    result = _checked(proc)
+                      env=real_env(), cwd=tmp_path, timeout=250)
+    result = checked(proc)
     assert (result["attempt"], result["resumed"]) == ("2", True), result
     assert "RuntimeError: rank 1 crashes at epoch 0 batch 3 on purpose" in proc.stderr
     assert "RuntimeError: rank 1 crashes at epoch 1 batch 2 on purpose" in proc.stderr
@@ -129,7 +110,7 @@ def test_plain_max_restarts_resume_bitwise(reference, tmp_path):
 
 def test_plain_max_restarts_used_up_raises_the_last_failure(tmp_path):
     proc = run_script(REAL, "--ckpt", str(tmp_path / "ckpt"), "--crash-at", "0:1,0:2", "--max-restarts", "1",
-                      env=_env(), cwd=tmp_path, timeout=200)
+                      env=real_env(), cwd=tmp_path, timeout=200)
     assert proc.returncode == 1, proc.stderr
     last = proc.stderr.rsplit("Traceback (most recent call last)", 1)[1]
     assert "RuntimeError: rank 1 crashes at epoch 0 batch 2 on purpose" in last
@@ -161,15 +142,15 @@ SLOW = ("--step-sleep", "0.25")  # 18 steps: about 5 s of training, so the signa
 
 def test_sigterm_to_a_plain_launch_saves_and_a_rerun_resumes_bitwise(reference, tmp_path):
     cmd = [sys.executable, str(REAL), "--ckpt", str(tmp_path / "ckpt"), *SLOW]
-    second = _stopped_then_resumed(cmd, signal.SIGTERM, tmp_path, _env(), exitcode=128 + signal.SIGTERM)  # Preempted: a SystemExit
-    assert _checked(second)["hash"] == reference
+    second = _stopped_then_resumed(cmd, signal.SIGTERM, tmp_path, real_env(), exitcode=128 + signal.SIGTERM)  # Preempted: a SystemExit
+    assert checked(second)["hash"] == reference
 
 
 def test_sigterm_to_torchrun_saves_and_a_rerun_resumes_bitwise(reference, tmp_path):
     cmd = [*torchrun_cmd(tmp_path / "logs", "--standalone", "--nproc_per_node", "2"), str(REAL),
            "--ckpt", str(tmp_path / "ckpt"), *SLOW]
-    second = _stopped_then_resumed(cmd, signal.SIGTERM, tmp_path, _env(), exitcode=1)  # torchrun's own code
-    assert _checked(second)["hash"] == reference
+    second = _stopped_then_resumed(cmd, signal.SIGTERM, tmp_path, real_env(), exitcode=1)  # torchrun's own code
+    assert checked(second)["hash"] == reference
 
 
 @pytest.mark.slurm

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from procs import REPO, left_in, run_script, script_env, write_script
 from qaccel.launch import run_dir
+from support.procs import REPO, left_in, run_script, script_env, write_script
 
 pytestmark = pytest.mark.timeout(180)
 

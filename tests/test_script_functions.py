@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from procs import run_script, write_script
+from support.procs import run_script, write_script
 
 pytestmark = pytest.mark.timeout(180)
 

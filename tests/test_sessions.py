@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from procs import REPO, free_job_id, result_lines, run_torchrun, slurm_env, srun_env
 from qaccel import Accelerator
 from scripts.sessions import Counter, session
+from support.procs import REPO, free_job_id, result_lines, run_torchrun, slurm_env, srun_env
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from procs import REPO, slurm_env, write_script
+from support.procs import REPO, slurm_env, write_script
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(180)]
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from slurm_cluster import LocalSlurm, SlurmError
+from support.slurm_cluster import LocalSlurm, SlurmError
 
 pytestmark = pytest.mark.slurm
 

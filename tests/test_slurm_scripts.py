@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from procs import REPO, left_in, wait_dead, write_script
+from support.procs import REPO, left_in, wait_dead, write_script
 
 pytestmark = pytest.mark.slurm
 

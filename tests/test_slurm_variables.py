@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from procs import REPORT_SCRIPT, free_job_id, report_results, run_script, srun_env, write_script
+from support.procs import REPORT_SCRIPT, free_job_id, report_results, run_script, srun_env, write_script
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from procs import REPORT_SCRIPT, report_results, script_env, torchrun_cmd, write_script
+from support.procs import REPORT_SCRIPT, report_results, script_env, torchrun_cmd, write_script
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -16,8 +16,8 @@ from typing import Iterator
 
 import pytest
 
-from component import unavailable
-from procs import script_env, torchrun_cmd, wait_dead, write_script
+from support.component import unavailable
+from support.procs import script_env, torchrun_cmd, wait_dead, write_script
 
 pytestmark = [pytest.mark.two_hosts, pytest.mark.timeout(180)]
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from procs import STUCK_WORKERS, run_script, script_env, stuck_ranks_and_workers, wait_dead, write_script
+from support.procs import STUCK_WORKERS, run_script, script_env, stuck_ranks_and_workers, wait_dead, write_script
 
 pytestmark = pytest.mark.timeout(180)
 

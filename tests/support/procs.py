@@ -13,7 +13,7 @@ import textwrap
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def alive(pid: int) -> bool:

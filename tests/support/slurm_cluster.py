@@ -44,7 +44,7 @@ import weakref
 from pathlib import Path
 from typing import Callable
 
-from component import apt_get_install
+from .component import apt_get_install
 
 __all__ = ["LocalSlurm", "SlurmError", "ensure_installed", "missing_binaries"]
 

@@ -45,7 +45,7 @@ def unavailable(reason: str, environ: Mapping[str, str] = os.environ) -> NoRetur
 
 def slurm_missing(announce: Announce) -> str | None:
     """None when SLURM is installed (as root, after installing it), else why the slurm tests cannot run."""
-    from slurm_cluster import SlurmError, ensure_installed, missing_binaries  # here: slurm_cluster imports this module
+    from .slurm_cluster import SlurmError, ensure_installed, missing_binaries  # here: slurm_cluster imports this module
 
     if not missing_binaries():
         return None
@@ -106,7 +106,7 @@ def small_disk(path: str | os.PathLike, size: int) -> Iterator[str]:
 
 def report(environ: Mapping[str, str] = os.environ) -> list[str]:
     """Lines for pytest's header: what the slurm and two_hosts tests will find, before they run."""
-    from slurm_cluster import missing_binaries
+    from .slurm_cluster import missing_binaries
 
     root = os.geteuid() == 0
     cannot = "they fail (CI=true)" if in_ci(environ) else "they are skipped"
