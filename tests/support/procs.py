@@ -77,7 +77,7 @@ def signal_when(cmd: list[str], sig: int, ready: str, *, env: dict, cwd: Path, t
 
 # Ranks that iterate a DataLoader whose 2 workers are busy (0.2 s an item); each rank and worker leaves a file named
 # after its pid in sys.argv[1]. sys.argv[2] "fail": rank 1 raises once 4 workers are up; "run": they run on.
-# tests/test_worker.py (another rank fails) and tests/test_caller_stops.py (the caller is stopped).
+# tests/launch/test_worker.py (another rank fails) and tests/launch/test_caller_stops.py (the caller is stopped).
 STUCK_WORKERS = """
 import os, sys, time
 from pathlib import Path
@@ -194,7 +194,7 @@ def result_lines(stdout: str) -> list:
 
 
 # A script whose ranks each report who they are, as one line "RESULT {json} initialized_after <bool>"; run under
-# torchrun (tests/test_torchrun.py) and as srun tasks (tests/test_slurm_variables.py).
+# torchrun (tests/launch/test_torchrun.py) and as srun tasks (tests/launch/test_slurm_variables.py).
 REPORT_SCRIPT = """
 import json, os, sys
 import torch.distributed as dist
@@ -234,7 +234,7 @@ def free_job_id() -> str:
 
 
 def slurm_env(cluster) -> dict:
-    """The environment for commands run on the local SLURM (tests/slurm_cluster.py): its fake nodes n1/n2 do not
+    """The environment for commands run on the local SLURM (tests/support/slurm_cluster.py): its fake nodes n1/n2 do not
     resolve here, so qaccel rendezvouses on loopback, on a port free now (user-set MASTER_* win)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

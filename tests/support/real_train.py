@@ -1,6 +1,6 @@
 """Running tests/scripts/real_train.py, a training script as people write it, and the checks every run of it must
-pass under any launcher; shared by the tests that run it with DDP (test_real_script.py) and with FSDP
-(test_fsdp.py)."""
+pass under any launcher; shared by the tests that run it with DDP (tests/launch/test_real_script.py) and with FSDP
+(tests/train/test_fsdp.py)."""
 
 from __future__ import annotations
 

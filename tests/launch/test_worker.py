@@ -1,6 +1,6 @@
 """A rank started by qaccel looks like a torchrun worker to what it starts: DataLoader workers and pools are forked
 from it (so classes defined in the script reach them), it leads its own process group, and whatever it started
-dies with it however the rank is stopped (when its caller is stopped: tests/test_caller_stops.py)."""
+dies with it however the rank is stopped (when its caller is stopped: tests/launch/test_caller_stops.py)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_dataset_and_pool_functions_defined_in_the_script_reach_the_ranks_childr
 
 
 def test_dataloader_workers_die_with_their_rank_when_another_rank_fails(tmp_path):
-    """Stopped by its caller (Ctrl-C, SIGKILL), the same ranks and workers: tests/test_caller_stops.py."""
+    """Stopped by its caller (Ctrl-C, SIGKILL), the same ranks and workers: tests/launch/test_caller_stops.py."""
     script = write_script(tmp_path, STUCK_WORKERS)
     caller = subprocess.Popen([sys.executable, str(script), str(tmp_path), "fail"], env=script_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -1,7 +1,7 @@
 """qaccel under a real SLURM (slurmctld + 2 slurmd, fake nodes n1/n2 on localhost): srun steps and sbatch.
 
 A failing rank in an srun step (non-zero exit, its ValueError and "[qaccel] raised on rank 1 of 2", the step ended
-in seconds): tests/test_launcher_failures.py, with and without --kill-on-bad-exit."""
+in seconds): tests/launch/test_launcher_failures.py, with and without --kill-on-bad-exit."""
 
 from __future__ import annotations
 

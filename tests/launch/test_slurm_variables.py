@@ -1,5 +1,5 @@
 """Processes started with the variables srun and sbatch set, without a real SLURM: srun tasks are ranks run in
-place, an sbatch shell without srun spawns its own ranks. (tests/test_slurm.py runs a real SLURM.)"""
+place, an sbatch shell without srun spawns its own ranks. (tests/cluster/test_slurm.py runs a real SLURM.)"""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Scripts under torchrun --standalone: each worker is a rank run in place, a process group the user made is reused
-and left alone. A rank's error naming the rank: tests/test_launcher_failures.py (5 torchrun runs where rank 1
+and left alone. A rank's error naming the rank: tests/launch/test_launcher_failures.py (5 torchrun runs where rank 1
 raises, each checked for the ValueError and "[qaccel] raised on rank 1 of 2")."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""main_process_first, local_main_process_first and split_between_processes (qaccel/ranks.py), on real 2-rank gloo
+"""main_process_first, local_main_process_first and split_between_processes (qaccel/comm/ranks.py), on real 2-rank gloo
 worlds."""
 
 from __future__ import annotations

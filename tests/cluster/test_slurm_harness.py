@@ -1,4 +1,4 @@
-"""Tests of the real-SLURM harness (tests/slurm_cluster.py) and of the SLURM facts the
+"""Tests of the real-SLURM harness (tests/support/slurm_cluster.py) and of the SLURM facts the
 library relies on.  Every test runs against a real slurmctld + 2 slurmd (fake nodes
 n1, n2 on localhost) started by the ``slurm_cluster`` fixture."""
 

@@ -1,5 +1,6 @@
 """When the script that started the ranks stops (Ctrl-C, SIGKILL), no rank outlives it, nor what a rank started: the
-ranks iterate a DataLoader whose 2 workers are busy. (The same ranks when another rank fails: tests/test_worker.py.)"""
+ranks iterate a DataLoader whose 2 workers are busy. (The same ranks when another rank fails:
+tests/launch/test_worker.py.)"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A hanging job says where every rank is (qaccel/hangs.py), and debug mode catches mismatched collectives.
+"""A hanging job says where every rank is (qaccel/comm/hangs.py), and debug mode catches mismatched collectives.
 
 Real ranks throughout: plain launches, torchrun and srun run a script whose rank 1 sleeps while rank 0 waits in a
 collective with a short timeout; SIGUSR2 is sent to a running plain launch.
