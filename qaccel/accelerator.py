@@ -5,16 +5,16 @@ from __future__ import annotations
 import datetime
 import functools
 import os
-import signal
 import warnings
 from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
 import torch
 
+from qaccel import options
 from qaccel.comm import collectives, ranks, session
 from qaccel.environment import Environment, detect
 from qaccel.launch import caller, in_place
-from qaccel.options import FSDP_MIN_PARAMS, make_config
+from qaccel.options import FSDP_MIN_PARAMS, Backend, DeviceType, MixedPrecision, Strategy
 from qaccel.train import batch, checkpoint, gradients, precision, prepare, progress, seeding, sharding, stopping
 from qaccel.train.registry import Registry
 
@@ -22,34 +22,12 @@ R = TypeVar("R")
 _warned_world_mismatch = False
 
 
+@options.document
 class Accelerator:
     """Run a training function on ``nprocs`` ranks, or on the ranks torchrun / SLURM already started.
 
-    Args:
-        nprocs: ranks to start when run as a plain ``python script.py``; under torchrun or srun the
-            launcher's world size wins.
-        compute_setup: "auto" (GPU if available), "cpu" or "gpu".
-        log_setup: where reduced metrics land: "auto" (the compute device) or "cpu".
-        backend: None (nccl for GPU, gloo for CPU), "gloo", "nccl" or "mpi" (if torch has it).
-        dtype: a torch dtype for models and floating-point batches, or None.
-        timeout: seconds (or timedelta) a collective or the rendezvous may wait before failing.
-        start_method: "forkserver" (fast, CUDA-safe; default) or "spawn" (a fresh interpreter per rank).
-        gradient_accumulation_steps: micro-steps per optimizer update under ``accumulate()``.
-        mixed_precision: "no", "bf16" (CPU and CUDA) or "fp16" (CUDA, with a gradient scaler).
-        max_restarts: in a plain launch, how many times to restart all ranks after a rank fails (torchrun's
-            ``--max-restarts`` for a plain ``python script.py``); with resume() they continue from the newest
-            checkpoint. Under torchrun and srun, the launcher's own restarts and requeues apply instead.
-        strategy: "ddp" (every rank holds the whole model; gradients are all-reduced) or "fsdp" (torch's FSDP2:
-            parameters, gradients and optimizer state sharded over the ranks, on CPUs and GPUs).
-        fsdp_modules: with "fsdp", the module classes (or class names) sharded as units of their own, e.g. your
-            transformer block; None: every submodule holding ``fsdp_min_params`` parameters not already in a unit.
-        fsdp_min_params: the size rule's threshold (parameters) when ``fsdp_modules`` is None.
-        debug: before each qaccel collective, check that every rank calls the same one with the same shapes,
-            and fail on every rank naming each rank's call site if not (costs one small collective each);
-            None: the ``QACCEL_DEBUG`` environment variable decides (off when unset).
-        rank_prefix: in a plain launch, start each line the ranks write to stdout/stderr with ``[rank N] ``
-            (under torchrun or srun ask the launcher: TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE with ``--tee``,
-            ``srun --label``).
+    Options are checked when the Accelerator is made: a bad value fails here, naming the option and what is
+    allowed, before any rank starts.
     """
 
     def __init__(
@@ -72,11 +50,8 @@ class Accelerator:
         rank_prefix: bool = False,
     ) -> None:
         env = detect()
-        self._config = make_config(
-            nprocs, compute_setup, log_setup, backend, dtype, timeout, start_method, env,
-            gradient_accumulation_steps, mixed_precision, max_restarts, strategy, fsdp_modules, fsdp_min_params,
-            debug, rank_prefix,
-        )
+        chosen = {name: value for name, value in locals().items() if name in options.NAMES}
+        self._config = options.make_config(env, **chosen)
         self._own_registry: Registry | None = None
         if env.kind.started_by_launcher and nprocs > 1 and nprocs != env.world_size and env.rank == 0:
             _warn_world_mismatch(nprocs, env)  # once per job, not once per rank
@@ -93,7 +68,7 @@ class Accelerator:
                 stacklevel=2,
             )
         if env.kind.creates_processes and nprocs > 1 and session.current() is None:
-            caller.warm_up(start_method)
+            caller.warm_up(self._config.start_method)
 
     # ---- where this rank runs (valid in the caller and in every rank) ----
 
@@ -122,7 +97,7 @@ class Accelerator:
 
     @property
     def log_device(self) -> torch.device:
-        return self.device if self._config.log_device_type != "cpu" else torch.device("cpu")
+        return self.device if self._config.log_device_type is not DeviceType.CPU else torch.device("cpu")
 
     @property
     def is_main_process(self) -> bool:
@@ -133,7 +108,7 @@ class Accelerator:
         return self.local_rank == 0
 
     @property
-    def backend(self) -> str:
+    def backend(self) -> Backend:
         return self._config.backend
 
     @property
@@ -149,11 +124,11 @@ class Accelerator:
         return self._config.gradient_accumulation_steps
 
     @property
-    def mixed_precision(self) -> str:
+    def mixed_precision(self) -> MixedPrecision:
         return self._config.mixed_precision
 
     @property
-    def strategy(self) -> str:
+    def strategy(self) -> Strategy:
         return self._config.strategy
 
     @property
@@ -182,7 +157,7 @@ class Accelerator:
         ctx = self._ctx()
         return (
             f"Accelerator(rank={ctx.rank}, world_size={ctx.world_size}, device={str(ctx.device)!r}, "
-            f"backend={self.backend!r}, dtype={self.dtype})"
+            f"backend={self.backend.value!r}, dtype={self.dtype})"
         )
 
     # ---- running a function ----
@@ -224,7 +199,7 @@ class Accelerator:
 
     def wait_for_everyone(self) -> None:
         """Barrier: block until every rank gets here."""
-        collectives.barrier(self._ctx())
+        collectives.wait_for_everyone(self._ctx())
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on the main process only."""
@@ -330,12 +305,11 @@ class Accelerator:
         """
         self._inside_ranks("resume()")
         keep = _keep(keep)
-        requeue = None if requeue_signal is None else stopping.signal_number(requeue_signal, "requeue_signal")
+        requeue = None if requeue_signal is None else stopping.as_signal(requeue_signal, "requeue_signal")
         registry, ctx = self._registry(), self._ctx()
         registry.checkpoints = (os.fspath(directory), keep)
         loaded = checkpoint.load_state(directory, registry, ctx, missing_ok=True, fall_back=True)
         if registry.stopper is None:
-            stopping.arm({signal.SIGTERM} | ({requeue} if requeue is not None else set()))
             registry.stopper = stopping.Stopper(ctx, self.save_state, requeue)
             for loader in registry.loaders:
                 stopping.shield_workers(loader)

@@ -1,57 +1,168 @@
-"""Validate and resolve the Accelerator's arguments once, in the caller, so mistakes fail at construction."""
+"""The Accelerator's options, declared once: checked and resolved in the caller, so mistakes fail at construction.
+
+``OPTIONS`` is the one declaration. The Accelerator's signature is checked against it (tests/test_options.py), its
+docstring's argument list and the docs' option table are generated from it, and ``make_config`` takes exactly
+its names. Closed sets of values are enums (``str`` enums, so ``acc.backend == "gloo"`` keeps working).
+"""
 
 from __future__ import annotations
 
 import datetime
+import enum
 import os
+import textwrap
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from qaccel.environment import Environment
 
-COMPUTE_SETUPS = ("auto", "cpu", "gpu")
-LOG_SETUPS = ("auto", "cpu")
-START_METHODS = ("forkserver", "spawn")
-MIXED_PRECISIONS = ("no", "bf16", "fp16")
-STRATEGIES = ("ddp", "fsdp")
 FSDP_MIN_PARAMS = 1_000_000
+DEBUG_VARIABLE = "QACCEL_DEBUG"
+
+
+class ComputeSetup(enum.StrEnum):
+    AUTO = "auto"  # a GPU when there is one
+    CPU = "cpu"
+    GPU = "gpu"
+
+
+class LogSetup(enum.StrEnum):
+    AUTO = "auto"  # the compute device
+    CPU = "cpu"
+
+
+class StartMethod(enum.StrEnum):
+    FORKSERVER = "forkserver"
+    SPAWN = "spawn"
+
+
+class MixedPrecision(enum.StrEnum):
+    NO = "no"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+    @property
+    def half(self) -> torch.dtype | None:
+        """The dtype autocast computes in; None without mixed precision."""
+        return {MixedPrecision.BF16: torch.bfloat16, MixedPrecision.FP16: torch.float16}.get(self)
+
+
+class Strategy(enum.StrEnum):
+    DDP = "ddp"
+    FSDP = "fsdp"
+
+
+class Backend(enum.StrEnum):
+    GLOO = "gloo"
+    NCCL = "nccl"
+    MPI = "mpi"
+
+    @classmethod
+    def available(cls) -> tuple[Backend, ...]:
+        return (cls.GLOO, cls.NCCL) + ((cls.MPI,) if dist.is_mpi_available() else ())
+
+
+class DeviceType(enum.StrEnum):
+    """Where a rank computes, resolved from ``compute_setup``: torch's device type names."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+@dataclass(frozen=True)
+class Option:
+    """One argument of the Accelerator: its name, default, allowed values (for people) and what it does."""
+
+    name: str
+    default: Any
+    values: str
+    meaning: str
+    keyword_only: bool = True
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("nprocs", 1, "int ≥ 1", "ranks to start when run as a plain `python script.py`; under torchrun or srun "
+           "the launcher's world size wins", keyword_only=False),
+    Option("compute_setup", "auto", "`auto`, `cpu`, `gpu`", "`auto`: a GPU per rank if there are GPUs, else the "
+           "CPU", keyword_only=False),
+    Option("log_setup", "cpu", "`cpu`, `auto`", "where reduced metrics land: `cpu`, or `auto` (the compute "
+           "device)", keyword_only=False),
+    Option("backend", None, "`None`, `gloo`, `nccl`, `mpi`", "`None`: nccl for GPU, gloo for CPU; `mpi` only if "
+           "torch was built with it", keyword_only=False),
+    Option("dtype", None, "a floating-point or complex `torch.dtype`, or `None`", "cast models and the "
+           "floating-point tensors of batches to it", keyword_only=False),
+    Option("timeout", 1800.0, "seconds or a `timedelta`", "how long a collective or the rendezvous may wait "
+           "before failing (and saying where each rank is)"),
+    Option("start_method", "forkserver", "`forkserver`, `spawn`", "how a plain launch starts ranks: forked from a "
+           "server with torch imported (fast, CUDA-safe), or a fresh interpreter each"),
+    Option("gradient_accumulation_steps", 1, "int ≥ 1", "micro-steps per optimizer update under `accumulate()`"),
+    Option("mixed_precision", "no", "`no`, `bf16`, `fp16`", "autocast of prepared models' forward; `bf16` on CPU "
+           "and CUDA, `fp16` on CUDA with a gradient scaler"),
+    Option("max_restarts", 0, "int ≥ 0", "in a plain launch, how many times to restart all ranks after a rank "
+           "fails (with `resume()` they continue from the newest checkpoint); under torchrun and srun the "
+           "launcher's own restarts and requeues apply instead"),
+    Option("strategy", "ddp", "`ddp`, `fsdp`", "`ddp`: every rank holds the whole model, gradients are "
+           "all-reduced; `fsdp`: torch's FSDP2, parameters, gradients and optimizer state sharded over the ranks"),
+    Option("fsdp_modules", None, "module classes or class names, or `None`", "with `fsdp`, the classes sharded as "
+           "units of their own (e.g. your transformer block); `None`: every submodule holding `fsdp_min_params` "
+           "parameters not already in a unit"),
+    Option("fsdp_min_params", FSDP_MIN_PARAMS, "int ≥ 1", "the size rule's threshold (parameters) when "
+           "`fsdp_modules` is `None`"),
+    Option("debug", None, "`None`, `True`, `False`", "before each qaccel collective, check that every rank calls "
+           "the same one with the same shapes, and fail on every rank naming each rank's call site if not; `None`: "
+           "the `QACCEL_DEBUG` variable (`1`/`0`; unset: off)"),
+    Option("rank_prefix", False, "`True`, `False`", "in a plain launch, start each line the ranks print with "
+           "`[rank N] ` (under torchrun or srun ask the launcher: `--tee` with "
+           "`TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`, `srun --label`)"),
+)
+NAMES = tuple(option.name for option in OPTIONS)
 
 
 @dataclass(frozen=True)
 class Config:
-    """What every rank needs to set itself up; small and picklable so it travels to the ranks."""
+    """What every rank needs to set itself up, resolved from the options; small and picklable so it travels."""
 
     nprocs: int
-    device_type: str
-    log_device_type: str
-    backend: str
+    device_type: DeviceType
+    log_device_type: DeviceType
+    backend: Backend
     dtype: torch.dtype | None
     timeout: float
-    start_method: str
+    start_method: StartMethod
     gradient_accumulation_steps: int = 1
-    mixed_precision: str = "no"
+    mixed_precision: MixedPrecision = MixedPrecision.NO
     max_restarts: int = 0
-    strategy: str = "ddp"
+    strategy: Strategy = Strategy.DDP
     fsdp_modules: tuple[str, ...] = ()  # class names (MRO-matched), not classes: picklable, and __main__-proof
     fsdp_min_params: int = FSDP_MIN_PARAMS
-    debug: bool = False  # check that every rank calls the same collective with the same shapes
-    rank_prefix: bool = False  # "[rank N] " before each line the ranks of a plain launch print
+    debug: bool = False
+    rank_prefix: bool = False
 
 
-DEBUG_VARIABLE = "QACCEL_DEBUG"
+# options that Config holds resolved under another name: compute_setup decides device_type, log_setup decides
+# log_device_type
+RESOLVED_AS = {"compute_setup": "device_type", "log_setup": "log_device_type"}
 
 
-def _backends() -> tuple[str, ...]:
-    return ("gloo", "nccl") + (("mpi",) if dist.is_mpi_available() else ())
+def document(cls: type) -> type:
+    """Append the options' ``Args:`` section to ``cls``'s docstring, from the one declaration."""
+    lines = ["", "    Args:"]
+    for option in OPTIONS:
+        text = f"{option.name}: {option.meaning.replace('`', '``')}."
+        lines += textwrap.wrap(text, 116, initial_indent=" " * 8, subsequent_indent=" " * 12)
+    cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n" + "\n".join(lines) + "\n"
+    return cls
 
 
-def _choice(name: str, value: object, allowed: tuple[str, ...]) -> str:
-    if not isinstance(value, str) or value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
-    return value
+def option_table() -> str:
+    """The options as a Markdown table, for the docs."""
+    rows = ["| option | default | values | what it does |", "| --- | --- | --- | --- |"]
+    for option in OPTIONS:
+        rows.append(f"| `{option.name}` | `{option.default!r}` | {option.values} | {option.meaning} |")
+    return "\n".join(rows) + "\n"
 
 
 def cuda_device_count() -> int:
@@ -59,83 +170,112 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count()
 
 
-def make_config(
-    nprocs: int,
-    compute_setup: str,
-    log_setup: str,
-    backend: str | None,
-    dtype: torch.dtype | None,
-    timeout: float | datetime.timedelta,
-    start_method: str,
-    env: Environment,
-    gradient_accumulation_steps: int = 1,
-    mixed_precision: str = "no",
-    max_restarts: int = 0,
-    strategy: str = "ddp",
-    fsdp_modules: Sequence[type | str] | None = None,
-    fsdp_min_params: int = FSDP_MIN_PARAMS,
-    debug: bool | None = None,
-    rank_prefix: bool = False,
-) -> Config:
-    """Check every argument and resolve the 'auto' choices; raises ValueError/TypeError/RuntimeError."""
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs must be a positive int; got {nprocs!r}")
-    _choice("compute_setup", compute_setup, COMPUTE_SETUPS)
-    _choice("log_setup", log_setup, LOG_SETUPS)
-    _choice("start_method", start_method, START_METHODS)
-    if dtype is not None and not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype (e.g. torch.float64) or None; got {dtype!r}")
-    if dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
-        raise ValueError(f"dtype must be a floating-point or complex torch.dtype (it casts models and inputs); got {dtype}")
+def make_config(env: Environment, **options: Any) -> Config:
+    """Check every option (by the declared names) and resolve the 'auto' choices; raises ValueError/TypeError/
+    RuntimeError naming the option and what is allowed."""
+    unknown = set(options) - set(NAMES)
+    if unknown:
+        raise TypeError(f"unknown option(s) {', '.join(sorted(unknown))}; the options are {', '.join(NAMES)}")
+    values = {option.name: options.get(option.name, option.default) for option in OPTIONS}
+    nprocs = _count("nprocs", values["nprocs"], 1)
+    device_type = _device_type(values["compute_setup"], env.local_world_size if env.is_launched else nprocs)
+    backend = _backend(values["backend"], device_type)
+    dtype, mixed_precision = _precision(values["dtype"], values["mixed_precision"], device_type)
+    strategy = _choice("strategy", values["strategy"], Strategy)
+    return Config(
+        nprocs=nprocs,
+        device_type=device_type,
+        log_device_type=device_type if _choice("log_setup", values["log_setup"], LogSetup) is LogSetup.AUTO
+        else DeviceType.CPU,
+        backend=backend,
+        dtype=dtype,
+        timeout=_timeout(values["timeout"]),
+        start_method=_choice("start_method", values["start_method"], StartMethod),
+        gradient_accumulation_steps=_count("gradient_accumulation_steps", values["gradient_accumulation_steps"], 1),
+        mixed_precision=mixed_precision,
+        max_restarts=_count("max_restarts", values["max_restarts"], 0),
+        strategy=strategy,
+        fsdp_modules=_sharding_choices(strategy, values["fsdp_modules"], values["fsdp_min_params"], mixed_precision,
+                                       backend),
+        fsdp_min_params=values["fsdp_min_params"],
+        debug=_debug_choice(values["debug"]),
+        rank_prefix=_flag("rank_prefix", values["rank_prefix"]),
+    )
+
+
+def _choice(name: str, value: object, allowed: type[enum.StrEnum], members: Sequence[enum.StrEnum] | None = None) -> Any:
+    """``value`` as a member of ``allowed`` (of ``members``, when only some are available here)."""
+    members = tuple(allowed) if members is None else tuple(members)
+    if not isinstance(value, str) or value not in members:
+        raise ValueError(f"{name} must be one of {', '.join(repr(m.value) for m in members)}; got {value!r}")
+    return allowed(value)
+
+
+def _count(name: str, value: object, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        kind = "a positive int" if least == 1 else "a non-negative int"
+        raise ValueError(f"{name} must be {kind}; got {value!r}")
+    return value
+
+
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False; got {value!r}")
+    return value
+
+
+def _timeout(timeout: object) -> float:
     if isinstance(timeout, datetime.timedelta):
         timeout = timeout.total_seconds()
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds or a timedelta; got {timeout!r}")
+    return float(timeout)
 
+
+def _device_type(compute_setup: object, local_ranks: int) -> DeviceType:
+    """Where this node's ranks compute, checked against the GPUs visible here."""
+    setup = _choice("compute_setup", compute_setup, ComputeSetup)
     gpus = cuda_device_count()
-    if compute_setup == "gpu" and gpus == 0:
+    if setup is ComputeSetup.GPU and gpus == 0:
         raise RuntimeError("compute_setup='gpu' but CUDA is not available here; use 'auto' or 'cpu'")
-    device_type = "cuda" if compute_setup == "gpu" or (compute_setup == "auto" and gpus > 0) else "cpu"
-
-    if backend is None:
-        backend = "nccl" if device_type == "cuda" else "gloo"
-    _choice("backend", backend, _backends())
-    if backend == "nccl" and device_type == "cpu":
-        raise ValueError("backend='nccl' needs GPU compute; use backend='gloo' (or None) with compute_setup='cpu'")
-    if backend == "nccl" and not dist.is_nccl_available():
-        raise RuntimeError("backend='nccl' but this torch build has no NCCL; use backend='gloo'")
-
-    local_ranks = env.local_world_size if env.is_launched else nprocs
-    if device_type == "cuda" and local_ranks > gpus:
+    cuda = setup is ComputeSetup.GPU or (setup is ComputeSetup.AUTO and gpus > 0)
+    if cuda and local_ranks > gpus:
         raise RuntimeError(
             f"{local_ranks} GPU ranks on this node but only {gpus} visible GPU(s); "
             f"lower nprocs or use compute_setup='cpu'"
         )
-    steps = gradient_accumulation_steps
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"gradient_accumulation_steps must be a positive int; got {steps!r}")
-    _choice("mixed_precision", mixed_precision, MIXED_PRECISIONS)
-    if mixed_precision == "fp16" and device_type != "cuda":
+    return DeviceType.CUDA if cuda else DeviceType.CPU
+
+
+def _backend(backend: object, device_type: DeviceType) -> Backend:
+    if backend is None:
+        return Backend.NCCL if device_type is DeviceType.CUDA else Backend.GLOO
+    chosen = _choice("backend", backend, Backend, Backend.available())
+    if chosen is Backend.NCCL and device_type is DeviceType.CPU:
+        raise ValueError("backend='nccl' needs GPU compute; use backend='gloo' (or None) with compute_setup='cpu'")
+    if chosen is Backend.NCCL and not dist.is_nccl_available():
+        raise RuntimeError("backend='nccl' but this torch build has no NCCL; use backend='gloo'")
+    return chosen
+
+
+def _precision(dtype: object, mixed_precision: object, device_type: DeviceType) -> tuple[torch.dtype | None, MixedPrecision]:
+    """The models' dtype and the mixed precision, checked together."""
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype (e.g. torch.float64) or None; got {dtype!r}")
+    if dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(f"dtype must be a floating-point or complex torch.dtype (it casts models and inputs); got {dtype}")
+    mixed = _choice("mixed_precision", mixed_precision, MixedPrecision)
+    if mixed is MixedPrecision.FP16 and device_type is not DeviceType.CUDA:
         raise ValueError("mixed_precision='fp16' needs GPU compute (its gradient scaler is CUDA-only); use 'bf16' on CPU")
-    if mixed_precision != "no" and dtype is not None and dtype != torch.float32:
+    if mixed is not MixedPrecision.NO and dtype is not None and dtype != torch.float32:
         raise ValueError(
-            f"mixed_precision={mixed_precision!r} runs float32 models in half precision; with dtype={dtype} use "
+            f"mixed_precision={mixed.value!r} runs float32 models in half precision; with dtype={dtype} use "
             "mixed_precision='no' (or dtype=None/torch.float32)"
         )
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-        raise ValueError(f"max_restarts must be a non-negative int; got {max_restarts!r}")
-    debug = _debug_choice(debug)
-    if not isinstance(rank_prefix, bool):
-        raise TypeError(f"rank_prefix must be True or False; got {rank_prefix!r}")
-    modules = _sharding_choices(strategy, fsdp_modules, fsdp_min_params, mixed_precision, backend)
-    log_device_type = device_type if log_setup == "auto" else "cpu"
-    return Config(
-        nprocs, device_type, log_device_type, backend, dtype, float(timeout), start_method, steps, mixed_precision,
-        max_restarts, strategy, modules, fsdp_min_params, debug, rank_prefix,
-    )
+    return dtype, mixed
 
 
-def _debug_choice(debug: bool | None) -> bool:
+def _debug_choice(debug: object) -> bool:
     """``debug``, or with None the QACCEL_DEBUG variable ("1"/"0", "true"/"false", ...; unset: off)."""
     if debug is not None:
         if not isinstance(debug, bool):
@@ -150,19 +290,20 @@ def _debug_choice(debug: bool | None) -> bool:
 
 
 def _sharding_choices(
-    strategy: str, modules: Sequence[type | str] | None, min_params: int, mixed_precision: str, backend: str
+    strategy: Strategy, modules: Sequence[type | str] | None, min_params: object, mixed_precision: MixedPrecision,
+    backend: Backend,
 ) -> tuple[str, ...]:
     """Check the strategy's arguments; fsdp_modules as class names."""
-    _choice("strategy", strategy, STRATEGIES)
     if isinstance(min_params, bool) or not isinstance(min_params, int) or min_params < 1:
         raise ValueError(f"fsdp_min_params must be a positive int (parameters per sharded unit); got {min_params!r}")
-    if strategy != "fsdp":
+    if strategy is not Strategy.FSDP:
         if modules is not None or min_params != FSDP_MIN_PARAMS:
-            raise ValueError(f"fsdp_modules and fsdp_min_params apply to strategy='fsdp' only; got strategy={strategy!r}")
+            raise ValueError(
+                f"fsdp_modules and fsdp_min_params apply to strategy='fsdp' only; got strategy={strategy.value!r}")
         return ()
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"strategy='fsdp' runs on backend 'gloo' (CPU) or 'nccl' (GPU); got backend={backend!r}")
-    if mixed_precision == "fp16":
+    if backend not in (Backend.GLOO, Backend.NCCL):
+        raise ValueError(f"strategy='fsdp' runs on backend 'gloo' (CPU) or 'nccl' (GPU); got backend={backend.value!r}")
+    if mixed_precision is MixedPrecision.FP16:
         raise ValueError("strategy='fsdp' supports mixed_precision 'no' or 'bf16' (FSDP2's MixedPrecisionPolicy); "
                          "fp16 needs a sharded gradient scaler qaccel does not provide")
     if modules is None:

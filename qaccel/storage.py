@@ -1,5 +1,5 @@
-"""Files qaccel writes for the user: atomically, with their size and checksum taken once written, checked against
-them when read back, and with errors that name the file and, for a full disk, how much room there was."""
+"""Files qaccel writes: always atomically; the user's also durably, with their size and checksum taken once
+written and checked when read back; errors name the file and, for a full disk, how much room there was."""
 
 from __future__ import annotations
 
@@ -52,18 +52,24 @@ def sums(path: str | os.PathLike) -> Sums:
     return Sums(os.stat(path).st_size, checksum(path) if CHECKSUMS else None)
 
 
-def write_with(write: Callable[[Any], Any], path: str | os.PathLike) -> Sums:
-    """``write(f)`` into a temporary file beside ``path``, fsynced and renamed onto it: a reader never sees half a
-    file, and a failure leaves the previous one. A full disk raises an OSError saying so, for ``path``; any other
-    error gets a note naming ``path``. Returns the size and checksum, taken while the file is in the page cache."""
+def write_with(write: Callable[[Any], Any], path: str | os.PathLike, durable: bool = True) -> Sums | None:
+    """``write(f)`` into a temporary file beside ``path``, renamed onto it: a reader never sees half a file, and a
+    failure leaves the previous one. A full disk raises an OSError saying so, for ``path``; any other error gets a
+    note naming ``path``.
+
+    ``durable`` (the user's files): fsynced before the rename, and the size and checksum returned, taken while the
+    file is in the page cache. Without it (qaccel's own short-lived files, which nobody reads after a crash) there is
+    neither fsync nor checksum, and None comes back.
+    """
     path = os.path.abspath(os.fspath(path))
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
     try:
         with open(tmp, "xb") as f:
             write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        written = sums(tmp)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        written = sums(tmp) if durable else None
         os.replace(tmp, path)
     except BaseException as exc:
         if os.path.exists(tmp):
@@ -78,12 +84,12 @@ def write_with(write: Callable[[Any], Any], path: str | os.PathLike) -> Sums:
 
 
 def save(obj: Any, path: str | os.PathLike) -> Sums:
-    """torch.save, through write_with."""
+    """torch.save, through write_with, durably."""
     return write_with(lambda f: torch.save(obj, f), path)
 
 
-def write_bytes(data: bytes, path: str | os.PathLike) -> Sums:
-    return write_with(lambda f: f.write(data), path)
+def write_bytes(data: bytes, path: str | os.PathLike, durable: bool = True) -> Sums | None:
+    return write_with(lambda f: f.write(data), path, durable)
 
 
 def damage(path: str, recorded: dict[str, int]) -> str | None:

@@ -16,6 +16,7 @@ from qaccel.comm import hangs, session
 from qaccel.comm.session import RankContext
 from qaccel.errors import CollectiveMismatchError
 from qaccel.nested import map_leaves
+from qaccel.options import Backend
 
 REDUCE_OPS = ("mean", "sum", "max", "min")
 _TORCH_OPS = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -96,13 +97,13 @@ def _describe_broadcast(obj: Any, src: int, *rest: Any) -> str:
     return f"src={src}"
 
 
-def _distributed(ctx: RankContext) -> bool:
+def _distributed() -> bool:
     """True where a process group exists, also a one-rank group the user made: its collectives are real."""
     return dist.is_available() and dist.is_initialized()
 
 
 def _comm_device(ctx: RankContext) -> torch.device:
-    return ctx.device if ctx.backend == "nccl" else torch.device("cpu")
+    return ctx.device if ctx.backend is Backend.NCCL else torch.device("cpu")
 
 
 @tracked("all_reduce_dict()", _describe_dict)
@@ -155,7 +156,7 @@ def _reduce_flat(tensors: list[torch.Tensor], op: str, ctx: RankContext) -> list
     divides the buffer once and is floating point for integer inputs. Without a group, the same arithmetic
     on copies, so results do not depend on the world size.
     """
-    world = ctx.world_size if _distributed(ctx) else 1
+    world = ctx.world_size if _distributed() else 1
     device = _comm_device(ctx)
     groups: dict[torch.dtype, list[int]] = {}
     for i, tensor in enumerate(tensors):
@@ -180,7 +181,7 @@ def broadcast(obj: Any, src: int, ctx: RankContext) -> Any:
     """Every rank gets rank ``src``'s ``obj`` (any picklable object)."""
     if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < ctx.world_size:
         raise ValueError(f"src must be a rank in [0, {ctx.world_size - 1}]; got {src!r}")
-    if not _distributed(ctx):
+    if not _distributed():
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=src, device=_comm_device(ctx))
@@ -190,7 +191,7 @@ def broadcast(obj: Any, src: int, ctx: RankContext) -> Any:
 @tracked("gather_object()")
 def gather_object(obj: Any, ctx: RankContext) -> list[Any]:
     """Every rank gets the list of all ranks' ``obj``, indexed by rank."""
-    if not _distributed(ctx):
+    if not _distributed():
         return [obj]
     out: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(out, obj)
@@ -198,10 +199,10 @@ def gather_object(obj: Any, ctx: RankContext) -> list[Any]:
 
 
 @tracked("wait_for_everyone()")
-def barrier(ctx: RankContext) -> None:
+def wait_for_everyone(ctx: RankContext) -> None:
     """Block until every rank reaches this point."""
-    if _distributed(ctx):
-        session.barrier(ctx)
+    if _distributed():
+        session.group_barrier(ctx)
 
 
 def main_print(ctx: RankContext, *args: Any, **kwargs: Any) -> None:
@@ -219,10 +220,10 @@ def gather(data: Any, ctx: RankContext) -> Any:
     Across ranks the results are new tensors without autograd history, on the input's device.
     """
     tensors = [t.reshape(1) if t.dim() == 0 else t for t in _tensor_leaves(data, "gather")]
-    if not _distributed(ctx):
-        return _rebuild(data, tensors)
+    if not _distributed():
+        return _with_leaves(data, tensors)
     shapes = _shapes_by_rank(tensors, ctx, "gather")
-    return _rebuild(data, [_gather_tensor(t, [s[i] for s in shapes], ctx) for i, t in enumerate(tensors)])
+    return _with_leaves(data, [_gather_tensor(t, [s[i] for s in shapes], ctx) for i, t in enumerate(tensors)])
 
 
 def _gather_tensor(tensor: torch.Tensor, shapes: list[tuple[int, ...]], ctx: RankContext) -> torch.Tensor:
@@ -245,10 +246,10 @@ def pad_across_processes(data: Any, ctx: RankContext, dim: int = 0, pad_index: i
     largest size come back as they are.
     """
     tensors = _tensor_leaves(data, "pad_across_processes")
-    if not _distributed(ctx):
+    if not _distributed():
         for tensor in tensors:
             _normalised_dim(dim, tensor)
-        return _rebuild(data, tensors)
+        return _with_leaves(data, tensors)
     shapes = _shapes_by_rank(tensors, ctx, "pad_across_processes")
     padded = []
     for i, tensor in enumerate(tensors):
@@ -263,7 +264,7 @@ def pad_across_processes(data: Any, ctx: RankContext, dim: int = 0, pad_index: i
             continue
         longest = max(s[i][axis] for s in shapes)
         padded.append(_pad(tensor, axis, longest, pad_index, pad_first))
-    return _rebuild(data, padded)
+    return _with_leaves(data, padded)
 
 
 def _normalised_dim(dim: int, tensor: torch.Tensor) -> int:
@@ -291,7 +292,7 @@ def reduce(data: Any, op: str, ctx: RankContext) -> Any:
     shapes. In a single process it returns copies.
     """
     _check_op(op)
-    return _rebuild(data, _reduce_flat(_tensor_leaves(data, "reduce"), op, ctx))
+    return _with_leaves(data, _reduce_flat(_tensor_leaves(data, "reduce"), op, ctx))
 
 
 @tracked("gather_for_metrics()", _describe_gather)
@@ -323,7 +324,7 @@ def _tensor_leaves(data: Any, caller: str) -> list[torch.Tensor]:
     return leaves
 
 
-def _rebuild(data: Any, tensors: list[torch.Tensor]) -> Any:
+def _with_leaves(data: Any, tensors: list[torch.Tensor]) -> Any:
     """``data`` with its tensor leaves replaced, in order, by ``tensors``."""
     replacements = iter(tensors)
     return map_leaves(data, lambda _: next(replacements))

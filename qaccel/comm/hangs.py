@@ -29,8 +29,6 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any, Callable
 
-import torch
-
 REPORT_WAIT_S = 3.0  # how long a rank that timed out waits for the others' answers
 CLOSE_WAIT_S = 2.0  # for the watcher to return from the store once woken
 STACK_DEPTH = 6  # frames of the user's code shown per rank
@@ -38,7 +36,6 @@ _NEVER = datetime.timedelta(days=365)
 # qaccel (the whole package, wherever this module sits in it) and torch
 _OWN_DIRS = tuple(os.path.dirname(sys.modules[name].__file__) + os.sep for name in (__name__.partition(".")[0], "torch"))
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
-_sessions = 0  # sessions of this process so far; ranks start them in the same order, so the count agrees
 
 
 @dataclass
@@ -186,14 +183,13 @@ def is_timeout(exc: BaseException) -> bool:
 class Watch:
     """This rank's watcher for one session: answers requests through the store, and SIGUSR2."""
 
-    def __init__(self, rank: int, world_size: int, timeout: float, store: Any | None, to_log: bool) -> None:
+    def __init__(self, rank: int, world_size: int, timeout: float, store: Any | None, to_log: bool,
+                 session_number: int) -> None:
         """``store``: the group's rendezvous store (None for a group made without one, e.g. MPI's: then this rank
-        still says where it is, but cannot ask the others)."""
-        global _sessions
-        _sessions += 1
+        still says where it is, but cannot ask the others). ``session_number``: keeps sessions' keys apart."""
         self.rank, self.world_size, self.timeout, self.to_log = rank, world_size, timeout, to_log
         self.calls = Calls()
-        self.prefix = f"qaccel_where/{_sessions}/"
+        self.prefix = f"qaccel_where/{session_number}/"
         self.store = store
         self.main = threading.get_ident()
         self.explained = False

@@ -24,13 +24,13 @@ def main_process_first(ctx: RankContext, local: bool) -> Iterator[None]:
     """
     first = (ctx.local_rank if local else ctx.rank) == 0
     if not first:
-        collectives.barrier(ctx)
+        collectives.wait_for_everyone(ctx)
     try:
         yield
     finally:
         if first:
-            collectives.barrier(ctx)
-    collectives.barrier(ctx)
+            collectives.wait_for_everyone(ctx)
+    collectives.wait_for_everyone(ctx)
 
 
 @contextmanager

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextvars
 import datetime
 import gc
+import itertools
 import os
 import socket
 import sys
@@ -19,7 +20,7 @@ import torch.distributed as dist
 
 from qaccel.comm import hangs
 from qaccel.environment import Environment
-from qaccel.options import Config
+from qaccel.options import Backend, Config, DeviceType
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class RankContext:
     world_size: int
     local_world_size: int
     device: torch.device
-    backend: str
+    backend: Backend
 
 
 @dataclass(eq=False)
@@ -44,6 +45,9 @@ class Run:
     """
 
     ctx: RankContext
+    # this session's place among the process's sessions; every rank starts them in the same order, so the
+    # number agrees across ranks and keeps each session's keys in a shared store apart
+    number: int = 0
     _states: dict[int, tuple[Any, Any]] = field(default_factory=dict)
     # Called once as the session ends, with whether fn returned: e.g. a stop agreement in flight is awaited
     # before the group goes, and signal handlers are given back.
@@ -82,9 +86,9 @@ class Run:
 
 GLOO_DRAIN_S = 0.02
 _RUN: contextvars.ContextVar[Run | None] = contextvars.ContextVar("qaccel_run", default=None)
-# Per process, not per run: one connection to the launcher's store, and the count of in-place sessions so far,
-# which every rank must agree on (see env_store).
-_in_place_sessions = 0
+# Per process, not per run: the sessions' numbering (see Run.number), and one connection to the launcher's store
+# (see env_store).
+_numbers = itertools.count(1)
 _env_store: tuple[tuple, dist.Store] | None = None
 # Objects of this process that hold a destroyed process group, because the user kept them past their session.
 _outliving: weakref.WeakSet = weakref.WeakSet()
@@ -132,29 +136,28 @@ def plan(config: Config, env: Environment) -> RankContext:
 
 
 def rank_context(config: Config, rank: int, local_rank: int, node_rank: int, world: int, local_world: int) -> RankContext:
-    device = torch.device("cuda", local_rank) if config.device_type == "cuda" else torch.device("cpu")
+    device = torch.device("cuda", local_rank) if config.device_type is DeviceType.CUDA else torch.device("cpu")
     return RankContext(rank, local_rank, node_rank, world, local_world, device, config.backend)
 
 
-def env_store(ctx: RankContext, timeout: float) -> dist.Store:
+def env_store(ctx: RankContext, timeout: float, session_number: int) -> dist.Store:
     """The env:// rendezvous store (torchrun's agent store, or one rank 0 hosts at MASTER_ADDR:MASTER_PORT),
     under a prefix of its own for each in-place session.
 
     The store is opened once per process and kept: were rank 0 to host a new server for each session, a peer
     that finished the previous session first would reach the old server just before it closed (SLURM, seen
     in CI as "Failed to recv, got 0 bytes"). A second group would also reuse the first one's keys and read a
-    peer's stale address, hence the prefix; ranks call distribute() in the same order, so the counter agrees.
+    peer's stale address, hence the prefix (the session's number).
     """
-    global _in_place_sessions, _env_store
+    global _env_store
     key = tuple(os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")) + (ctx.rank, ctx.world_size)
     if _env_store is None or _env_store[0] != key:
         rendezvous = dist.rendezvous("env://", ctx.rank, ctx.world_size, timeout=datetime.timedelta(seconds=timeout))
         _env_store = (key, next(rendezvous)[0])
     base = _env_store[1]
     base.set_timeout(datetime.timedelta(seconds=timeout))
-    _in_place_sessions += 1
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"qaccel/attempt_{attempt}/{_in_place_sessions}", base)
+    return dist.PrefixStore(f"qaccel/attempt_{attempt}/{session_number}", base)
 
 
 def loopback_interface() -> str:
@@ -185,21 +188,23 @@ def apply_thread_budget(local_world_size: int) -> None:
 
 @contextmanager
 def session(
-    ctx: RankContext, timeout: float, store: dist.Store | None = None, group_of_one: bool = False,
+    ctx: RankContext, timeout: float, store: Callable[[int], dist.Store | None] | None = None, group_of_one: bool = False,
     debug: bool = False, where_to_log: bool = False, process_ends: bool = False,
 ) -> Iterator[RankContext]:
     """Run a block as rank ``ctx``: device, threads and process group set up, always torn down afterwards.
 
-    A group the caller had already initialised is reused and left alone. ``group_of_one``: make a group even for
+    ``store(number)`` opens the rendezvous store for the session numbered ``number`` (None: a new group finds
+    its own). A group the caller had already initialised is reused and left alone. ``group_of_one``: make a group even for
     a world of one (FSDP2 shards over a device mesh, which needs one). ``debug``: see Run.debug.
     ``where_to_log``: a rank asked where it is also prints it to its own output (under torchrun and srun, where
     each rank has its log; a plain launch's caller gets the answers in its error instead). ``process_ends``: the
     process exits after the session (a rank qaccel started), so no later session can meet what this one leaves.
     """
     owns_group = False
-    run = Run(ctx, debug=debug)
+    run = Run(ctx, next(_numbers), debug=debug)
     token = _RUN.set(run)
     try:
+        opened = store(run.number) if store is not None else None
         if ctx.device.type == "cuda":
             torch.cuda.set_device(ctx.device)
         if (ctx.world_size > 1 or group_of_one) and not dist.is_initialized():
@@ -207,7 +212,7 @@ def session(
             hook = sys.excepthook
             dist.init_process_group(
                 ctx.backend,
-                store=store if store is not None or ctx.world_size > 1 else dist.HashStore(),
+                store=opened if opened is not None or ctx.world_size > 1 else dist.HashStore(),
                 rank=ctx.rank,
                 world_size=ctx.world_size,
                 timeout=datetime.timedelta(seconds=timeout),
@@ -216,7 +221,7 @@ def session(
             if getattr(hook, "__name__", "") == "_distributed_excepthook":
                 sys.excepthook = hook  # torch wraps it at each init: one "[rankN]: " prefix, not one per session
         if ctx.world_size > 1 and dist.is_initialized():
-            run.watch = hangs.Watch(ctx.rank, ctx.world_size, timeout, _default_store(), where_to_log)
+            run.watch = hangs.Watch(ctx.rank, ctx.world_size, timeout, _default_store(), where_to_log, run.number)
         yield ctx
         run.close(finished=True)
         if owns_group:
@@ -250,16 +255,16 @@ def _quiesce(run: Run) -> None:
     workers drop it.
     """
     if run.watch is None:
-        barrier(run.ctx)
+        group_barrier(run.ctx)
     else:  # a rank still busy in fn makes this barrier time out: say where each rank is
-        run.watch.run("the barrier that ends distribute() (fn returned)", barrier, run.ctx)
-    if run.ctx.backend == "gloo":
+        run.watch.run("the barrier that ends distribute() (fn returned)", group_barrier, run.ctx)
+    if run.ctx.backend is Backend.GLOO:
         time.sleep(GLOO_DRAIN_S)
 
 
-def barrier(ctx: RankContext) -> None:
-    """Block until every rank of the default group gets here."""
-    if ctx.backend == "nccl":
+def group_barrier(ctx: RankContext) -> None:
+    """Block until every rank of the default group gets here (untracked: the session's own, at its end)."""
+    if ctx.backend is Backend.NCCL:
         dist.barrier(device_ids=[ctx.device.index])
     else:
         dist.barrier()

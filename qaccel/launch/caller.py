@@ -44,11 +44,12 @@ from typing import Any, Callable, Iterator
 import cloudpickle
 import torch.distributed as dist
 
+from qaccel import storage
 from qaccel.errors import Preempted, RankError, RankKilledError, RemoteTraceback, raised_note
 from qaccel.launch import inherit, output, worker
 from qaccel.launch.failures import ErrorReport, RankFailure, root_cause
-from qaccel.launch.run_dir import run_directory, write_atomic
-from qaccel.options import Config
+from qaccel.launch.run_dir import run_directory
+from qaccel.options import Config, StartMethod
 
 # torch._dynamo: DistributedDataParallel's constructor imports it (with sympy, 1.3 s); preloaded, a fresh rank need
 # not import it again.
@@ -59,9 +60,9 @@ CAUSE_GRACE_S = 3.0
 _PREPARE_LOCK = threading.Lock()
 
 
-def warm_up(start_method: str) -> None:
+def warm_up(start_method: StartMethod) -> None:
     """Start the forkserver now (non-blocking) so its torch import overlaps the caller's own set-up."""
-    if start_method == "forkserver":
+    if start_method is StartMethod.FORKSERVER:
         _fit_socket_dir()
         multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
         with _sigint_ignored():
@@ -113,7 +114,7 @@ def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, al
     payload = _dumps_payload(fn, args, kwargs)
     procs: list = []
     with _forwarding_signals(procs) as received, run_directory() as run_dir:
-        write_atomic(Path(run_dir, "payload"), payload)
+        storage.write_bytes(payload, Path(run_dir, "payload"), durable=False)
         for attempt in itertools.count():
             environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
             failures = _attempt(ctx, procs, run_dir, config, all_results, environ, received)
@@ -398,7 +399,7 @@ def _failure_exception(run_dir: str, world_size: int, seen: list[RankFailure]) -
         else:
             exc = RankError(f"rank {cause.rank} exited with code {code} without returning or raising", cause.rank)
     else:
-        exc = _rebuild(cause.report)
+        exc = _exception_from(cause.report)
         exc.add_note(raised_note(cause.rank, world_size, cause.report.type, cause.report.message, launched=True))
     others = sorted((f for f in failures if f is not cause and f.report is not None), key=lambda f: f.rank)
     if others:
@@ -406,7 +407,7 @@ def _failure_exception(run_dir: str, world_size: int, seen: list[RankFailure]) -
     return exc, cause.rank
 
 
-def _rebuild(report: ErrorReport) -> BaseException:
+def _exception_from(report: ErrorReport) -> BaseException:
     """The rank's own exception object when it survives pickling, else a RankError carrying its text."""
     try:
         exc = pickle.loads(report.exc) if report.exc is not None else None

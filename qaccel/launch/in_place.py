@@ -10,14 +10,16 @@ import os
 import time
 from typing import Any, Callable
 
+import torch.distributed as dist
+
 from qaccel.comm import collectives, session
+from qaccel.comm.session import RankContext
 from qaccel.environment import Environment, rank_variables
 from qaccel.errors import raised_note, type_name
 from qaccel.launch import launcher_report
+from qaccel.launch.running import run_as_rank
 from qaccel.options import Config
 from qaccel.train import prepare
-
-_NOTE_PREFIX = "[qaccel] raised on rank "
 
 
 def run(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, env: Environment, all_results: bool) -> Any:
@@ -30,31 +32,39 @@ def run(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, env: 
     if env.kind.exports_rank_variables:
         _export_rank_variables(env)
     needs_store = env.kind.started_by_launcher and ctx.world_size > 1
-    recorded = 0  # id() of the exception written to torchrun's error file, if any
-    try:
-        store = session.env_store(ctx, config.timeout) if needs_store else None
-        with session.session(ctx, config.timeout, store=store, group_of_one=config.strategy == "fsdp",
-                           debug=config.debug, where_to_log=env.kind.started_by_launcher):
-            try:
-                result = fn(*args, **kwargs)
-            except BaseException as exc:
-                raised_at = time.time()
-                session.explain_timeout(exc)
-                if ctx.world_size > 1:
-                    exc.add_note(raised_note(ctx.rank, ctx.world_size, type_name(exc), str(exc), launched=False))
-                # now, before the group is torn down and a peer can see the broken connection and fail first
-                if launcher_report.record_cause(exc, raised_at):
-                    recorded = id(exc)  # not the exception: its traceback holds this frame, a cycle
-                raise
-            result = prepare.plain_result(result)  # before the session's end frees what it prepared
-            return collectives.gather_object(result, ctx) if all_results else result
-    except BaseException as exc:
-        # errors of the session itself too: a peer's loss seen in gather_object or in the closing barrier
-        if ctx.world_size > 1 and not any(str(n).startswith(_NOTE_PREFIX) for n in getattr(exc, "__notes__", ())):
-            exc.add_note(raised_note(ctx.rank, ctx.world_size, type_name(exc), str(exc), launched=False))
-        if id(exc) != recorded and not launcher_report.hold_symptom(exc, ctx.rank, ctx.world_size):
+
+    def store(session_number: int) -> dist.Store | None:
+        return session.env_store(ctx, config.timeout, session_number) if needs_store else None
+
+    def body() -> Any:
+        result = prepare.plain_result(fn(*args, **kwargs))  # before the session's end frees what it prepared
+        return collectives.gather_object(result, ctx) if all_results else result
+
+    return run_as_rank(ctx, config, body, _LauncherReport(ctx), store, where_to_log=env.kind.started_by_launcher)
+
+
+class _LauncherReport:
+    """An exception leaving a rank run in place gets a note naming the rank; a cause goes to torchrun's error file
+    at once, a symptom holds the rank a moment so that the rank that raised leaves first (launcher_report.py)."""
+
+    def __init__(self, ctx: RankContext) -> None:
+        self.ctx = ctx
+        self.recorded = False
+
+    def early(self, exc: BaseException) -> None:
+        raised_at = time.time()
+        self._note(exc)
+        self.recorded = launcher_report.record_cause(exc, raised_at)
+
+    def late(self, exc: BaseException, reported_early: bool) -> None:
+        if not reported_early:
+            self._note(exc)
+        if not self.recorded and not launcher_report.hold_symptom(exc, self.ctx.rank, self.ctx.world_size):
             launcher_report.record_cause(exc)
-        raise
+
+    def _note(self, exc: BaseException) -> None:
+        if self.ctx.world_size > 1:
+            exc.add_note(raised_note(self.ctx.rank, self.ctx.world_size, type_name(exc), str(exc), launched=False))
 
 
 def _export_rank_variables(env: Environment) -> None:

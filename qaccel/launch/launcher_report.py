@@ -29,6 +29,7 @@ import sys
 import time
 import traceback
 
+from qaccel import storage
 from qaccel.errors import is_symptom
 
 ERROR_FILE_VARIABLE = "TORCHELASTIC_ERROR_FILE"
@@ -53,17 +54,11 @@ def record_cause(exc: BaseException, raised_at: float | None = None) -> bool:
             "extraInfo": {"py_callstack": "".join(traceback.format_exception(exc)), "timestamp": str(stamp)},
         }
     }
-    tmp = f"{path}.qaccel-{os.getpid()}.tmp"
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(tmp, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)  # whole or not at all: the agent may read it the moment this process dies
+        # whole or not at all: the agent may read it the moment this process dies
+        storage.write_bytes(json.dumps(data).encode(), path, durable=False)
     except OSError:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
         return False
     return True
 

@@ -25,7 +25,6 @@ import stat
 import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 LOCK = "caller.lock"
 MARKER = "QACCEL_RUNS"
@@ -162,9 +161,3 @@ def _remove_if_dead(path: str, lockless_is_dead: bool) -> bool:
         if lock is not None:
             os.close(lock)
 
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write to a temporary name then rename, so a reader never sees a half-written file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)

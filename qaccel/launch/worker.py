@@ -36,11 +36,12 @@ from typing import Any
 import cloudpickle
 import torch.distributed as dist
 
+from qaccel import storage
 from qaccel.comm import session
 from qaccel.environment import Environment, Kind, rank_variables
 from qaccel.launch import inherit, output
 from qaccel.launch.failures import ErrorReport
-from qaccel.launch.run_dir import write_atomic
+from qaccel.launch.running import run_as_rank
 from qaccel.options import Config
 from qaccel.train import prepare
 
@@ -107,27 +108,22 @@ def rank_main(spec: RankSpec, caller: multiprocessing.connection.Connection,
     os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
     os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
     ctx = session.rank_context(config, spec.rank, spec.rank, 0, spec.world_size, spec.world_size)
-    reported = False
+
+    def store(session_number: int) -> dist.Store:
+        return dist.TCPStore("127.0.0.1", spec.port, None, False, timeout=datetime.timedelta(seconds=config.timeout))
+
+    def body() -> None:
+        settings, fn, args, kwargs = pickle.loads(Path(spec.run_dir, "payload").read_bytes())
+        if settings is not None:
+            inherit.apply(settings)
+        inherit.adopt_script(settings, fn, args, kwargs)
+        result = fn(*args, **kwargs)
+        if spec.keep_result:
+            storage.write_bytes(_dumps_result(result, spec.rank), Path(spec.run_dir, f"result-{spec.rank}"), durable=False)
+
     try:
-        store = dist.TCPStore("127.0.0.1", spec.port, None, False, timeout=datetime.timedelta(seconds=config.timeout))
-        with session.session(ctx, config.timeout, store=store, group_of_one=config.strategy == "fsdp", debug=config.debug,
-                           process_ends=True):
-            try:
-                settings, fn, args, kwargs = pickle.loads(Path(spec.run_dir, "payload").read_bytes())
-                if settings is not None:
-                    inherit.apply(settings)
-                inherit.adopt_script(settings, fn, args, kwargs)
-                result = fn(*args, **kwargs)
-                if spec.keep_result:
-                    write_atomic(Path(spec.run_dir, f"result-{spec.rank}"), _dumps_result(result, spec.rank))
-            except BaseException as exc:
-                session.explain_timeout(exc)
-                _report(spec, exc, caller)  # before teardown, which may take a while
-                reported = True
-                raise
-    except BaseException as exc:
-        if not reported:
-            _report(spec, exc, caller)
+        run_as_rank(ctx, config, body, _CallerReport(spec, caller), store, process_ends=True)
+    except BaseException:
         raise SystemExit(1) from None
 
 
@@ -155,14 +151,22 @@ def _dumps_result(result: Any, rank: int) -> bytes:
     return buffer.getvalue()
 
 
-def _report(spec: RankSpec, exc: BaseException, caller: multiprocessing.connection.Connection) -> None:
-    """Write the exception for the caller, then tell it at once (teardown may still take a while).
+class _CallerReport:
+    """A failure, written to the run directory for the caller and announced on the lifeline at once (teardown may
+    still take a while). The rank's output is flushed first: the caller stops it as soon as it hears."""
 
-    The rank's output is flushed first: the caller stops it as soon as it hears, before exit would flush.
-    """
-    flush_std_streams()
-    write_atomic(Path(spec.run_dir, f"error-{spec.rank}"), pickle.dumps(ErrorReport.of(spec.rank, exc)))
-    try:
-        caller.send(spec.rank)
-    except OSError:
-        pass
+    def __init__(self, spec: RankSpec, caller: multiprocessing.connection.Connection) -> None:
+        self.spec, self.caller = spec, caller
+
+    def early(self, exc: BaseException) -> None:
+        flush_std_streams()
+        report = pickle.dumps(ErrorReport.of(self.spec.rank, exc))
+        storage.write_bytes(report, Path(self.spec.run_dir, f"error-{self.spec.rank}"), durable=False)
+        try:
+            self.caller.send(self.spec.rank)
+        except OSError:
+            pass
+
+    def late(self, exc: BaseException, reported_early: bool) -> None:
+        if not reported_early:
+            self.early(exc)

@@ -248,7 +248,7 @@ def _numbered(directory: str) -> list[tuple[int, str]]:
 def _candidates(directory: str) -> list[str]:
     """The checkpoints load_state(directory) may read, the preferred first: ``directory`` itself if it is one, else
     its complete ``checkpoint_<step>`` folders, newest first; else the backup a save left between its renames."""
-    if os.path.isfile(os.path.join(directory, MARKER_FILE)) or os.path.isfile(os.path.join(directory, "model_0.pt")):
+    if os.path.isfile(os.path.join(directory, MARKER_FILE)):
         return [directory]
     numbered = [path for _, path in reversed(_numbered(directory))]
     if numbered:
@@ -338,7 +338,7 @@ def _read_checked(found: str, registry: Registry, ctx: RankContext) -> _Read:
     except _Unreadable as exc:
         problems.append((1, exc.file, exc.why))
     else:
-        files = sorted(marker.get("files", {}).items())
+        files = sorted(marker["files"].items())
         share = files[ctx.rank::ctx.world_size] if ctx.world_size > 1 else files
         # The share is checked in a second thread while the parts are read (numpy's sum and torch's reads release
         # the GIL), so checking costs little more than reading (benchmarks/checkpoint_integrity.py).
@@ -378,16 +378,14 @@ class _Unreadable(Exception):
 
 
 def _marker(directory: str) -> dict[str, Any]:
-    """The checkpoint's marker ({} for a checkpoint older than markers)."""
+    """The checkpoint's marker: complete means a marker of this FORMAT, listing every file (one rule)."""
     try:
         with open(os.path.join(directory, MARKER_FILE), "rb") as f:
             marker = json.load(f)
-    except FileNotFoundError:
-        return {}
     except (OSError, ValueError) as exc:
         raise _Unreadable(MARKER_FILE, f"cannot be read ({exc})") from exc
-    if not isinstance(marker, dict):
-        raise _Unreadable(MARKER_FILE, "is not what save_state() writes")
+    if not isinstance(marker, dict) or marker.get("format") != FORMAT or not isinstance(marker.get("files"), dict):
+        raise _Unreadable(MARKER_FILE, f"is not what save_state() writes (format {FORMAT}, listing every file)")
     return marker
 
 
@@ -494,8 +492,7 @@ def _apply(found: str, read: _Read, registry: Registry, ctx: RankContext) -> Non
     if registry.scaler is not None:
         registry.scaler.load_state_dict(read.parts["scaler"][0])
     _set_rng_state(read.rng)
-    if "step" in read.marker:
-        registry.updates = int(read.marker["step"])
+    registry.updates = int(read.marker["step"])
 
 
 def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, model: int = 0) -> str:
@@ -508,7 +505,7 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, model: in
         raise _not_a_checkpoint(path)
     try:
         marker = _marker(found)
-        for name, recorded in sorted(marker.get("files", {}).items()):
+        for name, recorded in sorted(marker["files"].items()):
             if why := storage.damage(os.path.join(found, name), recorded):
                 raise _Unreadable(name, why)
         sharded = os.path.join(found, SHARDED_DIR)

@@ -8,19 +8,18 @@ from typing import Any, Callable
 
 import torch
 
-from qaccel.train import batch
+from qaccel.nested import map_leaves
+from qaccel.options import MixedPrecision
 
-_HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
-
-def autocast(mixed_precision: str, device: torch.device) -> contextlib.AbstractContextManager:
-    """torch.autocast for the configured precision on this device; a no-op for "no"."""
-    if mixed_precision == "no":
+def autocast(mixed_precision: MixedPrecision, device: torch.device) -> contextlib.AbstractContextManager:
+    """torch.autocast for the configured precision on this device; a no-op without mixed precision."""
+    if mixed_precision is MixedPrecision.NO:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=_HALF[mixed_precision])
+    return torch.autocast(device_type=device.type, dtype=mixed_precision.half)
 
 
-def autocast_forward(forward: Callable[..., Any], mixed_precision: str, device: torch.device) -> Callable[..., Any]:
+def autocast_forward(forward: Callable[..., Any], mixed_precision: MixedPrecision, device: torch.device) -> Callable[..., Any]:
     """``forward`` run under autocast, its floating outputs returned as float32 so the loss is computed in full
     precision (as Accelerate does)."""
 
@@ -28,7 +27,7 @@ def autocast_forward(forward: Callable[..., Any], mixed_precision: str, device: 
     def run(*args: Any, **kwargs: Any) -> Any:
         with autocast(mixed_precision, device):
             out = forward(*args, **kwargs)
-        return batch.map_leaves(out, _to_float32)
+        return map_leaves(out, _to_float32)
 
     return run
 
@@ -39,6 +38,6 @@ def _to_float32(leaf: Any) -> Any:
     return leaf
 
 
-def make_scaler(mixed_precision: str) -> torch.amp.GradScaler | None:
+def make_scaler(mixed_precision: MixedPrecision) -> torch.amp.GradScaler | None:
     """fp16 needs loss scaling to keep small gradients from underflowing; bf16 has float32's range and does not."""
-    return torch.amp.GradScaler("cuda") if mixed_precision == "fp16" else None
+    return torch.amp.GradScaler("cuda") if mixed_precision is MixedPrecision.FP16 else None

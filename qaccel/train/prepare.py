@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 from qaccel.comm import collectives, session
 from qaccel.comm.session import RankContext
-from qaccel.options import Config
+from qaccel.options import Config, MixedPrecision, Strategy
 from qaccel.train import data, precision, sharding, stopping
 from qaccel.train.gradients import PreparedOptimizer
 from qaccel.train.registry import Registry
@@ -23,7 +23,7 @@ def prepare_one(obj: Any, ctx: RankContext, config: Config, registry: Registry) 
         run = session.current_run()
         if run is not None and (isinstance(model, DistributedDataParallel) or sharding.is_sharded(model)):
             run.bound.add(model)  # destroyed before the session's group is (session.Run.release)
-        if config.mixed_precision != "no" and not sharding.is_sharded(model) and not hasattr(model, "_qaccel_autocast"):
+        if config.mixed_precision is not MixedPrecision.NO and not sharding.is_sharded(model) and not hasattr(model, "_qaccel_autocast"):
             model.forward = precision.autocast_forward(model.forward, config.mixed_precision, ctx.device)
             model._qaccel_autocast = True
         if not any(model is known for known in registry.models):
@@ -57,7 +57,7 @@ def prepare_model(model: torch.nn.Module, ctx: RankContext, config: Config, regi
     if isinstance(model, DistributedDataParallel) or sharding.is_sharded(model):
         return model
     trainable = any(p.requires_grad for p in model.parameters())
-    if config.strategy == "fsdp" and trainable and dist.is_initialized():
+    if config.strategy is Strategy.FSDP and trainable and dist.is_initialized():
         model.to(dtype=config.dtype)  # fully_shard moves each shard to the mesh's device: no full copy there
         if registry.mesh is None:
             registry.mesh = sharding.mesh_for(ctx)

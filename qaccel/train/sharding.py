@@ -19,6 +19,7 @@ import torch
 
 from qaccel import storage
 from qaccel.comm.session import RankContext
+from qaccel.options import MixedPrecision
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -71,7 +72,7 @@ def _self_contained(module: torch.nn.Module, prefix: str, names_of: dict[int, li
 
 
 def shard(
-    model: torch.nn.Module, class_names: tuple[str, ...], min_params: int, mixed_precision: str, mesh: DeviceMesh
+    model: torch.nn.Module, class_names: tuple[str, ...], min_params: int, mixed_precision: MixedPrecision, mesh: DeviceMesh
 ) -> dict[int, tuple[weakref.ref, torch.nn.Parameter]]:
     """fully_shard the policy's units, then the root, in place. Returns, for optimizers built before this, each
     replaced parameter's id -> (a weak reference to it, its sharded replacement)."""
@@ -79,13 +80,13 @@ def shard(
 
     before = dict(model.named_parameters())
     policy = MixedPrecisionPolicy()
-    if mixed_precision == "bf16":  # compute in bf16, reduce gradients in fp32
+    if mixed_precision is MixedPrecision.BF16:  # compute in bf16, reduce gradients in fp32
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for unit in units(model, class_names, min_params):
         fully_shard(unit, mesh=mesh, mp_policy=policy)
     # The loss is computed from the root's outputs: in fp32, as under DDP's autocast path.
     root_policy = MixedPrecisionPolicy(policy.param_dtype, policy.reduce_dtype, output_dtype=torch.float32) \
-        if mixed_precision == "bf16" else policy
+        if mixed_precision is MixedPrecision.BF16 else policy
     fully_shard(model, mesh=mesh, mp_policy=root_policy)
     after = dict(model.named_parameters())
     return {id(old): (weakref.ref(old), after[name]) for name, old in before.items() if after[name] is not old}

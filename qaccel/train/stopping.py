@@ -33,16 +33,14 @@ import torch.distributed as dist
 
 from qaccel.comm.session import RankContext
 from qaccel.errors import Preempted
+from qaccel.options import Backend
 
 CHECK_EVERY_S = 0.5  # how often the ranks agree whether to stop: a stop comes within about twice this
 MAX_CHECK_STEPS = 10_000
 
-_received = 0  # the first armed signal this process received since it armed them; 0: none
-_previous: dict[int, Any] = {}  # armed signal -> the handler it had before
-_owner_pid = 0
 
 
-def signal_number(value: int | str | signal.Signals, name: str) -> signal.Signals:
+def as_signal(value: int | str | signal.Signals, name: str) -> signal.Signals:
     """``value`` as a signal ("SIGUSR1", "USR1", 10 or signal.SIGUSR1); ValueError naming ``name`` otherwise."""
     try:
         if isinstance(value, str):
@@ -54,76 +52,105 @@ def signal_number(value: int | str | signal.Signals, name: str) -> signal.Signal
     raise ValueError(f"{name} must be a signal name such as 'SIGUSR1' or a signal number; got {value!r}")
 
 
-def arm(signals: set[signal.Signals]) -> None:
+class Armed:
+    """The signals this process notes instead of dying of them, and the first one received.
+
+    Signal handlers belong to the process, so one Armed is installed at a time (by the session's resume());
+    the at-fork hooks below read it to keep forked children out of it.
+    """
+
+    def __init__(self, signals: set[signal.Signals]) -> None:
+        self.owner_pid = os.getpid()
+        self.received = 0  # the first armed signal received; 0: none
+        self.previous: dict[int, Any] = {}  # armed signal -> the handler it had before
+        self.mask_before_fork: set[int] | None = None
+        self.add(signals)
+
+    def add(self, signals: set[signal.Signals]) -> None:
+        for sig in signals:
+            if sig not in self.previous:
+                self.previous[sig] = signal.signal(sig, self._note)
+
+    def _note(self, signum: int, frame: Any) -> None:
+        if os.getpid() != self.owner_pid:  # a forked child, signalled before its at-fork reset ran: die as it should
+            signal.signal(signum, self.previous.get(signum, signal.SIG_DFL))
+            os.kill(os.getpid(), signum)
+            return
+        if not self.received:
+            self.received = signum
+
+    def restore(self) -> None:
+        """Give the armed signals back their previous handlers."""
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous.clear()
+
+
+_armed: Armed | None = None  # the process's armed signals, if any
+
+
+def arm(signals: set[signal.Signals]) -> Armed:
     """Note ``signals`` instead of dying of them, from now until disarm()."""
-    global _owner_pid
+    global _armed
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("resume() installs signal handlers, which Python allows only in the main thread")
-    _owner_pid = os.getpid()
-    for sig in signals:
-        if sig not in _previous:
-            _previous[sig] = signal.signal(sig, _note)
+    if _armed is None:
+        _armed = Armed(signals)
+    else:
+        _armed.add(signals)
+    return _armed
 
 
 def disarm() -> None:
     """Give the armed signals back their previous handlers and forget any signal received."""
-    global _received
-    for sig, handler in _previous.items():
-        signal.signal(sig, handler)
-    _previous.clear()
-    _received = 0
+    global _armed
+    if _armed is not None:
+        _armed.restore()
+        _armed = None
 
 
-def _note(signum: int, frame: Any) -> None:
-    global _received
-    if os.getpid() != _owner_pid:  # a forked child, signalled before its at-fork reset ran: die as it should
-        signal.signal(signum, _previous.get(signum, signal.SIG_DFL))
-        os.kill(os.getpid(), signum)
-        return
-    if not _received:
-        _received = signum
-
-
-_mask_before_fork: set[int] | None = None
+def _armed_signals() -> set[int]:
+    return set(_armed.previous) if _armed is not None else set()
 
 
 def _block_before_fork() -> None:
     """Hold the armed signals back across a fork: one reaching the child before its reset would be lost."""
-    global _mask_before_fork
-    if _previous:
-        _mask_before_fork = signal.pthread_sigmask(signal.SIG_BLOCK, set(_previous))
+    if _armed is not None and _armed.previous:
+        _armed.mask_before_fork = signal.pthread_sigmask(signal.SIG_BLOCK, set(_armed.previous))
 
 
 def _unblock() -> None:
-    global _mask_before_fork
-    if _mask_before_fork is not None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, _mask_before_fork)
-        _mask_before_fork = None
+    if _armed is not None and _armed.mask_before_fork is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, _armed.mask_before_fork)
+        _armed.mask_before_fork = None
 
 
 def _child_defaults() -> None:
     """In a forked child: SIGTERM's handler from before arming; the requeue signal ignored.
 
     A signal that came between the fork and this reset was held back (blocked) and is delivered now, to the reset
-    handler; noted by _note instead, Python would drop it when the handler became SIG_DFL, and a pool worker
+    handler; noted by Armed._note instead, Python would drop it when the handler became SIG_DFL, and a pool worker
     terminated that early lived on, hanging Pool.terminate (seen 1 run in ~20 under load).
     """
+    global _armed
+    if _armed is None:
+        return
+    armed, _armed = _armed, None  # the child's own: the parent's Armed no longer applies
     try:
-        if _previous:
-            for sig, handler in _previous.items():
-                signal.signal(sig, handler if sig == signal.SIGTERM else signal.SIG_IGN)
-            _previous.clear()
-    except ValueError:  # forked from a thread other than the main one: _note's pid check covers it
+        for sig, handler in armed.previous.items():
+            signal.signal(sig, handler if sig == signal.SIGTERM else signal.SIG_IGN)
+    except ValueError:  # forked from a thread other than the main one: Armed._note's pid check covers it
         pass
     finally:
-        _unblock()
+        if armed.mask_before_fork is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, armed.mask_before_fork)
 
 
 def shield_workers(loader: Any) -> None:
     """Make the DataLoader workers ``loader`` starts from now on ignore the armed signals (see the module's doc)."""
     init = loader.worker_init_fn
     if not (isinstance(init, functools.partial) and init.func is _ignoring):
-        loader.worker_init_fn = functools.partial(_ignoring, tuple(_previous), init)
+        loader.worker_init_fn = functools.partial(_ignoring, tuple(_armed_signals()), init)
 
 
 @contextlib.contextmanager
@@ -135,10 +162,11 @@ def held() -> Iterator[None]:
     before its init ran, and its rank would fail instead of saving (seen in CI). The rank gets its own copy when
     the block ends. Nothing is held while no signal is armed.
     """
-    if not _previous:
+    armed = _armed_signals()
+    if not armed:
         yield
         return
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, set(_previous))
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, armed)
     try:
         yield
     finally:
@@ -162,6 +190,7 @@ class Stopper:
     """One session's agreement on when to stop, and the stop itself: save, requeue (SLURM), raise Preempted."""
 
     def __init__(self, ctx: RankContext, save: Callable[[], str], requeue_signal: signal.Signals | None) -> None:
+        self.armed = arm({signal.SIGTERM} | ({requeue_signal} if requeue_signal is not None else set()))
         self.ctx = ctx
         self.save = save
         self.requeue_signal = requeue_signal
@@ -172,13 +201,13 @@ class Stopper:
         self.window = 0  # steps the all-reduce in flight measured (0: none yet)
         self.launched = 0.0  # when this rank started it
         # The flag lives on the CPU; NCCL reduces only GPU tensors, so NCCL worlds use a gloo group for it.
-        self.group = dist.new_group(backend="gloo") if ctx.world_size > 1 and ctx.backend != "gloo" else None
+        self.group = dist.new_group(backend="gloo") if ctx.world_size > 1 and ctx.backend is not Backend.GLOO else None
 
     def boundary(self) -> None:
         """Called by every rank after the same optimizer steps: stop here if the ranks agreed a signal came."""
         if self.ctx.world_size == 1:
-            if _received:
-                self._stop(signal.Signals(_received))
+            if self.armed.received:
+                self._stop(signal.Signals(self.armed.received))
             return
         self.countdown -= 1
         if self.countdown > 0:
@@ -192,7 +221,7 @@ class Stopper:
                 self._stop(signal.Signals(signum))
             if per_step > 0:
                 self.interval = max(1, min(MAX_CHECK_STEPS, int(CHECK_EVERY_S / per_step)))
-        self.flag[0] = _received
+        self.flag[0] = self.armed.received
         self.flag[1] = (now - self.launched) / self.window if self.window else 0.0
         self.window = self.countdown = self.interval if self.launched else 1
         self.launched = now

@@ -248,6 +248,24 @@ def test_consolidate_and_load_state_say_what_is_there_instead_of_a_checkpoint(si
     assert not os.path.exists(out)
 
 
+def test_complete_means_a_marker_listing_every_file(single, tmp_path):
+    """One rule for a complete checkpoint: its marker, of the current format, listing every file. Parts without a
+    marker are not a checkpoint; a marker of another form is a damaged one."""
+    path = tmp_path / "ckpt"
+    _prepared(single)
+    single.save_state(path)
+    marker = path / "qaccel_state.json"
+    text = marker.read_text()
+    marker.unlink()
+    with pytest.raises(FileNotFoundError, match="ckpt is not a qaccel checkpoint: it holds no qaccel_state.json"):
+        single.load_state(path)
+    marker.write_text(text.replace('"format": 2', '"format": 1'))
+    with pytest.raises(CheckpointError, match="qaccel_state.json is not what save_state\\(\\) writes \\(format 2"):
+        single.load_state(path)
+    with pytest.raises(CheckpointError, match="is damaged: qaccel_state.json is not what save_state"):
+        consolidate(path, tmp_path / "out.pt")
+
+
 def test_consolidate_refuses_a_damaged_checkpoint(single, tmp_path):
     path = tmp_path / "ckpt"
     _prepared(single)

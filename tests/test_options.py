@@ -1,0 +1,51 @@
+"""The options are declared once (qaccel.options.OPTIONS): the Accelerator's signature, its docstring, the resolved
+Config and the docs' table all follow that declaration, and a drift between them fails here."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+
+from qaccel import Accelerator, options
+from qaccel.environment import detect
+
+
+def test_the_signature_is_the_declaration():
+    parameters = list(inspect.signature(Accelerator.__init__).parameters.values())[1:]
+    assert [p.name for p in parameters] == [o.name for o in options.OPTIONS]
+    for parameter, option in zip(parameters, options.OPTIONS):
+        assert parameter.default == option.default, option.name
+        kind = inspect.Parameter.KEYWORD_ONLY if option.keyword_only else inspect.Parameter.POSITIONAL_OR_KEYWORD
+        assert parameter.kind is kind, option.name
+
+
+def test_config_holds_every_option_resolved():
+    resolved = [options.RESOLVED_AS.get(o.name, o.name) for o in options.OPTIONS]
+    config_fields = [f.name for f in dataclasses.fields(options.Config)]
+    assert sorted(config_fields) == sorted(resolved)
+
+
+def test_the_docstring_and_the_table_name_every_option_in_order():
+    doc = Accelerator.__doc__.split("Args:", 1)[1]
+    table = options.option_table()
+    for text in (doc, table):
+        positions = [text.index(o.name + (":" if text is doc else "`")) for o in options.OPTIONS]
+        assert positions == sorted(positions)
+    assert table.count("\n| `") == len(options.OPTIONS)
+
+
+def test_make_config_refuses_a_name_it_does_not_declare():
+    with pytest.raises(TypeError, match="unknown option.*nproc.*the options are nprocs, compute_setup"):
+        options.make_config(detect(), nproc=2)
+
+
+def test_closed_sets_resolve_to_enums_that_still_compare_as_strings():
+    acc = Accelerator(compute_setup="cpu", mixed_precision="bf16", strategy="ddp")
+    config = acc._config
+    assert config.device_type is options.DeviceType.CPU and config.backend is options.Backend.GLOO
+    assert config.mixed_precision is options.MixedPrecision.BF16 and config.strategy is options.Strategy.DDP
+    assert config.start_method is options.StartMethod.FORKSERVER
+    assert acc.backend == "gloo" and acc.mixed_precision == "bf16" and acc.strategy == "ddp"
+    assert repr(acc).endswith("backend='gloo', dtype=None)")
