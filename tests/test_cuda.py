@@ -8,14 +8,13 @@ device_ids) differs from it only in the device index.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from qaccel import Accelerator
-from support.procs import REPO, run_script, script_env, write_script
+from support.procs import REPO, free_port, run_script, script_env, write_script
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -151,12 +150,6 @@ def test_fp16_save_and_load_state_restore_scaler_and_cuda_rng(tmp_path):
         assert torch.equal(p, q)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_nccl_group_made_by_the_user_is_reused_for_every_collective(tmp_path):
     """A one-rank NCCL group: init with set_device, barrier with device_ids, packed all-reduce on the GPU."""
     script = write_script(tmp_path, """
@@ -179,7 +172,7 @@ def test_nccl_group_made_by_the_user_is_reused_for_every_collective(tmp_path):
             print("OUT", acc.distribute(work)(), dist.is_initialized(), flush=True)
             dist.destroy_process_group()
     """)
-    proc = run_script(script, env=script_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())), timeout=120)
+    proc = run_script(script, env=script_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())), timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "OUT nccl True" in proc.stdout
 

@@ -4,10 +4,10 @@ n1, n2 on localhost) started by the ``slurm_cluster`` fixture."""
 
 import os
 import subprocess
-import time
 
 import pytest
 
+from support.procs import alive, wait_for
 from support.slurm_cluster import LocalSlurm, SlurmError
 
 pytestmark = pytest.mark.slurm
@@ -141,28 +141,18 @@ def test_second_cluster_starts_and_tears_down_completely(slurm_cluster):
         # leave a running job behind: teardown must cancel/kill it
         sleeper = subprocess.Popen(["srun", "-n1", "sleep", "300"], env=other.env,
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for _ in range(200):
-            if other.run(["squeue", "-h", "-t", "R", "-o", "%i"], 10).stdout.strip():
-                break
-            time.sleep(0.05)
+        wait_for(lambda: other.run(["squeue", "-h", "-t", "R", "-o", "%i"], 10).stdout.strip(), 30,
+                 "the sleeper to run")
         pids = [p.pid for p in other._procs.values()]
         root = other.root
         assert other.leftover_pids()
     assert sleeper.wait(30) != 0
     assert other.leftover_pids() == []
-    assert not any(os.path.exists(f"/proc/{p}") and _alive(p) for p in pids)
+    assert not any(os.path.exists(f"/proc/{p}") and alive(p) for p in pids)
     assert not root.exists()
     # the session cluster is unaffected
     r = slurm_cluster.srun(["-N2", "-n2", "true"], timeout=60)
     assert r.returncode == 0, r.stderr
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 @pytest.mark.timeout(120)

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 
-from support.procs import REPO, left_in, wait_dead, write_script
+from support.procs import REPO, free_port, left_in, wait_dead, write_script
 
 pytestmark = pytest.mark.slurm
 
@@ -62,12 +61,6 @@ if __name__ == "__main__":
 
 ARGS = ["--tag", "two words"]  # reach the training script through the template's "$@", quoting intact
 CPU_ONLY = ["--gpus-per-node=0"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(cluster, tmp_path: Path, **extra: str) -> dict:
@@ -135,7 +128,7 @@ def _check_training(results: list[dict], world: int, kind: str, output: str) -> 
 
 @pytest.mark.timeout(150)
 def test_one_node_template_runs_one_srun_task_per_rank(slurm_cluster, tmp_path):
-    env = _env(slurm_cluster, tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env = _env(slurm_cluster, tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     info, results, output = _submit(slurm_cluster, tmp_path, "one_node.sbatch",
                                     [*CPU_ONLY, "--ntasks-per-node=2", "--cpus-per-task=1"], env)
     assert _state(info) == ("COMPLETED", "0:0"), output
@@ -146,7 +139,7 @@ def test_one_node_template_runs_one_srun_task_per_rank(slurm_cluster, tmp_path):
 
 @pytest.mark.timeout(150)
 def test_multi_node_template_runs_one_srun_task_per_rank_on_every_node(slurm_cluster, tmp_path):
-    env = _env(slurm_cluster, tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env = _env(slurm_cluster, tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     info, results, output = _submit(slurm_cluster, tmp_path, "train.sbatch",
                                     [*CPU_ONLY, "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1"], env)
     assert _state(info) == ("COMPLETED", "0:0"), output
@@ -171,7 +164,7 @@ def test_torchrun_one_node_template_follows_torchruns_workers(slurm_cluster, tmp
 
 @pytest.mark.timeout(150)
 def test_torchrun_multi_node_template_rendezvouses_one_torchrun_per_node(slurm_cluster, tmp_path):
-    env = _env(slurm_cluster, tmp_path, NPROC_PER_NODE="2", RDZV_HOST="127.0.0.1", RDZV_PORT=str(_free_port()))
+    env = _env(slurm_cluster, tmp_path, NPROC_PER_NODE="2", RDZV_HOST="127.0.0.1", RDZV_PORT=str(free_port()))
     info, results, output = _submit(slurm_cluster, tmp_path, "torchrun_multi_node.sbatch",
                                     [*CPU_ONLY, "--nodes=2", "--cpus-per-task=2"], env)
     assert _state(info) == ("COMPLETED", "0:0"), output
@@ -185,7 +178,7 @@ def test_torchrun_multi_node_template_rendezvouses_one_torchrun_per_node(slurm_c
 
 @pytest.mark.timeout(150)
 def test_one_node_template_runs_the_quickstart_example_without_arguments(slurm_cluster, tmp_path):
-    env = _env(slurm_cluster, tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env = _env(slurm_cluster, tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     job_id, output = slurm_cluster.sbatch_wait(REPO / "slurm" / "one_node.sbatch", 100,
                                                      [*CPU_ONLY, "--ntasks-per-node=2", "--cpus-per-task=1"], env=env,
                                                cwd=REPO)  # submitted from the repository root, as documented
@@ -196,7 +189,7 @@ def test_one_node_template_runs_the_quickstart_example_without_arguments(slurm_c
 
 @pytest.mark.timeout(150)
 def test_multi_node_template_stops_every_rank_when_one_fails(slurm_cluster, tmp_path):
-    env = _env(slurm_cluster, tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), FAIL_RANK="3",
+    env = _env(slurm_cluster, tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), FAIL_RANK="3",
                TRAIN_TIMEOUT="600")
     info, results, output = _submit(slurm_cluster, tmp_path, "train.sbatch",
                                           [*CPU_ONLY, "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1"], env)
@@ -209,7 +202,7 @@ def test_multi_node_template_stops_every_rank_when_one_fails(slurm_cluster, tmp_
 
 @pytest.mark.timeout(150)
 def test_torchrun_multi_node_template_stops_both_nodes_when_a_worker_fails(slurm_cluster, tmp_path):
-    env = _env(slurm_cluster, tmp_path, NPROC_PER_NODE="2", RDZV_HOST="127.0.0.1", RDZV_PORT=str(_free_port()),
+    env = _env(slurm_cluster, tmp_path, NPROC_PER_NODE="2", RDZV_HOST="127.0.0.1", RDZV_PORT=str(free_port()),
                FAIL_RANK="3", TRAIN_TIMEOUT="600")
     info, results, output = _submit(slurm_cluster, tmp_path, "torchrun_multi_node.sbatch",
                                           [*CPU_ONLY, "--nodes=2", "--cpus-per-task=2"], env)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from support.procs import REPO, run_torchrun, script_env, slurm_env, torchrun_cmd, wait_dead, write_script
+from support.procs import REPO, run_torchrun, script_env, slurm_env, torchrun_cmd, wait_dead, wait_for_text, write_script
 
 TIMEOUT_S = 4
 SCRIPT = """
@@ -175,12 +175,12 @@ def _ask_where_and_release(cmd: list[str], out, env: dict, ask=None) -> tuple[su
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=out.parent,
                                 start_new_session=True)
     try:
-        _wait_for(err_path, ["ready 0", "ready 1"])
+        wait_for_text(err_path, "ready 0", "ready 1")
         time.sleep(0.5)  # rank 0 is in its barrier by now
         asked = subprocess.run(ask(proc) if ask else [sys.executable, "-m", "qaccel", "where", str(proc.pid)],
                                capture_output=True, text=True, env=env, timeout=60)
         assert asked.returncode == 0, asked.stderr
-        text = _wait_for(err_path, ["SIGUSR2: rank 0 of 2", "SIGUSR2: rank 1 of 2"])
+        text = wait_for_text(err_path, "SIGUSR2: rank 0 of 2", "SIGUSR2: rank 1 of 2")
         (out / "go").touch()
         stdout, _ = proc.communicate(timeout=60)
     finally:
@@ -230,14 +230,6 @@ def test_scancel_signal_usr2_makes_every_srun_task_say_where_it_is(hang, slurm_c
     assert proc.returncode == 0, proc.stderr
     _check_answers(script, text)
     assert proc.stdout.count("RESULT [True, True]") == 2
-
-
-def _wait_for(path, needles: list[str], timeout: float = 30) -> str:
-    deadline = time.monotonic() + timeout
-    while not all(n in (text := path.read_text()) for n in needles):
-        assert time.monotonic() < deadline, text
-        time.sleep(0.05)
-    return text
 
 
 # Debug mode: one launch catches several mismatches (each raised on every rank, after which the group is usable).

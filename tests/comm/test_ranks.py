@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from qaccel.comm import ranks, session
+from support.procs import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -47,11 +48,8 @@ def _two_nodes_local_first(path):
     one_rank_per_node = dataclasses.replace(ctx, local_rank=0, local_world_size=1, node_rank=ctx.rank)
     with ranks.main_process_first(one_rank_per_node, local=True):
         _append(path, str(ctx.rank))
-        deadline = time.monotonic() + 20
-        while len(_read_lines(path)) < 2:  # both local mains run the block at once
-            if time.monotonic() > deadline:
-                raise TimeoutError("the other node's local main did not enter the block alongside this one")
-            time.sleep(0.01)
+        wait_for(lambda: len(_read_lines(path)) >= 2, 20,  # both local mains run the block at once
+                 "the other node's local main to enter the block alongside this one", interval=0.01)
     return sorted(_read_lines(path))
 
 

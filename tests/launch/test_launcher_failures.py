@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from support.procs import run_torchrun, slurm_env, wait_dead, write_script
+from support.procs import run_torchrun, slurm_env, wait_dead, wait_for, write_script
 
 SCRIPT = """
 import os, sys, time
@@ -119,12 +119,9 @@ def test_torchrun_names_the_raising_rank_as_root_cause_every_time_and_no_system_
 
 
 def _no_jobs_left(cluster, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not cluster.run(["squeue", "-h"], timeout=10).stdout.strip():
-            return True
-        time.sleep(0.2)
-    return False
+    """True once squeue lists no job; fails after ``timeout`` s."""
+    return wait_for(lambda: not cluster.run(["squeue", "-h"], timeout=10).stdout.strip(), timeout,
+                    "squeue to list no job", interval=0.2)
 
 
 @pytest.mark.slurm

@@ -18,7 +18,8 @@ import uuid
 import pytest
 
 from support.procs import (
-    REPO, marked_pids, once_per_session, result_lines, run_script, run_torchrun, signal_when, slurm_env, torchrun_cmd, wait_dead,
+    REPO, marked_pids, once_per_session, result_lines, run_script, run_torchrun, signal_when, slurm_env, torchrun_cmd, wait_dead, wait_for,
+    wait_for_text,
 )
 from support.real_train import REAL, checked, real_env
 
@@ -165,11 +166,12 @@ def test_slurm_usr1_warning_saves_requeues_and_resumes_bitwise(reference, slurm_
         ["--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1", f"--output={out}"],
         env=env, cwd=tmp_path, script_args=[str(REAL), "--ckpt", str(tmp_path / "ckpt"), *SLOW],
     )
-    _wait_for(lambda: out.exists() and "rank 1 epoch 1 loss" in out.read_text(), 120, out)
+    wait_for_text(out, "rank 1 epoch 1 loss", timeout=120)
     assert slurm_cluster.run(["scancel", "--signal=USR1", "--batch", str(job)]).returncode == 0
     # SLURM holds a requeued job ~2 minutes (BeginTime) before it may start; as the cluster's admin, start it now
-    _wait_for(lambda: slurm_cluster.job_info(job).get("Restarts") == "1"
-              and slurm_cluster.job_info(job).get("JobState") == "PENDING", 60, out)
+    wait_for(lambda: slurm_cluster.job_info(job).get("Restarts") == "1"
+             and slurm_cluster.job_info(job).get("JobState") == "PENDING", 60,
+             lambda: f"the requeued job to be pending; job output:\n{out.read_text()}", interval=0.2)
     # slurmd refuses a launch whose credential is not newer, in whole seconds, than the kill of the job's previous
     # start ("Job N already killed, do not launch batch job": slurm_cred_revoked); started in the same second,
     # the requeued job ended FAILED 1:0 (1 run in 5-8 here). SLURM's own hold never meets this; wait it out.
@@ -189,10 +191,3 @@ def test_slurm_usr1_warning_saves_requeues_and_resumes_bitwise(reference, slurm_
     assert (result["rank"], result["world"], result["workers"]) == (0, 2, [0, 1]), result
     assert result["hash"] == reference and result["resumed"], result
 
-
-def _wait_for(condition, timeout, out):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out; job output:\n{out.read_text() if out.exists() else '(none)'}")
-        time.sleep(0.2)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from qaccel.launch import run_dir
-from support.procs import REPO, left_in, run_script, script_env, write_script
+from support.procs import REPO, left_in, run_script, script_env, wait_for, write_script
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -129,13 +129,6 @@ def _run_dirs(tmp):
     return sorted(p.name for p in (tmp / ROOT).glob("*") if p.name != run_dir.MARKER)
 
 
-def _wait_for(predicate, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def test_next_launch_removes_a_killed_callers_directory_and_keeps_a_live_ones(tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
@@ -144,7 +137,7 @@ def test_next_launch_removes_a_killed_callers_directory_and_keeps_a_live_ones(tm
     gate = tmp_path / "gate"
     live = subprocess.Popen([sys.executable, str(script), "live", str(gate)], env=env, stdout=subprocess.PIPE, text=True)
     try:
-        _wait_for(lambda: len(_run_dirs(tmp)) == 1)
+        wait_for(lambda: len(_run_dirs(tmp)) == 1, 60, lambda: f"the live launch's run directory: {_run_dirs(tmp)}")
         [live_dir] = _run_dirs(tmp)
         assert live_dir.startswith("run-")
         killed = run_script(script, "killed", str(tmp_path / "never"), env=env, timeout=120)

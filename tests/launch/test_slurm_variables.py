@@ -3,13 +3,12 @@ place, an sbatch shell without srun spawns its own ranks. (tests/cluster/test_sl
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 
 import pytest
 
-from support.procs import REPORT_SCRIPT, free_job_id, report_results, run_script, srun_env, write_script
+from support.procs import REPORT_SCRIPT, free_job_id, free_port, report_results, run_script, srun_env, write_script
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -80,12 +79,9 @@ def test_srun_tasks_run_in_place_with_slurm_ranks_for_many_sessions_back_to_back
 
 def test_srun_user_master_addr_and_port_win(tmp_path):
     script = write_script(tmp_path, REPORT_SCRIPT)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     results = _run_as_srun_tasks(
         script, "user", "1", SLURM_NODELIST="nosuchhost[1-2]", SLURM_STEP_NODELIST="nosuchhost[1-2]",
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
     )
     assert [r["sum"] for r in results] == [1, 1]
 

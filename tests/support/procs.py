@@ -16,23 +16,75 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now, picked by the kernel (port 0 bound): never a fixed port, so runs side by
+    side never count on the same one. Another process may still take it before it is used."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class WaitTimedOut(AssertionError):
+    """What ``wait_for`` raises when the time is up: a failed check, as pytest reports it."""
+
+
+def wait_for(condition, timeout: float, what, *, interval: float = 0.05):
+    """Call ``condition()`` every ``interval`` s until it returns a true value, and return that value. After
+    ``timeout`` s, raise WaitTimedOut saying what was waited for: ``what``, a string, or a callable that gives one
+    then (so the message can show the state at the end)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise WaitTimedOut(f"waited {timeout:g} s for {what() if callable(what) else what}")
+        time.sleep(interval)
+
+
+def wait_for_text(path: Path, *needles: str, timeout: float = 30.0, proc: subprocess.Popen | None = None) -> str:
+    """The text of the file ``path`` once it holds every one of ``needles`` (a missing file holds nothing yet).
+    Fails after ``timeout`` s, or as soon as ``proc``, the process that writes it, has ended without them."""
+    def read() -> str:
+        return Path(path).read_text() if Path(path).exists() else ""
+
+    def holds_all() -> str | None:
+        text = read()
+        if all(needle in text for needle in needles):
+            return text
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"{needles} never came in {path} (exit {proc.returncode}):\n{text}")
+        return None
+
+    return wait_for(holds_all, timeout, lambda: f"{needles} in {path}:\n{read()}")
+
+
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command name: state, ppid, ..."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
+    """True while ``pid`` exists and is neither a zombie nor dead."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
+        return _stat(pid)[0] not in ("Z", "X")
+    except (OSError, IndexError):
         return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def ppid(pid: int) -> int:
+    """The parent of ``pid``, as /proc tells it."""
+    return int(_stat(pid)[1])
 
 
 def wait_dead(pids, timeout: float = 10.0) -> list[int]:
     """Wait until none of ``pids`` is alive; return those still alive after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = [p for p in pids if alive(p)]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.05)
+    pids = list(pids)
+    try:
+        wait_for(lambda: not any(alive(p) for p in pids), timeout, "the processes to end")
+    except WaitTimedOut:
+        pass
+    return [p for p in pids if alive(p)]
 
 
 def left_in(tmpdir: Path) -> list[str]:
@@ -62,10 +114,7 @@ def signal_when(cmd: list[str], sig: int, ready: str, *, env: dict, cwd: Path, t
     with open(out_path, "w") as out, open(err_path, "w") as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=cwd, start_new_session=True)
         try:
-            while ready not in err_path.read_text():
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(f"{ready!r} never came (exit {proc.poll()}):\n{err_path.read_text()}")
-                time.sleep(0.05)
+            wait_for_text(err_path, ready, timeout=timeout, proc=proc)
             proc.send_signal(sig)
             proc.wait(max(1.0, deadline - time.monotonic()))
         finally:
@@ -110,24 +159,20 @@ if __name__ == "__main__":
 def stuck_ranks_and_workers(out: Path, timeout: float = 60) -> tuple[list[int], list[int]]:
     """The pids of STUCK_WORKERS' 2 ranks and 4 DataLoader workers, once all are up; every worker must be a child
     of a rank (found by parent pid, as /proc tells it), not of the forkserver."""
-    ranks = [int(p.name.split("-")[1]) for p in _wait_for_files(out, "rank-*", 2, timeout)]
-    workers = [int(p.name.split("-")[1]) for p in _wait_for_files(out, "worker-*", 4, timeout)]
-    assert {_ppid(w) for w in workers if alive(w)} <= set(ranks), "workers must be children of their rank"
+    ranks = [int(p.name.split("-")[1]) for p in _files(out, "rank-*", 2, timeout)]
+    workers = [int(p.name.split("-")[1]) for p in _files(out, "worker-*", 4, timeout)]
+    assert {ppid(w) for w in workers if alive(w)} <= set(ranks), "workers must be children of their rank"
     return ranks, workers
 
 
-def _wait_for_files(directory: Path, pattern: str, count: int, timeout: float) -> list[Path]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = list(Path(directory).glob(pattern))
-        if len(found) >= count:
-            return found
-        time.sleep(0.05)
-    raise AssertionError(f"fewer than {count} {pattern} after {timeout} s: {list(Path(directory).iterdir())}")
+def _files(directory: Path, pattern: str, count: int, timeout: float) -> list[Path]:
+    """The files matching ``pattern`` in ``directory`` once there are ``count`` of them."""
+    def found() -> list[Path] | None:
+        files = list(Path(directory).glob(pattern))
+        return files if len(files) >= count else None
 
-
-def _ppid(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return wait_for(found, timeout,
+                    lambda: f"{count} {pattern} in {directory}: {sorted(p.name for p in Path(directory).iterdir())}")
 
 
 def script_env(**extra: str) -> dict[str, str]:
@@ -236,11 +281,8 @@ def free_job_id() -> str:
 def slurm_env(cluster) -> dict:
     """The environment for commands run on the local SLURM (tests/support/slurm_cluster.py): its fake nodes n1/n2 do not
     resolve here, so qaccel rendezvouses on loopback, on a port free now (user-set MASTER_* win)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = cluster.env
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=str(REPO))
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), PYTHONPATH=str(REPO))
     return env
 
 

@@ -31,11 +31,9 @@ from __future__ import annotations
 
 import getpass
 import os
-import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -45,6 +43,7 @@ from pathlib import Path
 from typing import Callable
 
 from .component import apt_get_install
+from .procs import alive, free_port, wait_dead
 
 __all__ = ["LocalSlurm", "SlurmError", "ensure_installed", "missing_binaries"]
 
@@ -106,52 +105,6 @@ def _file_tail(path: Path, n: int = 2000) -> str:
         return f"<unreadable: {e}>"
 
 
-def _port_is_free(port: int) -> bool:
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("0.0.0.0", port))
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
-
-
-def _free_ports(n: int) -> list[int]:
-    """n distinct currently-bindable TCP ports.
-
-    Drawn at random below the kernel's ephemeral range (so outgoing connections never
-    grab them) and away from 15000-24999 (qaccel's MASTER_PORT) and 29400-29599
-    (torchrun defaults); falls back to binding port 0 if that range is too small.
-    A race with another process is still possible: bring-up retries with new ports."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    pool = [p for p in range(30000, min(low, 65536)) if not 29400 <= p < 29600]
-    ports: list[int] = []
-    if len(pool) >= 200:
-        for p in random.sample(pool, min(len(pool), 200)):
-            if _port_is_free(p):
-                ports.append(p)
-                if len(ports) == n:
-                    return ports
-    held = []
-    try:
-        while len(ports) < n:
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("0.0.0.0", 0))
-            held.append(s)
-            p = s.getsockname()[1]
-            if p not in ports:
-                ports.append(p)
-    finally:
-        for s in held:
-            s.close()
-    return ports
-
-
 def _listening(port: int, pid: int | None = None) -> bool:
     """True if a socket is in LISTEN state on ``port`` (per /proc/net/tcp*), and, if
     ``pid`` is given, that socket is one of that process's file descriptors."""
@@ -188,15 +141,6 @@ def _env_has(pid: int, marker: bytes) -> bool:
         with open(f"/proc/{pid}/environ", "rb") as f:
             return marker in f.read().split(b"\0")
     except OSError:
-        return False
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")
-    except (OSError, IndexError):
         return False
 
 
@@ -330,10 +274,7 @@ class LocalSlurm:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        deadline = time.monotonic() + 5
-        while leftovers and time.monotonic() < deadline:
-            leftovers = [p for p in leftovers if _pid_alive(p)]
-            time.sleep(0.05)
+        leftovers = wait_dead(leftovers, timeout=5)
         if leftovers:
             problems.append(f"processes still alive after SIGKILL: {leftovers}")
         if self._finalizer is not None:
@@ -354,7 +295,7 @@ class LocalSlurm:
         out = []
         for d in os.listdir("/proc"):
             if d.isdigit() and int(d) != me and _env_has(int(d), self._marker):
-                if _pid_alive(int(d)):
+                if alive(int(d)):
                     out.append(int(d))
         return out
 
@@ -513,7 +454,11 @@ class LocalSlurm:
     def _write_conf(self) -> None:
         assert self.root is not None and self.conf is not None
         R = self.root
-        ports = _free_ports(1 + self.nodes)
+        ports: list[int] = []
+        while len(ports) < 1 + self.nodes:  # a clash with another process at bring-up is retried with new ports
+            port = free_port("0.0.0.0")
+            if port not in ports:
+                ports.append(port)
         self.ctld_port, self.node_ports = ports[0], ports[1:]
         (R / "state").mkdir(exist_ok=True)
         for n in self.node_names:
