@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from qaccel.launch import run_dir
-from support.procs import REPO, left_in, run_script, script_env, wait_for, write_script
+from support.procs import left_in, run_script, script_env, wait_for, write_script
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -292,7 +292,7 @@ def test_directories_of_live_launches_survive_concurrent_removals(tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     deadline = str(time.time() + 2.5)
-    procs = [subprocess.Popen([sys.executable, str(script), mode, deadline, str(REPO / "qaccel" / "run_dir.py")],
+    procs = [subprocess.Popen([sys.executable, str(script), mode, deadline, run_dir.__file__],
                               env=script_env(TMPDIR=str(tmp)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for mode in ("make", "make", "make", "remove")]
     outs = [p.communicate(timeout=60) for p in procs]
