@@ -5,10 +5,10 @@
     srun -n 2 python examples/classify_cnn.py                          # each SLURM task is a rank
 
 Options: --epochs N (the total, also when resuming), --nprocs N (ignored under torchrun/srun, whose world size
-wins), --out PATH (where the main process saves the trained weights; default classify_cnn.pt in the working
-directory; the path is printed), --accumulate K (an optimizer update every K batches), --bf16 (bf16 mixed precision, CPU or GPU),
---checkpoint DIR (save_state after every epoch) and --resume (load_state from DIR first and train the
-remaining epochs).
+wins), --out DIR (the folder save_model writes the trained weights into, as DIR/model.pt; default classify_cnn in
+the working directory; the path is printed), --accumulate K (an optimizer update every K batches), --bf16 (bf16
+mixed precision, CPU or GPU), --checkpoint DIR (save_state after every epoch) and --resume (load_state from DIR
+first and train the remaining epochs).
 
 The images are made here, nothing is downloaded: 28x28, one channel, 10 classes. A class is a bright blob at
 one of 10 places on a ring, shifted at random by up to 2 pixels, with a fainter distractor blob anywhere and
@@ -93,7 +93,7 @@ def train(
     checkpoint: str | None = None,
     resume: bool = False,
 ) -> dict:
-    """Runs on every rank: trains, evaluates on the whole test split, and saves the weights once."""
+    """Runs on every rank: trains, evaluates on the whole test split, and saves the weights once, as out/model.pt."""
     torch.manual_seed(1000 + accelerator.rank)  # dropout: different masks per rank, the same in every launch mode
     model, optimizer, train_loader, test_loader = accelerator.prepare(model, optimizer, train_loader, test_loader)
     progress = Progress()
@@ -136,9 +136,8 @@ def train(
     # Every rank now holds the same counts: print them once.
     accelerator.print(f"test accuracy {correct / seen:.2%} on {seen} samples (test split: {len(test_loader.dataset)})")
 
-    accelerator.wait_for_everyone()  # every rank is done with the model before it is saved
-    if accelerator.is_main_process:
-        torch.save(accelerator.unwrap_model(model).state_dict(), out)  # once, without DDP's "module." prefix
+    # Called on every rank; the main process writes out/model.pt once, atomically, without DDP's "module." prefix.
+    accelerator.save_model(model, out)
     return {"loss": progress.loss, "accuracy": correct / seen, "seen": seen}
 
 
@@ -146,7 +145,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nprocs", type=int, default=2, help="ranks to start under plain python (default 2)")
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--out", default="classify_cnn.pt", help="where to save the weights (default: ./classify_cnn.pt)")
+    parser.add_argument("--out", default="classify_cnn", metavar="DIR",
+                        help="the folder to save the weights into, as DIR/model.pt (default: ./classify_cnn)")
     parser.add_argument("--accumulate", type=int, default=1, metavar="K", help="batches per optimizer update")
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (the model stays float32)")
     parser.add_argument("--checkpoint", metavar="DIR", help="save_state(DIR) after every epoch")
@@ -172,16 +172,15 @@ def main() -> None:
     train_loader = DataLoader(make_images(4000, seed=0), batch_size=64, shuffle=True, generator=shuffle_rng)
     test_loader = DataLoader(make_images(1000, seed=1), batch_size=96)
 
-    result = acc.distribute(train)(
+    acc.distribute(train)(
         model, optimizer, train_loader, test_loader, acc, args.epochs, args.out, args.checkpoint, args.resume
     )
 
     if acc.is_main_process:
-        state = torch.load(args.out, weights_only=True)
-        Net().load_state_dict(state)  # loads into a plain Net: saved without the DDP wrapper
-        print(f"saved {sum(t.numel() for t in state.values()):,} weights to {os.path.abspath(args.out)}")
-        if result["seen"] != 1000 or result["accuracy"] < 0.8:
-            raise SystemExit(f"unexpected result: {result}")
+        saved = os.path.abspath(os.path.join(args.out, "model.pt"))
+        state = torch.load(saved, weights_only=True)
+        Net().load_state_dict(state)  # the saved weights load into a plain Net: no DDP wrapper, no prefix
+        print(f"saved {sum(t.numel() for t in state.values()):,} weights to {saved}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
-"""The examples run as a user runs them: with python (qaccel starts the ranks) and under torchrun."""
+"""The examples run as a user runs them: with python (qaccel starts the ranks) and under torchrun.
+
+The examples only print their results, as users' scripts do; the checks of those results are here.
+"""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -23,6 +27,18 @@ def _run(cmd, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=script_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
+
+
+def _loss_went_down(out):
+    """regression.py's result line: the last epoch's train loss is under half the first epoch's."""
+    losses = re.search(r"train loss ([\d.]+) -> ([\d.]+),", out)
+    assert losses and float(losses.group(2)) < 0.5 * float(losses.group(1)), out
+
+
+def _classified(out):
+    """classify_cnn.py's evaluation: every one of the 1000 test images counted once, and at least 80 % right."""
+    accuracy = re.search(r"test accuracy ([\d.]+)% on 1000 samples \(test split: 1000\)", out)
+    assert accuracy and float(accuracy.group(1)) >= 80, out
 
 
 def test_quickstart(tmp_path):
@@ -48,6 +64,7 @@ def test_regression_bf16_with_gradient_accumulation_under_torchrun(tmp_path):
     out = _run([*_torchrun(tmp_path), str(REPO / "examples/regression.py"), "--bf16", "--accumulate", "2",
                 "--epochs", "4"], tmp_path)
     assert out.count("validation loss") == 1 and "2 rank(s)" in out and "float32 with bf16" in out, out
+    _loss_went_down(out)
 
 
 def test_regression_resumes_where_it_stopped_and_matches_a_straight_run(tmp_path):
@@ -56,6 +73,8 @@ def test_regression_resumes_where_it_stopped_and_matches_a_straight_run(tmp_path
     resumed = _run([*REGRESSION, "--epochs", "4", "--checkpoint", "ckpt", "--resume"], tmp_path)
     straight = _run([*REGRESSION, "--epochs", "4"], tmp_path)
     assert straight.count("validation loss") == 1 and "2 rank(s)" in straight, straight  # the example under python
+    for out in (first, resumed, straight):
+        _loss_went_down(out)
     assert "resumed from ckpt after epoch 2/4" in resumed
     epochs = [line for line in resumed.splitlines() if line.startswith("epoch")]
     assert [line.split("/")[0] for line in epochs] == ["epoch   3", "epoch   4"], resumed
@@ -74,15 +93,17 @@ def test_regression_refuses_float64_with_bf16(tmp_path):
 def test_classify_cnn_evaluates_every_sample_once_and_saves_once_into_the_working_directory(tmp_path):
     # the default --out (--out PATH: under torchrun, below); one epoch, as under torchrun and srun (each costs ~10 s)
     out = _run([sys.executable, str(REPO / "examples/classify_cnn.py"), "--epochs", "1"], tmp_path)
-    assert out.count("test accuracy") == 1 and "on 1000 samples (test split: 1000)" in out
+    assert out.count("test accuracy") == 1
+    _classified(out)
     assert out.count("saved ") == 1, out
-    assert f"weights to {tmp_path / 'classify_cnn.pt'}" in out and (tmp_path / "classify_cnn.pt").exists()
+    saved = tmp_path / "classify_cnn" / "model.pt"  # save_model(model, --out): the folder's model.pt
+    assert f"weights to {saved}" in out and saved.exists()
 
 
-ONCE = {  # each example's lines that must appear exactly once, however it was started
-    "regression.py": (["--epochs", "4"], ["validation loss"]),
-    "classify_cnn.py": (["--epochs", "1"], ["test accuracy", "saved "]),
-    "long_run.py": (["--epochs", "1"], ["final loss"]),
+ONCE = {  # each example's arguments, the lines that must appear exactly once however it was started, its result
+    "regression.py": (["--epochs", "4"], ["validation loss"], _loss_went_down),
+    "classify_cnn.py": (["--epochs", "1"], ["test accuracy", "saved "], _classified),
+    "long_run.py": (["--epochs", "1"], ["final loss"], lambda out: None),
 }
 # quickstart.py under srun: test_slurm_scripts.py::test_one_node_template_runs_the_quickstart_example_without_arguments
 # runs it with slurm/one_node.sbatch (srun, a task per rank) and checks "final mean loss" is printed once.
@@ -91,15 +112,15 @@ ONCE = {  # each example's lines that must appear exactly once, however it was s
 def _once(out, example):
     for needle in ONCE[example][1]:
         assert out.count(needle) == 1, out
+    ONCE[example][2](out)
 
 
 def test_classify_cnn_prints_once_under_torchrun_and_saves_to_out(tmp_path):
     out = _run([*_torchrun(tmp_path), str(REPO / "examples/classify_cnn.py"), *ONCE["classify_cnn.py"][0],
-                "--out", str(tmp_path / "cnn.pt")], tmp_path)
+                "--out", str(tmp_path / "cnn")], tmp_path)
     _once(out, "classify_cnn.py")
-    assert "on 1000 samples (test split: 1000)" in out
-    assert f"weights to {tmp_path / 'cnn.pt'}" in out and (tmp_path / "cnn.pt").exists()
-    assert not (tmp_path / "classify_cnn.pt").exists()
+    assert f"weights to {tmp_path / 'cnn' / 'model.pt'}" in out and (tmp_path / "cnn" / "model.pt").exists()
+    assert not (tmp_path / "classify_cnn").exists()
 
 
 @pytest.mark.slurm
