@@ -11,8 +11,8 @@ process group, threads and data:
               per epoch, explicit .to(device) per batch
 
   resume (Accelerator(nprocs=2, compute_setup="cpu")), per step:
-    qaccel    the plain qaccel loop after acc.resume(dir): each step boundary joins the ranks' agreement on a
-              stop signal (one asynchronous 4-byte all-reduce per optimizer step)
+    qaccel    the plain qaccel loop after acc.resume(dir): its step boundaries join the ranks' agreement on a
+              stop signal (one small asynchronous all-reduce about every half second)
     baseline  the plain baseline
 
   accumulate (Accelerator(..., gradient_accumulation_steps=2)), per micro-step:
