@@ -77,66 +77,82 @@ class Accelerator:
 
     @property
     def rank(self) -> int:
+        """This process's rank in the world (0 in the caller of a plain launch)."""
         return self._ctx().rank
 
     @property
     def local_rank(self) -> int:
+        """This process's rank on its node; picks its GPU."""
         return self._ctx().local_rank
 
     @property
     def node_rank(self) -> int:
+        """The index of this process's node (0 on one machine)."""
         return self._ctx().node_rank
 
     @property
     def world_size(self) -> int:
+        """How many ranks run fn: nprocs in a plain launch, the launcher's world under torchrun or srun."""
         return self._ctx().world_size
 
     @property
     def device(self) -> torch.device:
+        """The device this rank computes on: ``cuda:<local_rank>`` or ``cpu``."""
         return self._ctx().device
 
     @property
     def log_device(self) -> torch.device:
+        """Where reduced metrics land (log_setup): the compute device or the CPU."""
         return self.device if self._config.log_device_type is not DeviceType.CPU else torch.device("cpu")
 
     @property
     def is_main_process(self) -> bool:
+        """True on rank 0: the rank that prints, saves and logs."""
         return self.rank == 0
 
     @property
     def is_local_main_process(self) -> bool:
+        """True on each node's local rank 0."""
         return self.local_rank == 0
 
     @property
     def backend(self) -> Backend:
+        """The process group's backend, resolved: ``gloo``, ``nccl`` or ``mpi``."""
         return self._config.backend
 
     @property
     def dtype(self) -> torch.dtype | None:
+        """The dtype models and floating-point batches are cast to, or None."""
         return self._config.dtype
 
     @property
     def nprocs(self) -> int:
+        """The ranks a plain launch starts (as given)."""
         return self._config.nprocs
 
     @property
     def gradient_accumulation_steps(self) -> int:
+        """Micro-steps per optimizer update under ``accumulate()``."""
         return self._config.gradient_accumulation_steps
 
     @property
     def mixed_precision(self) -> MixedPrecision:
+        """``no``, ``bf16`` or ``fp16``."""
         return self._config.mixed_precision
 
     @property
     def strategy(self) -> Strategy:
+        """``ddp`` or ``fsdp``."""
         return self._config.strategy
 
     @property
     def debug(self) -> bool:
+        """Whether qaccel collectives check first that every rank calls the same one."""
         return self._config.debug
 
     @property
     def max_restarts(self) -> int:
+        """How many times a plain launch restarts all ranks after a failure."""
         return self._config.max_restarts
 
     @property
@@ -397,7 +413,7 @@ class Accelerator:
 
     @property
     def sync_gradients(self) -> bool:
-        """Whether this micro-step synchronises gradients and updates (False on accumulation registry)."""
+        """Whether this micro-step synchronises gradients and updates (False on accumulation steps)."""
         return self._registry().sync_gradients
 
     @property
@@ -418,11 +434,11 @@ class Accelerator:
         return precision.autocast(self.mixed_precision, self.device)
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
-        """Clip gradients by total norm (unscaled first under fp16); the norm, or None on accumulation registry."""
+        """Clip gradients by total norm (unscaled first under fp16); the norm, or None on accumulation steps."""
         return gradients.clip(sharding.clip_grad_norm_, parameters, self._registry(), max_norm, norm_type)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
-        """Clip gradients elementwise (unscaled first under fp16); skipped on accumulation registry."""
+        """Clip gradients elementwise (unscaled first under fp16); skipped on accumulation steps."""
         gradients.clip(torch.nn.utils.clip_grad_value_, parameters, self._registry(), clip_value)
 
     def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:

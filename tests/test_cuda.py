@@ -1,5 +1,5 @@
 """The CUDA paths: device placement, NCCL, bf16/fp16. They need a GPU, so they run on the lent GPU machine
-(see README, "Testing on a GPU"); on a CPU-only machine they are reported as skipped, never as passed.
+(see docs/contributing.md, "Testing on a GPU"); on a CPU-only machine they are reported as skipped, never as passed.
 
 One GPU reaches NCCL only as a one-rank group; the multi-GPU code (one device per local rank, DDP with
 device_ids) differs from it only in the device index.
@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from qaccel import Accelerator
-from support.procs import REPO, free_port, run_script, script_env, write_script
+from support.procs import REPO, free_port, run_script, script_env, script_file
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -152,42 +152,17 @@ def test_fp16_save_and_load_state_restore_scaler_and_cuda_rng(tmp_path):
 
 def test_nccl_group_made_by_the_user_is_reused_for_every_collective(tmp_path):
     """A one-rank NCCL group: init with set_device, barrier with device_ids, packed all-reduce on the GPU."""
-    script = write_script(tmp_path, """
-        import torch, torch.distributed as dist
-        from qaccel import Accelerator
-        if __name__ == "__main__":
-            torch.cuda.set_device(0)
-            dist.init_process_group("nccl", rank=0, world_size=1)
-            acc = Accelerator(compute_setup="gpu", log_setup="auto")
-            def work():
-                acc.wait_for_everyone()
-                d = acc.all_reduce_dict({"a": 1.5, "n": 3, "t": torch.ones(2, device=acc.device)}, op="sum")
-                assert d["a"] == 1.5 and d["n"] == 3 and d["t"].device == acc.device, d
-                g = acc.gather(torch.arange(3, device=acc.device))
-                assert g.tolist() == [0, 1, 2] and g.device == acc.device
-                assert acc.broadcast({"k": 1}) == {"k": 1}
-                assert acc.gather_object("x") == ["x"]
-                assert acc.reduce(torch.ones(2, device=acc.device), op="mean").tolist() == [1.0, 1.0]
-                return acc.backend
-            print("OUT", acc.distribute(work)(), dist.is_initialized(), flush=True)
-            dist.destroy_process_group()
-    """)
-    proc = run_script(script, env=script_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())), timeout=120)
+    script = script_file("cuda_user_nccl_group.py")
+    proc = run_script(script, env=script_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())), cwd=tmp_path,
+                      timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "OUT nccl True" in proc.stdout
 
 
 def test_cpu_ranks_launched_from_a_caller_that_initialised_cuda_can_use_cuda(tmp_path):
     """Ranks come from a forkserver, never a fork of the caller, so CUDA state in the caller cannot break them."""
-    script = write_script(tmp_path, """
-        import torch
-        from qaccel import Accelerator
-        if __name__ == "__main__":
-            torch.ones(1, device="cuda")  # CUDA initialised in the caller before the launch
-            acc = Accelerator(nprocs=2, compute_setup="cpu")
-            print("OUT", acc.distribute(lambda: torch.ones(2, device="cuda").sum().item() + acc.rank, all_results=True)(), flush=True)
-    """)
-    proc = run_script(script, timeout=120)
+    script = script_file("cuda_in_the_caller.py")
+    proc = run_script(script, cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "OUT [2.0, 3.0]" in proc.stdout
 
@@ -208,23 +183,8 @@ def test_ranks_inherit_the_callers_cuda_rng_and_start_with_cuda_uninitialised(tm
     """A top-level torch.manual_seed seeds CUDA lazily: ranks draw what a seeded process draws on the GPU; once
     the caller has drawn on the GPU, ranks continue from its states. The forkserver (torch and torch._dynamo
     preloaded) must never have initialised CUDA, or no forked rank could use it."""
-    script = write_script(tmp_path, """
-        import torch
-        from qaccel import Accelerator
-        def draw():
-            fresh = not torch.cuda.is_initialized()
-            return fresh, torch.rand(3, device="cuda").tolist()
-        if __name__ == "__main__":
-            acc = Accelerator(nprocs=2, compute_setup="cpu")
-            torch.manual_seed(0)
-            seeded = acc.distribute(draw, all_results=True)()
-            torch.manual_seed(0)
-            want_seeded = torch.rand(3, device="cuda").tolist()
-            advanced = acc.distribute(draw, all_results=True)()
-            want_advanced = torch.rand(3, device="cuda").tolist()
-            print("OUT", seeded == [(True, want_seeded)] * 2, advanced == [(True, want_advanced)] * 2, flush=True)
-    """)
-    proc = run_script(script, timeout=150)
+    script = script_file("cuda_rng.py")
+    proc = run_script(script, cwd=tmp_path, timeout=150)
     assert proc.returncode == 0, proc.stderr
     assert "OUT True True" in proc.stdout, proc.stdout
 
@@ -232,34 +192,8 @@ def test_ranks_inherit_the_callers_cuda_rng_and_start_with_cuda_uninitialised(tm
 def test_forked_loader_workers_of_a_rank_that_uses_cuda_and_a_spawned_child_that_does(tmp_path):
     """Children of a rank are forked (CUDA-safe as under torchrun: pinning runs in the rank, workers never touch
     CUDA); a child that needs CUDA takes a spawn context and imports the script, as torchrun's grandchildren do."""
-    script = write_script(tmp_path, """
-        import multiprocessing
-        import torch
-        from torch.utils.data import DataLoader, Dataset
-        from qaccel import Accelerator
-
-        class Rows(Dataset):
-            def __len__(self):
-                return 32
-            def __getitem__(self, i):
-                return torch.full((4,), float(i))
-
-        def on_gpu(n):
-            return torch.ones(n, device="cuda").sum().item()
-
-        def work(acc):
-            torch.ones(1, device="cuda")  # CUDA is up in the rank before its workers are forked
-            loader = DataLoader(Rows(), batch_size=8, num_workers=2, pin_memory=True)
-            total = sum(batch.cuda(non_blocking=True).sum().item() for batch in acc.prepare(loader))
-            with multiprocessing.get_context("spawn").Pool(1) as pool:
-                spawned = pool.map(on_gpu, [3])
-            return total, spawned, multiprocessing.get_start_method()
-
-        if __name__ == "__main__":
-            acc = Accelerator(nprocs=2, compute_setup="cpu")
-            print("OUT", acc.distribute(work, all_results=True)(acc), flush=True)
-    """)
-    proc = run_script(script, timeout=150)
+    script = script_file("cuda_loader_workers.py")
+    proc = run_script(script, cwd=tmp_path, timeout=150)
     assert proc.returncode == 0, proc.stderr
     assert "OUT " in proc.stdout, proc.stdout
     out = eval(proc.stdout.split("OUT ", 1)[1])

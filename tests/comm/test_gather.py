@@ -136,11 +136,11 @@ def _gather_for_metrics(a):
     r = a.rank
     data = {"pred": torch.arange(4) + 4 * r, "emb": torch.ones(4, 3) * r}
     everything = a.gather_for_metrics(data)
-    a._steps().marks.remainder = 5  # what a prepared loader marks on a padded last step
+    a._registry().marks.remainder = 5  # what a prepared loader marks on a padded last step
     try:
         return everything, a.gather_for_metrics(data)
     finally:
-        a._steps().marks.remainder = None
+        a._registry().marks.remainder = None
 
 
 def test_gather_for_metrics_drops_the_padded_duplicates(acc):

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from qaccel import Accelerator
 from scripts.sessions import Counter, session
-from support.procs import REPO, free_job_id, result_lines, run_torchrun, slurm_env, srun_env
+from support.procs import free_job_id, result_lines, run_torchrun, script_file, slurm_env, srun_env
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -47,7 +47,7 @@ def test_loop_marks_of_a_failed_session_do_not_reach_the_next(tmp_path):
     assert kept.value.__traceback__ is not None
 
 
-SESSIONS = REPO / "tests" / "scripts" / "sessions.py"
+SESSIONS = script_file("sessions.py")
 WANT = {"first": {"first_step_syncs": False, "counter": 1}, "second": {"first_step_syncs": False, "counter": 2}}
 
 
@@ -100,7 +100,7 @@ def _prepare_everything(acc, ckpt, refs):
         if acc.sync_gradients:
             scheduler.step()
     acc.save_state()
-    refs.extend(weakref.ref(obj) for obj in (model, optimizer, loader, scheduler, counter, acc._steps()))
+    refs.extend(weakref.ref(obj) for obj in (model, optimizer, loader, scheduler, counter, acc._registry()))
     return model, optimizer
 
 
@@ -122,7 +122,7 @@ def test_a_session_leaves_no_reference_cycle_to_what_it_prepared(tmp_path):
         gc.enable()
 
 
-LATER = REPO / "tests" / "scripts" / "later_sessions.py"
+LATER = script_file("later_sessions.py")
 LATER_WANT = {"returned": ["Sequential", "Adam"], "left_after_first": 0, "counts": [96, 96, 96, 96]}
 
 
