@@ -13,13 +13,13 @@ import torch
 from qaccel import options
 from qaccel.comm import collectives, ranks, session
 from qaccel.environment import Environment, detect
+from qaccel.errors import warn_once
 from qaccel.launch import caller, in_place
 from qaccel.options import FSDP_MIN_PARAMS, Backend, DeviceType, MixedPrecision, Strategy
 from qaccel.train import batch, checkpoint, gradients, precision, prepare, progress, seeding, sharding, stopping
 from qaccel.train.registry import Registry
 
 R = TypeVar("R")
-_warned_world_mismatch = False
 
 
 @options.document
@@ -457,10 +457,8 @@ def _keep(keep: int | None) -> int | None:
 
 
 def _warn_world_mismatch(nprocs: int, env: Environment) -> None:
-    global _warned_world_mismatch
-    if not _warned_world_mismatch:
-        _warned_world_mismatch = True
-        warnings.warn(
-            f"Accelerator(nprocs={nprocs}) but {env.kind} started {env.world_size} ranks; following {env.kind}",
-            stacklevel=3,
-        )
+    warn_once(
+        ("world mismatch", str(env.kind), str(nprocs), str(env.world_size)),
+        f"Accelerator(nprocs={nprocs}) but {env.kind} started {env.world_size} ranks; following {env.kind}",
+        stacklevel=3,
+    )

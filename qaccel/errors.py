@@ -3,9 +3,22 @@
 from __future__ import annotations
 
 import signal
+import warnings
 
 # Errors a rank raises because a peer left the group: symptoms, reported before their cause more often than not.
 _PEER_LOSS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Failed to recv")
+
+
+# What this process has warned about already (see warn_once): a warning about the process itself, not about a call.
+_WARNED: set[tuple[str, ...]] = set()
+
+
+def warn_once(key: tuple[str, ...], message: str, stacklevel: int) -> None:
+    """Warn about something that holds for the whole process (the launcher's world, a logging handler that cannot
+    travel) once, however many Accelerators or launches meet it, whatever the warnings filters say."""
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, stacklevel=stacklevel + 1)
 
 
 def type_name(exc: BaseException) -> str:

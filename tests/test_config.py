@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 
+import qaccel.errors
 import qaccel.options
 from qaccel import Accelerator
 
@@ -75,7 +76,7 @@ def test_torchrun_world_mismatch_warns_once_per_job_on_rank_0(monkeypatch, rank)
     monkeypatch.setenv("LOCAL_RANK", str(rank))
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    monkeypatch.setattr(qaccel.accelerator, "_warned_world_mismatch", False)
+    monkeypatch.setattr(qaccel.errors, "_WARNED", set())  # a fresh process: nothing warned yet
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         acc = Accelerator(nprocs=4, compute_setup="cpu")

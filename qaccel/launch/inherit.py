@@ -35,9 +35,10 @@ from typing import Any
 import cloudpickle
 import torch
 
+from qaccel.errors import warn_once
+
 _RLOCK = type(threading.RLock())
 _LOCK = type(threading.Lock())
-_warned: set[tuple[str, str]] = set()  # (logger, handler type) already reported: once per process is enough
 # handler -> (its signature, its pickled copy): torch alone puts ~40 handlers on its loggers, and re-pickling them
 # at every launch would cost ~2 ms; a handler whose signature is unchanged is sent as pickled last time
 _copies: weakref.WeakKeyDictionary[logging.Handler, tuple[tuple, bytes]] = weakref.WeakKeyDictionary()
@@ -193,15 +194,13 @@ def _copy_of(handler: logging.Handler) -> bytes:
 
 
 def _warn_uncopied(name: str, handler: logging.Handler, exc: Exception) -> None:
-    key = (name, type(handler).__qualname__)
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(
-            f"qaccel: the {type(handler).__name__} of logger {name or 'root'!r} cannot be copied into the ranks "
-            f"({exc}); they keep their own handlers for it. Configure that handler inside the function you "
-            "distribute if ranks should use it.",
-            stacklevel=4,
-        )
+    warn_once(
+        ("uncopied handler", name, type(handler).__qualname__),
+        f"qaccel: the {type(handler).__name__} of logger {name or 'root'!r} cannot be copied into the ranks "
+        f"({exc}); they keep their own handlers for it. Configure that handler inside the function you "
+        "distribute if ranks should use it.",
+        stacklevel=4,
+    )
 
 
 def _apply_logger(setup: LoggerSetup) -> None:
