@@ -175,7 +175,7 @@ def where(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="qaccel", description=qaccel.__doc__)
+    parser = argparse.ArgumentParser(prog="qaccel", description=qaccel.__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("consolidate", help="write a model of a (sharded) checkpoint as one plain state-dict file")
     p.add_argument("checkpoint", help="a save_state() checkpoint, or a folder of them (the newest is read)")

@@ -22,10 +22,14 @@ class Kind(enum.StrEnum):
     A ``StrEnum``, so it prints and compares as its name ("torchrun").
     """
 
-    PLAIN = "plain"  # python script.py: distribute() starts the ranks itself
-    TORCHRUN = "torchrun"  # torchrun started the ranks and exported their layout (RANK, WORLD_SIZE, ...)
-    SLURM = "slurm"  # each task of an srun step is a rank; its layout comes from SLURM_* variables
-    INITIALIZED = "initialized"  # the user already made a process group: run in it, make none
+    PLAIN = "plain"
+    """``python script.py``: distribute() starts the ranks itself."""
+    TORCHRUN = "torchrun"
+    """torchrun started the ranks and exported their layout (RANK, WORLD_SIZE, ...)."""
+    SLURM = "slurm"
+    """Each task of an srun step is a rank; its layout comes from SLURM_* variables."""
+    INITIALIZED = "initialized"
+    """The user already made a process group: run in it, make none."""
 
     @property
     def creates_processes(self) -> bool:

@@ -68,8 +68,11 @@ class CollectiveMismatchError(QaccelError):
 class CheckpointError(QaccelError):
     """A checkpoint cannot be read or does not fit what this run prepared; names the checkpoint and the file.
 
-    ``damaged``: its files are not what was written (cut short, changed, missing) or cannot be read, as opposed to
-    a checkpoint that is intact but was written for other objects.
+    Attributes:
+        checkpoint: the checkpoint's folder.
+        file: the file at fault, when one is.
+        damaged: its files are not what was written (cut short, changed, missing) or cannot be read, as opposed
+            to a checkpoint that is intact but was written for other objects.
     """
 
     def __init__(self, message: str, checkpoint: str, file: str | None = None, damaged: bool = False) -> None:
@@ -83,7 +86,13 @@ class CheckpointError(QaccelError):
 
 
 class RankError(QaccelError):
-    """A rank failed and its exception could not be rebuilt in the caller (or it exited without one)."""
+    """A rank failed and its exception could not be rebuilt in the caller (or it exited without one).
+
+    Attributes:
+        rank: the rank that failed.
+        exc_type: the qualified name of the exception it raised, if it raised one.
+        remote_traceback: its traceback, as text.
+    """
 
     def __init__(self, message: str, rank: int, exc_type: str | None = None, remote_traceback: str = "") -> None:
         super().__init__(message)
@@ -96,7 +105,12 @@ class RankError(QaccelError):
 
 
 class RankKilledError(QaccelError):
-    """A rank was killed by a signal (out of memory, SIGKILL, segfault...)."""
+    """A rank was killed by a signal (out of memory, SIGKILL, segfault...).
+
+    Attributes:
+        rank: the rank that was killed.
+        signal_name: the signal, e.g. ``SIGKILL``.
+    """
 
     def __init__(self, rank: int, signal_name: str) -> None:
         super().__init__(f"rank {rank} was killed by signal {signal_name}")
@@ -122,6 +136,11 @@ class Preempted(SystemExit):
 
     A SystemExit, so a user's ``except Exception`` does not swallow it and, uncaught, the process exits quietly with
     128 + the signal's number, as if the signal had ended it (rank 0 prints what happened).
+
+    Attributes:
+        signal_name: the signal that asked to stop, e.g. ``SIGTERM``.
+        checkpoint: the checkpoint saved before stopping.
+        requeued: True when the SLURM job was requeued to resume from it.
     """
 
     def __init__(self, signal_name: str, checkpoint: str, requeued: bool = False) -> None:
