@@ -33,21 +33,6 @@ _CARRIED = (
 _END = object()  # marks an exhausted iterator (a batch may be None)
 
 
-class LoopMarks:
-    """Where the innermost running prepared loop is; one per session's Accelerator, written by its loaders.
-
-    ``end_of_epoch``: the loop body runs on the last batch of an epoch (accumulation syncs there).
-    ``remainder``: real samples in this step's gathered batch when it is a padded last step, else None
-    (gather_for_metrics keeps only that many leading rows).
-    """
-
-    __slots__ = ("end_of_epoch", "remainder")
-
-    def __init__(self) -> None:
-        self.end_of_epoch = False
-        self.remainder: int | None = None
-
-
 class BatchShard:
     """A batch sampler: this rank's share of the user's batch sampler, the same number of batches on every rank."""
 

@@ -7,13 +7,15 @@ steps gradients stay local (DDP ``no_sync``) and ``step``/``zero_grad`` do nothi
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from qaccel.train import sharding
-from qaccel.train.registry import Registry
+
+if TYPE_CHECKING:
+    from qaccel.train.registry import Registry
 
 
 class PreparedOptimizer(torch.optim.Optimizer):

@@ -13,8 +13,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
-from qaccel.train.data import LoopMarks
-
 if TYPE_CHECKING:
     import weakref
 
@@ -23,6 +21,21 @@ if TYPE_CHECKING:
     from qaccel.train.data import PreparedDataLoader
     from qaccel.train.gradients import PreparedOptimizer
     from qaccel.train.stopping import Stopper
+
+
+class LoopMarks:
+    """Where the innermost running prepared loop is; one per session's Accelerator, written by its loaders.
+
+    ``end_of_epoch``: the loop body runs on the last batch of an epoch (accumulation syncs there).
+    ``remainder``: real samples in this step's gathered batch when it is a padded last step, else None
+    (gather_for_metrics keeps only that many leading rows).
+    """
+
+    __slots__ = ("end_of_epoch", "remainder")
+
+    def __init__(self) -> None:
+        self.end_of_epoch = False
+        self.remainder: int | None = None
 
 
 @dataclass
