@@ -18,47 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from support.procs import REPO, free_port, left_in, wait_dead, write_script
+from support.procs import REPO, free_port, left_in, script_file, wait_dead
 
 pytestmark = pytest.mark.slurm
 
-TRAIN = """
-import json, os, sys
-
-import torch
-
-from qaccel import Accelerator
-from qaccel.environment import detect
-
-acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=float(os.environ.get("TRAIN_TIMEOUT", "60")))
-KIND = str(detect().kind)
-
-
-def train():
-    if acc.rank == int(os.environ.get("FAIL_RANK", "-1")):
-        raise ValueError(f"rank {acc.rank} fails on purpose")
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, optimizer = acc.prepare(model, optimizer)
-    x = torch.full((8, 4), float(acc.rank + 1))  # each rank its own data: only DDP keeps the weights equal
-    for _ in range(2):
-        loss = model(x).pow(2).mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    rank_sum = acc.all_reduce_dict({"rank": acc.rank}, op="sum")["rank"]
-    return {"rank": acc.rank, "local_rank": acc.local_rank, "node_rank": acc.node_rank,
-            "world_size": acc.world_size, "rank_sum": rank_sum, "kind": KIND,
-            "weight": acc.unwrap_model(model).weight.flatten().tolist(),
-            "slurm_node": os.environ.get("SLURMD_NODENAME"), "argv": sys.argv[1:], "pid": os.getpid()}
-
-
-if __name__ == "__main__":
-    result = acc.distribute(train)()
-    os.write(1, ("RESULT " + json.dumps(result) + "\\n").encode())  # one write: lines of ranks never interleave
-"""
-
+TRAIN = script_file("template_train.py")
 ARGS = ["--tag", "two words"]  # reach the training script through the template's "$@", quoting intact
 CPU_ONLY = ["--gpus-per-node=0"]
 
@@ -91,7 +55,7 @@ def _submit(cluster, tmp_path: Path, template: str, options: list[str], env: dic
     """sbatch slurm/<template> with ``options`` and TRAIN (or ``script_args``) as its arguments; wait until the job
     has left the queue and none of its processes runs.  Returns (job info, RESULT objects by rank, output)."""
     if script_args is None:
-        script_args = [str(write_script(tmp_path, TRAIN, "train.py")), *ARGS]
+        script_args = [str(TRAIN), *ARGS]
     job_id, output = cluster.sbatch_wait(REPO / "slurm" / template, timeout, options, env=env, cwd=tmp_path,
                                          script_args=script_args)
     results = sorted((json.loads(line[len("RESULT "):]) for line in output.splitlines() if line.startswith("RESULT ")),

@@ -17,31 +17,11 @@ from typing import Iterator
 import pytest
 
 from support.component import unavailable
-from support.procs import script_env, torchrun_cmd, wait_dead, write_script
+from support.procs import script_env, script_file, torchrun_cmd, wait_dead
 
 pytestmark = [pytest.mark.two_hosts, pytest.mark.timeout(180)]
 
 HOSTS = ("hostA", "hostB")
-
-SCRIPT = """
-import json, os, socket, sys
-from qaccel import Accelerator
-
-acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
-
-def info(fail_rank):
-    if acc.rank == fail_rank:
-        raise ValueError(f"boom on rank {acc.rank}")
-    total = acc.all_reduce_dict({"r": acc.rank}, op="sum")["r"]
-    return dict(rank=acc.rank, local_rank=acc.local_rank, node_rank=acc.node_rank, world=acc.world_size,
-                sum=total, host=socket.gethostname())
-
-if __name__ == "__main__":
-    for session in range(2):  # a second session in the same process must work too
-        out = acc.distribute(info)(int(sys.argv[1]))
-        os.write(1, (json.dumps(dict(out, session=session)) + "\\n").encode())  # one write: one line
-"""
-
 
 def _ip(*args: str) -> None:
     """``ip args``; any failure means this machine cannot simulate hosts: say exactly why (skip, or fail in CI)."""
@@ -107,7 +87,7 @@ def hosts(tmp_path_factory) -> Iterator[dict]:
 
 def _torchrun_on_both(hosts: dict, tmp_path: Path, *args: str, timeout: float = 90) -> list[tuple[int, str, str]]:
     """Start the same torchrun on both hosts at once; (returncode, stdout, stderr) per host."""
-    script = write_script(tmp_path, SCRIPT)
+    script = script_file("two_hosts.py")
     cmd = [*torchrun_cmd(tmp_path / "torchelastic"), "--nnodes", "2", "--nproc_per_node", "1",
            "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{hosts['addrs'][0]}:29400", "--rdzv_id", "qaccel",  # port in hostA's own stack
            "--rdzv_conf", "join_timeout=30,read_timeout=30", "--max-restarts", "0", str(script), *args]

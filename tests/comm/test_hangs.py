@@ -16,42 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from support.procs import REPO, run_torchrun, script_env, slurm_env, torchrun_cmd, wait_dead, wait_for_text, write_script
+from support.procs import (
+    REPO, run_torchrun, script_env, script_file, slurm_env, torchrun_cmd, wait_dead, wait_for_text,
+)
 
 TIMEOUT_S = 4
-SCRIPT = """
-import os, signal, sys, time
-from pathlib import Path
-from qaccel import Accelerator
-
-MODE, OUT = sys.argv[1], Path(sys.argv[2])
-acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=float(os.environ["HANG_TIMEOUT"]))
-
-
-def forked_child_ignores_sigusr2():
-    pid = os.fork()
-    if pid == 0:
-        os._exit(0 if signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN else 1)
-    return os.waitpid(pid, 0)[1] == 0
-
-
-def train(acc):
-    (OUT / f"pid-{os.getpid()}").touch()
-    acc.all_reduce_dict({"step": 1.0})
-    if MODE == "usr2":
-        print(f"ready {acc.rank}", file=sys.stderr, flush=True)
-        while acc.rank == 1 and not (OUT / "go").exists():
-            time.sleep(0.05)  # RANK1_POLLS
-        acc.wait_for_everyone()  # USR2_RANK0
-        return forked_child_ignores_sigusr2()
-    if acc.rank == 1:
-        time.sleep(60)  # RANK1_SLEEPS
-    acc.wait_for_everyone()  # RANK0_WAITS
-
-
-if __name__ == "__main__":
-    os.write(1, f"RESULT {acc.distribute(train, all_results=True)(acc)}\\n".encode())  # one write: ranks share stdout
-"""
+SCRIPT = script_file("hang.py")
 
 
 def _line(script, mark: str) -> str:
@@ -106,7 +76,7 @@ def hang(tmp_path):
     """The script and an output folder for its ranks' pid files."""
     out = tmp_path / "out"
     out.mkdir()
-    return write_script(tmp_path, SCRIPT), out
+    return SCRIPT, out
 
 
 @pytest.mark.timeout(60)
@@ -153,7 +123,8 @@ def _check_logs(script, out, proc) -> None:
 @pytest.mark.timeout(120)
 def test_under_torchrun_each_rank_writes_its_part_to_its_log(hang):
     script, out = hang
-    proc = run_torchrun(script, "barrier", str(out), env=script_env(HANG_TIMEOUT=str(TIMEOUT_S)), timeout=100)
+    proc = run_torchrun(script, "barrier", str(out), env=script_env(HANG_TIMEOUT=str(TIMEOUT_S)), cwd=out.parent,
+                        timeout=100)
     _check_logs(script, out, proc)
 
 

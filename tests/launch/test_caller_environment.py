@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from support.procs import run_script, script_env, write_script
+from support.procs import run_script, script_env, script_file
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -16,20 +16,11 @@ def test_a_users_omp_num_threads_wins_and_ranks_see_the_callers_environment_at_c
     """One launch, two distribute() calls. The first: OMP_NUM_THREADS set by the user before the start wins over
     the thread budget. The forkserver starts at Accelerator(), with the environment of then; variables set after
     that, OMP_NUM_THREADS changed too, must still reach the ranks of the second call."""
-    script = write_script(tmp_path, """
-        import os, torch
-        from qaccel import Accelerator
-        if __name__ == "__main__":
-            acc = Accelerator(nprocs=2, compute_setup="cpu")
-            print(acc.distribute(torch.get_num_threads, all_results=True)(), flush=True)
-            os.environ["QACCEL_LATE_VAR"] = "set-after-construction"
-            os.environ["OMP_NUM_THREADS"] = os.environ["LATE_THREADS"]
-            print(acc.distribute(lambda: (os.environ.get("QACCEL_LATE_VAR"), torch.get_num_threads()), all_results=True)())
-    """)
+    script = script_file("caller_environment.py")
     budget = max(1, len(os.sched_getaffinity(0)) // 2)
     want = 1 if budget != 1 else 2
     late_threads = next(n for n in (2, 3, 4) if n not in (budget, want))  # neither the budget nor the first value
-    proc = run_script(script, env=script_env(OMP_NUM_THREADS=str(want), LATE_THREADS=str(late_threads)))
+    proc = run_script(script, env=script_env(OMP_NUM_THREADS=str(want), LATE_THREADS=str(late_threads)), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     # without torch 2.8-2.10's "[Gloo] Rank N is connected to ..." lines, which ranks print at each group's start
     first, second = [line for line in proc.stdout.splitlines() if not line.startswith("[Gloo]")][-2:]

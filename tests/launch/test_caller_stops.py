@@ -10,14 +10,14 @@ import sys
 
 import pytest
 
-from support.procs import STUCK_WORKERS, script_env, stuck_ranks_and_workers, wait_dead, write_script
+from support.procs import script_env, script_file, stuck_ranks_and_workers, wait_dead
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def _start(tmp_path):
     """The caller, once its ranks and their DataLoader workers run: (caller, rank pids, worker pids)."""
-    script = write_script(tmp_path, STUCK_WORKERS)
+    script = script_file("stuck_workers.py")
     tmpdir = tmp_path / "tmp"  # a killed caller's run directory stays there, not in /tmp, until a next launch
     tmpdir.mkdir()
     caller = subprocess.Popen([sys.executable, str(script), str(tmp_path), "run"], env=script_env(TMPDIR=str(tmpdir)),

@@ -7,20 +7,13 @@ import sys
 
 import pytest
 
-from support.procs import script_env, write_script
+from support.procs import script_env, script_file
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def test_several_scripts_launching_at_the_same_time(tmp_path):
-    script = write_script(tmp_path, """
-        import sys
-        from qaccel import Accelerator
-        if __name__ == "__main__":
-            acc = Accelerator(nprocs=2, compute_setup="cpu")
-            r = acc.distribute(lambda a, i: a.all_reduce_dict({"v": a.rank + i}, op="sum")["v"])(acc, int(sys.argv[1]))
-            print("sum", r)
-    """)
+    script = script_file("rank_sum.py")
     procs = [
         subprocess.Popen([sys.executable, str(script), str(i)], env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for i in range(4)

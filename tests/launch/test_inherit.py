@@ -14,55 +14,17 @@ import pytest
 import torch
 
 from qaccel.launch import inherit
-from support.procs import once_per_session, result_lines, run_script, run_torchrun, write_script
+from support.procs import once_per_session, result_lines, run_script, run_torchrun, script_file
 
 pytestmark = pytest.mark.timeout(180)
 
-TOP_LEVEL = """
-import json, logging, os, random, sys, warnings
-import numpy as np
-import torch
-from qaccel import Accelerator
-
-class Tagged(logging.Formatter):  # a formatter class defined in the script
-    def format(self, record):
-        return "TAG " + super().format(record)
-
-logging.basicConfig(level=logging.INFO, format="%(levelname)s|%(name)s|%(message)s")
-to_file = logging.FileHandler(sys.argv[1], mode="w")
-to_file.setFormatter(Tagged("%(name)s:%(message)s"))
-logging.getLogger("app").addHandler(to_file)
-logging.getLogger("noisy").setLevel(logging.ERROR)
-warnings.filterwarnings("ignore", message="silenced at the top")
-torch.set_default_dtype(torch.float64)
-torch.manual_seed(0)
-np.random.seed(1)
-random.seed(2)
-acc = Accelerator(nprocs=2, compute_setup="cpu")
-
-def work():
-    logging.getLogger("app").info("rank %d says hello", acc.rank)
-    logging.getLogger("noisy").warning("rank %d must not be heard", acc.rank)
-    logging.debug("below the root level")
-    warnings.warn("silenced at the top")
-    return {"dtype": str(torch.get_default_dtype()), "torch": torch.rand(2).tolist(), "numpy": np.random.rand(),
-            "random": random.random(), "weight": torch.nn.Linear(2, 1).weight.tolist(),
-            "torch_handlers": len(logging.getLogger("torch").handlers)}
-
-if __name__ == "__main__":
-    out = acc.distribute(work, all_results=True)()
-    if acc.is_main_process:
-        os.write(1, ("RESULT " + json.dumps({"ranks": out, "torch_handlers": len(logging.getLogger("torch").handlers)}) + "\\n").encode())
-"""
-
-
 def _runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("inherit")
-    script = write_script(tmp, TOP_LEVEL)
+    script = script_file("top_level_settings.py")
     out = {}
     for name, run in (("python", run_script), ("torchrun", run_torchrun)):
         log_file = tmp / f"{name}.log"
-        proc = run(script, str(log_file), timeout=150)
+        proc = run(script, str(log_file), cwd=tmp, timeout=150)
         assert proc.returncode == 0, proc.stderr
         [result] = result_lines(proc.stdout)
         out[name] = (proc.stderr, result, log_file.read_text())
@@ -132,17 +94,8 @@ def test_a_handler_that_cannot_travel_is_reported_once():
 
 
 def test_settings_that_cannot_travel_do_not_stop_the_launch(tmp_path):
-    script = write_script(tmp_path, """
-        import threading, warnings
-        from qaccel import Accelerator
-        class Chatty(UserWarning):
-            guard = threading.Lock()  # the class travels by value, and a lock cannot
-        warnings.simplefilter("ignore", Chatty)
-        if __name__ == "__main__":
-            acc = Accelerator(nprocs=2, compute_setup="cpu")
-            print("OUT", acc.distribute(lambda: acc.rank, all_results=True)(), flush=True)
-    """)
-    proc = run_script(script, timeout=120)
+    script = script_file("unsendable_settings.py")
+    proc = run_script(script, cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "OUT [0, 1]" in proc.stdout
     assert "top-level settings (logging, warnings filters, RNG states, ...) cannot be sent" in proc.stderr

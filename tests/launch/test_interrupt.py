@@ -12,28 +12,13 @@ import uuid
 
 import pytest
 
-from support.procs import marked_pids, script_env, wait_dead, write_script
+from support.procs import marked_pids, script_env, script_file, wait_dead
 
 pytestmark = pytest.mark.timeout(180)
 
-SCRIPT = """
-import sys, time
-from qaccel import Accelerator
-
-def work():
-    print("rank running", flush=True)
-    time.sleep(60)
-
-if __name__ == "__main__":
-    acc = Accelerator(nprocs=2, compute_setup="cpu")
-    print("made", flush=True)
-    acc.distribute(work)()
-"""
-
-
 @pytest.mark.parametrize("moment", ["forkserver importing", "forkserver importing later", "ranks running"])
 def test_ctrl_c_during_start_up_gives_one_traceback_and_leaves_nothing(tmp_path, moment):
-    script = write_script(tmp_path, SCRIPT)
+    script = script_file("interrupted.py")
     mark = f"QACCEL_TEST_MARK={uuid.uuid4().hex}"
     env = script_env(**dict([mark.split("=")]))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

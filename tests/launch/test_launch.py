@@ -16,7 +16,7 @@ import subprocess
 import sys
 
 from qaccel import Accelerator, RankError, RankKilledError
-from support.procs import script_env, wait_dead, write_script
+from support.procs import script_env, script_file, wait_dead
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -264,20 +264,7 @@ def test_an_argument_that_cannot_be_pickled_is_named(acc):
 def test_everything_a_failing_rank_printed_reaches_the_caller(into, tmp_path):
     """Without PYTHONUNBUFFERED a rank's stdout into a pipe or a file is block-buffered; the caller stops the ranks
     as soon as one fails, before their exit would flush it."""
-    script = write_script(tmp_path, """
-        import sys
-        from qaccel import Accelerator
-        def work(acc):
-            print(f"rank {acc.rank} printed a line")
-            sys.stderr.write(f"rank {acc.rank} wrote to stderr\\n")
-            acc.wait_for_everyone()  # both ranks have printed
-            if acc.rank == 1:
-                print("rank 1 printed half a line", end="")
-                raise ValueError("rank 1 fails after printing")
-            acc.wait_for_everyone()  # rank 0 waits here, inside gloo, until the caller stops it
-        if __name__ == "__main__":
-            Accelerator(nprocs=2, compute_setup="cpu").distribute(work)(Accelerator(nprocs=2, compute_setup="cpu"))
-    """)
+    script = script_file("failing_rank_output.py")
     env = script_env()
     env.pop("PYTHONUNBUFFERED", None)
     out_path = tmp_path / "out.txt"

@@ -16,36 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from support.procs import run_torchrun, slurm_env, wait_dead, wait_for, write_script
+from support.procs import run_torchrun, script_file, slurm_env, wait_dead, wait_for
 
-SCRIPT = """
-import os, sys, time
-from pathlib import Path
-from qaccel import Accelerator
-
-acc = Accelerator(compute_setup="cpu")  # the default timeout (30 min): a peer left waiting would hang the test
-out, mode = Path(sys.argv[1]), sys.argv[2]
-
-def mark(name, text):
-    tmp = out / f".{name}.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, out / name)  # whole or not at all: the test reads it after a kill
-
-def work():
-    mark(f"pid{acc.rank}", str(os.getpid()))
-    total = acc.all_reduce_dict({"r": acc.rank}, op="sum")["r"]
-    if acc.rank == 1:
-        mark("raised_at", repr(time.time()))
-        if mode == "exit":
-            sys.exit(3)
-        raise ValueError("rank 1 fails on purpose")
-    acc.wait_for_everyone()  # rank 0 waits here and sees the connection break
-    return total
-
-if __name__ == "__main__":
-    acc.distribute(work)()
-"""
-
+SCRIPT = script_file("rank_1_fails.py")
 USER_LINE = 'raise ValueError("rank 1 fails on purpose")'
 # 5 runs where rank 1 raises and 1 where it calls sys.exit(3), 2 at a time: 3 rounds (was 8 raising runs in 4
 # rounds, then the exit run alone). Every run is a draw of the race the fix is about (rank 0 leaving first, or in the
@@ -83,7 +56,7 @@ def _ranks_output(stderr: str) -> str:
 def _torchrun_once(script: Path, out: Path, mode: str = "raise") -> dict:
     out.mkdir()
     started = time.time()
-    proc = run_torchrun(script, str(out), mode, timeout=120)
+    proc = run_torchrun(script, str(out), mode, cwd=out.parent, timeout=120)
     ended = time.time()
     return {"proc": proc, "took": ended - started, "after_raise": _after_raise(out, ended), "pids": _pids(out)}
 
@@ -92,7 +65,7 @@ def _torchrun_once(script: Path, out: Path, mode: str = "raise") -> dict:
 def test_torchrun_names_the_raising_rank_as_root_cause_every_time_and_no_system_exit_as_an_error(tmp_path):
     """Every run: rank 1 is torchrun's Root Cause. A raise is recorded with its traceback; sys.exit(3) (or a stop
     after a signal, a SystemExit too) is an exit code, not an error with a traceback."""
-    script = write_script(tmp_path, SCRIPT)
+    script = SCRIPT
     modes = ["raise"] * RAISE_RUNS + ["exit"]
     with ThreadPoolExecutor(PARALLEL) as pool:
         runs = list(pool.map(lambda i: _torchrun_once(script, tmp_path / f"run{i}", modes[i]), range(len(modes))))
@@ -128,7 +101,7 @@ def _no_jobs_left(cluster, timeout: float = 10.0) -> bool:
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("kill_on_bad_exit", [True, False], ids=["kill-on-bad-exit", "no-kill-on-bad-exit"])
 def test_srun_step_fails_within_seconds_with_the_raising_ranks_traceback(slurm_cluster, tmp_path, kill_on_bad_exit):
-    script = write_script(tmp_path, SCRIPT)
+    script = SCRIPT
     out = tmp_path / "run"
     out.mkdir()
     kill = ["--kill-on-bad-exit=1"] if kill_on_bad_exit else ["--kill-on-bad-exit=0"]

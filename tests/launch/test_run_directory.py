@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from qaccel.launch import run_dir
-from support.procs import left_in, run_script, script_env, wait_for, write_script
+from support.procs import left_in, run_script, script_env, script_file, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -69,28 +69,8 @@ def test_private_run_directory_is_0700_and_removed_under_a_long_tmpdir_and_other
     tmpdir = tmp_path / ("a-long-per-job-temporary-directory-" * 3)
     tmpdir.mkdir()
     before = _users_folders(tmpdir, tmp_path / "outside")
-    script = write_script(tmp_path, """
-        import os, stat, sys, tempfile
-        from pathlib import Path
-        from qaccel import Accelerator
-
-        def look(fail):
-            dirs = list(Path(tempfile.gettempdir()).glob("qaccel-runs-*/run-*"))
-            modes = [oct(stat.S_IMODE(d.stat().st_mode)) for d in [*dirs, dirs[0].parent]]
-            if fail:
-                raise RuntimeError(f"failing on purpose {modes}")
-            return modes
-
-        if __name__ == "__main__":
-            acc = Accelerator(nprocs=2, compute_setup="cpu")
-            print(acc.distribute(look)(False), flush=True)
-            try:
-                acc.distribute(look)(True)
-            except RuntimeError as exc:
-                print("raised", exc, flush=True)
-            print("left", sorted(p.name for p in Path(tempfile.gettempdir()).glob("qaccel-runs-*/*")), flush=True)
-    """)
-    proc = run_script(script, env=script_env(TMPDIR=str(tmpdir)))
+    script = script_file("run_dir_modes.py")
+    proc = run_script(script, env=script_env(TMPDIR=str(tmpdir)), cwd=tmp_path)
     assert len(str(tmpdir)) > 107
     assert proc.returncode == 0, proc.stderr
     # torch 2.8-2.10 print "[Gloo] Rank N is connected to M peer ranks. ..." to stdout from every rank at each
@@ -107,24 +87,6 @@ def test_private_run_directory_is_0700_and_removed_under_a_long_tmpdir_and_other
     assert (tmpdir / ROOT / run_dir.MARKER).read_bytes() == run_dir.MARKER_TEXT
 
 
-STALE_SCRIPT = """
-import os, signal, sys, time
-from pathlib import Path
-from qaccel import Accelerator
-
-def work(mode, caller, gate):
-    if mode == "killed" and int(os.environ["RANK"]) == 0:
-        os.kill(caller, signal.SIGKILL)  # the caller dies without any chance to clean up
-    while mode != "quick" and not Path(gate).exists():
-        time.sleep(0.05)
-    return mode
-
-if __name__ == "__main__":
-    mode, gate = sys.argv[1], sys.argv[2]
-    print(Accelerator(nprocs=2, compute_setup="cpu", timeout=60).distribute(work)(mode, os.getpid(), gate), flush=True)
-"""
-
-
 def _run_dirs(tmp):
     return sorted(p.name for p in (tmp / ROOT).glob("*") if p.name != run_dir.MARKER)
 
@@ -132,7 +94,7 @@ def _run_dirs(tmp):
 def test_next_launch_removes_a_killed_callers_directory_and_keeps_a_live_ones(tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    script = write_script(tmp_path, STALE_SCRIPT)
+    script = script_file("gated_ranks.py")
     env = script_env(TMPDIR=str(tmp))
     gate = tmp_path / "gate"
     live = subprocess.Popen([sys.executable, str(script), "live", str(gate)], env=env, stdout=subprocess.PIPE, text=True)
@@ -140,11 +102,11 @@ def test_next_launch_removes_a_killed_callers_directory_and_keeps_a_live_ones(tm
         wait_for(lambda: len(_run_dirs(tmp)) == 1, 60, lambda: f"the live launch's run directory: {_run_dirs(tmp)}")
         [live_dir] = _run_dirs(tmp)
         assert live_dir.startswith("run-")
-        killed = run_script(script, "killed", str(tmp_path / "never"), env=env, timeout=120)
+        killed = run_script(script, "killed", str(tmp_path / "never"), env=env, cwd=tmp_path, timeout=120)
         assert killed.returncode == -9
         [dead_dir] = [d for d in _run_dirs(tmp) if d != live_dir]  # left behind
 
-        quick = run_script(script, "quick", str(gate), env=env, timeout=120)
+        quick = run_script(script, "quick", str(gate), env=env, cwd=tmp_path, timeout=120)
         assert quick.returncode == 0 and quick.stdout.strip() == "quick", quick.stderr
         assert _run_dirs(tmp) == [live_dir], "the dead caller's directory is gone, the live one's kept"
         gate.touch()
@@ -265,30 +227,10 @@ def test_a_folder_not_made_by_qaccel_is_passed_over_and_never_touched(tmp_path, 
     assert (outside / "keep.txt").read_text() == "outside" and sorted(os.listdir(outside)) == ["keep.txt"]
 
 
-MAKER = """
-import importlib.util, os, sys, time
-spec = importlib.util.spec_from_file_location("run_dir", sys.argv[3])
-run_dir = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(run_dir)
-
-mode, deadline, made, removed = sys.argv[1], float(sys.argv[2]), 0, []
-while time.time() < deadline:
-    if mode == "remove":
-        removed += run_dir.remove_stale()
-        continue
-    with run_dir.run_directory() as path:
-        open(os.path.join(path, "mine"), "w").close()
-        time.sleep(0.002)
-        assert os.path.isfile(os.path.join(path, run_dir.LOCK)) and os.path.isfile(os.path.join(path, "mine")), path
-    made += 1
-print(made, removed, flush=True)
-"""
-
-
 def test_directories_of_live_launches_survive_concurrent_removals(tmp_path):
     """Processes make and drop run directories in a loop while another removes stale ones as fast as it can:
     none ever finds its directory, or the lock in it, gone."""
-    script = write_script(tmp_path, MAKER)
+    script = script_file("run_dir_churn.py")
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     deadline = str(time.time() + 2.5)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from support.procs import REPORT_SCRIPT, free_job_id, free_port, report_results, run_script, srun_env, write_script
+from support.procs import free_job_id, free_port, report_results, run_script, script_file, srun_env
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -26,17 +26,7 @@ def _run_as_srun_tasks(script, tag, job_id, **extra):
 
 def test_srun_task_that_loses_its_peer_says_the_cause_is_in_the_other_ranks_log(tmp_path):
     """Each srun task logs alone: rank 0 must not read as the origin when rank 1 died under it."""
-    script = write_script(tmp_path, """
-        import os
-        from qaccel import Accelerator
-        acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=30)
-        def work():
-            if acc.rank == 1:
-                os._exit(3)  # dies without a word, as a rank killed by the OOM killer would
-            acc.all_reduce_dict({"x": 1.0})
-        if __name__ == "__main__":
-            acc.distribute(work)()
-    """)
+    script = script_file("silent_rank_death.py")
     job_id = free_job_id()
     procs = [subprocess.Popen([sys.executable, str(script)], env=srun_env(r, job_id), stderr=subprocess.PIPE, text=True)
              for r in range(2)]
@@ -46,29 +36,12 @@ def test_srun_task_that_loses_its_peer_says_the_cause_is_in_the_other_ranks_log(
            "that rank's log" in errs[0]
 
 
-MANY_SESSIONS_SCRIPT = """
-import json, os, sys
-from qaccel import Accelerator
-acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=30)
-
-def report():
-    total = acc.all_reduce_dict({"r": acc.rank}, op="sum")["r"]
-    return {"rank": acc.rank, "local": acc.local_rank, "node": acc.node_rank, "world": acc.world_size, "sum": total,
-            "env_rank": os.environ.get("RANK")}
-
-if __name__ == "__main__":
-    first = acc.distribute(report)()
-    sums = [acc.distribute(lambda: acc.all_reduce_dict({"r": acc.rank + 1}, op="sum")["r"])() for _ in range(40)]
-    print("RESULT " + json.dumps({**first, "sums": sums}), flush=True)
-"""
-
-
 def test_srun_tasks_run_in_place_with_slurm_ranks_for_many_sessions_back_to_back(tmp_path):
     """One pair of tasks for both checks. Each task is its rank, run in place, with the rank variables SLURM gives
     (and RANK set for the code in it). Each session re-rendezvouses; a peer must never reach rank 0's store of the
     session before (CI failure: "Failed to recv, got 0 bytes" in 1 of 3 runs of 25 sessions while rank 0 hosted a
     new store per session)."""
-    script = write_script(tmp_path, MANY_SESSIONS_SCRIPT)
+    script = script_file("many_sessions.py")
     results = _run_as_srun_tasks(script, "many", free_job_id())
     assert [(r["rank"], r["local"], r["node"], r["world"], r["sum"], r["env_rank"]) for r in results] == [
         (0, 0, 0, 2, 1, "0"),
@@ -78,7 +51,7 @@ def test_srun_tasks_run_in_place_with_slurm_ranks_for_many_sessions_back_to_back
 
 
 def test_srun_user_master_addr_and_port_win(tmp_path):
-    script = write_script(tmp_path, REPORT_SCRIPT)
+    script = script_file("report_ranks.py")
     results = _run_as_srun_tasks(
         script, "user", "1", SLURM_NODELIST="nosuchhost[1-2]", SLURM_STEP_NODELIST="nosuchhost[1-2]",
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
@@ -88,11 +61,11 @@ def test_srun_user_master_addr_and_port_win(tmp_path):
 
 def test_sbatch_shell_without_srun_spawns_its_own_ranks(tmp_path):
     """Inside an sbatch script without srun: SLURM_PROCID/NTASKS set, no step: a plain process that spawns."""
-    script = write_script(tmp_path, REPORT_SCRIPT)
+    script = script_file("report_ranks.py")
     env = srun_env(0, "4242")
     for key in ("SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST", "SLURM_STEP_NUM_NODES", "SLURM_STEP_TASKS_PER_NODE"):
         env.pop(key)
-    proc = run_script(script, "batch", env=env, timeout=90)
+    proc = run_script(script, "batch", env=env, cwd=tmp_path, timeout=90)
     assert proc.returncode == 0, proc.stderr
     [result] = report_results(proc.stdout)
     assert (result["rank"], result["world"], result["sum"]) == (0, 2, 1)

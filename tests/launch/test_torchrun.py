@@ -8,13 +8,13 @@ import subprocess
 
 import pytest
 
-from support.procs import REPORT_SCRIPT, report_results, script_env, torchrun_cmd, write_script
+from support.procs import report_results, script_env, script_file, torchrun_cmd
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def test_torchrun_standalone_runs_in_place(tmp_path):
-    script = write_script(tmp_path, REPORT_SCRIPT)
+    script = script_file("report_ranks.py")
     proc = subprocess.run(
         [*torchrun_cmd(tmp_path / "torchelastic", "--standalone", "--nproc_per_node", "2"), str(script), "tr"],
         capture_output=True, text=True, timeout=150, env=script_env(), cwd=tmp_path,
@@ -30,18 +30,7 @@ def test_torchrun_standalone_runs_in_place(tmp_path):
 
 
 def test_existing_process_group_is_reused_and_not_destroyed(tmp_path):
-    script = write_script(tmp_path, """
-        import os, torch, torch.distributed as dist
-        from qaccel import Accelerator
-        if __name__ == "__main__":
-            dist.init_process_group("gloo")
-            acc = Accelerator(compute_setup="cpu")
-            r = acc.distribute(lambda: acc.all_reduce_dict({"x": dist.get_rank() + 1}, op="sum")["x"])()
-            t = torch.ones(1)
-            dist.all_reduce(t)
-            os.write(1, f"OUT {r} {dist.is_initialized()} {t.item()}\\n".encode())  # one write: ranks share the pipe
-            dist.destroy_process_group()
-    """)
+    script = script_file("user_process_group.py")
     proc = subprocess.run(
         [*torchrun_cmd(tmp_path / "torchelastic", "--standalone", "--nproc_per_node", "2"), str(script)],
         capture_output=True, text=True, timeout=150, env=script_env(), cwd=tmp_path,

@@ -9,11 +9,11 @@ import socket
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = REPO / "tests" / "scripts"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -124,40 +124,8 @@ def signal_when(cmd: list[str], sig: int, ready: str, *, env: dict, cwd: Path, t
     return subprocess.CompletedProcess(cmd, proc.returncode, out_path.read_text(), err_path.read_text())
 
 
-# Ranks that iterate a DataLoader whose 2 workers are busy (0.2 s an item); each rank and worker leaves a file named
-# after its pid in sys.argv[1]. sys.argv[2] "fail": rank 1 raises once 4 workers are up; "run": they run on.
-# tests/launch/test_worker.py (another rank fails) and tests/launch/test_caller_stops.py (the caller is stopped).
-STUCK_WORKERS = """
-import os, sys, time
-from pathlib import Path
-import torch
-from torch.utils.data import DataLoader, Dataset, get_worker_info
-from qaccel import Accelerator
-
-OUT = Path(sys.argv[1])
-
-class Slow(Dataset):
-    def __len__(self):
-        return 1000
-    def __getitem__(self, i):
-        (OUT / f"worker-{os.getpid()}").write_text(str(os.getppid()))
-        time.sleep(0.2)
-        return torch.tensor(i)
-
-def work(acc):
-    (OUT / f"rank-{os.getpid()}").write_text(str(acc.rank))
-    for i, _ in enumerate(acc.prepare(DataLoader(Slow(), batch_size=2, num_workers=2))):
-        if acc.rank == 1 and sys.argv[2] == "fail" and len(list(OUT.glob("worker-*"))) >= 4:
-            raise ValueError("rank 1 fails while every rank's workers are busy")
-
-if __name__ == "__main__":
-    acc = Accelerator(nprocs=2, compute_setup="cpu")
-    acc.distribute(work)(acc)
-"""
-
-
 def stuck_ranks_and_workers(out: Path, timeout: float = 60) -> tuple[list[int], list[int]]:
-    """The pids of STUCK_WORKERS' 2 ranks and 4 DataLoader workers, once all are up; every worker must be a child
+    """The pids of the 2 ranks and 4 DataLoader workers of tests/scripts/stuck_workers.py (writing to ``out``), once all are up; every worker must be a child
     of a rank (found by parent pid, as /proc tells it), not of the forkserver."""
     ranks = [int(p.name.split("-")[1]) for p in _files(out, "rank-*", 2, timeout)]
     workers = [int(p.name.split("-")[1]) for p in _files(out, "worker-*", 4, timeout)]
@@ -182,21 +150,23 @@ def script_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def write_script(directory: Path, code: str, name: str = "script.py") -> Path:
-    path = Path(directory) / name
-    path.write_text(textwrap.dedent(code))
+def script_file(name: str) -> Path:
+    """The test script tests/scripts/``name``: scripts are files there, which linters check and tests run by path."""
+    path = SCRIPTS / name
+    if not path.is_file():
+        raise FileNotFoundError(f"no test script {path}")
     return path
 
 
-def run_script(path: Path, *args: str, timeout: float = 120, env: dict | None = None, cwd=None):
-    """Run ``python path args`` to completion; the CompletedProcess has text stdout/stderr."""
+def run_script(path: Path, *args: str, cwd, timeout: float = 120, env: dict | None = None):
+    """Run ``python path args`` in ``cwd`` to completion; the CompletedProcess has text stdout/stderr."""
     return subprocess.run(
         [sys.executable, str(path), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         env=env or script_env(),
-        cwd=cwd or Path(path).parent,
+        cwd=cwd,
     )
 
 
@@ -206,8 +176,8 @@ def torchrun_cmd(log_dir: Path, *torchrun_args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--log-dir", str(log_dir), *torchrun_args]
 
 
-def run_torchrun(script: Path, *args: str, nprocs: int = 2, torchrun_args: tuple = (), timeout: float = 150,
-                 env: dict | None = None, cwd=None):
+def run_torchrun(script: Path, *args: str, cwd, nprocs: int = 2, torchrun_args: tuple = (), timeout: float = 150,
+                 env: dict | None = None):
     """Run ``torchrun --standalone --nproc_per_node nprocs script args`` to completion, its log dir removed after.
 
     On timeout torchrun gets SIGTERM, which it passes on to its workers (each in a session of its own, out of
@@ -217,7 +187,7 @@ def run_torchrun(script: Path, *args: str, nprocs: int = 2, torchrun_args: tuple
         cmd = [*torchrun_cmd(Path(log_dir), "--standalone", "--nproc_per_node", str(nprocs), *torchrun_args),
                str(script), *args]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=env or script_env(), cwd=cwd or Path(script).parent)
+                                env=env or script_env(), cwd=cwd)
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -238,31 +208,8 @@ def result_lines(stdout: str) -> list:
     return [json.loads(line.split(" ", 1)[1]) for line in stdout.splitlines() if line.startswith("RESULT ")]
 
 
-# A script whose ranks each report who they are, as one line "RESULT {json} initialized_after <bool>"; run under
-# torchrun (tests/launch/test_torchrun.py) and as srun tasks (tests/launch/test_slurm_variables.py).
-REPORT_SCRIPT = """
-import json, os, sys
-import torch.distributed as dist
-from qaccel import Accelerator
-
-acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
-
-def work(tag):
-    total = acc.all_reduce_dict({"r": acc.rank}, op="sum")["r"]
-    return {"rank": acc.rank, "local": acc.local_rank, "node": acc.node_rank, "world": acc.world_size,
-            "sum": total, "tag": tag, "pid": os.getpid(), "env_rank": os.environ.get("RANK")}
-
-if __name__ == "__main__":
-    out = acc.distribute(work)(sys.argv[1])
-    again = acc.distribute(work)(sys.argv[1])  # a second group in the same process must work too
-    assert {**again, "pid": 0} == {**out, "pid": 0}, (again, out)
-    # one write(2) per line: ranks share torchrun's stdout pipe, and an unbuffered print() writes piece by piece
-    os.write(1, f"RESULT {json.dumps(out)} initialized_after {dist.is_initialized()}\\n".encode())
-"""
-
-
 def report_results(stdout):
-    """The JSON objects of REPORT_SCRIPT's ``RESULT`` lines, in order."""
+    """The JSON objects of the ``RESULT`` lines of tests/scripts/report_ranks.py, in order."""
     return [json.loads(line.split(" ", 1)[1].rsplit(" initialized_after", 1)[0]) for line in stdout.splitlines() if line.startswith("RESULT")]
 
 

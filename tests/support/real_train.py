@@ -4,9 +4,9 @@ pass under any launcher; shared by the tests that run it with DDP (tests/launch/
 
 from __future__ import annotations
 
-from .procs import REPO, result_lines, script_env
+from .procs import result_lines, script_env, script_file
 
-REAL = REPO / "tests" / "scripts" / "real_train.py"
+REAL = script_file("real_train.py")
 
 
 def real_env(**extra):

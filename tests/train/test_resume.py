@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from qaccel import Accelerator, Preempted
+from support.procs import script_env, script_file
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -262,28 +263,11 @@ def test_a_sigterm_while_dataloader_workers_start_stops_the_ranks_cleanly(acc, t
     assert raised.value.signal_name == "SIGTERM"
 
 
-FORKED_IN_THE_WINDOW = """
-import os, signal, sys
-def early():  # registered before qaccel's hook, so it runs first in the child, as a signal sent at the fork would
-    print(signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, []), flush=True)
-    os.kill(os.getpid(), signal.SIGTERM)
-os.register_at_fork(after_in_child=early)
-from qaccel.train import stopping
-stopping.arm({signal.SIGTERM})
-pid = os.fork()
-if pid == 0:
-    for _ in range(100):  # bytecodes, where Python runs its handlers
-        pass
-    os._exit(0)
-_, status = os.waitpid(pid, 0)
-print(os.waitstatus_to_exitcode(status), signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, []))
-"""
-
-
 def test_a_sigterm_sent_at_the_fork_still_ends_the_forked_child():
     """A child not yet scheduled when its pool terminates it gets SIGTERM before Python's after-fork code, which
     drops signals noted by then: the armed signals stay blocked until the child has its own handlers."""
-    done = subprocess.run([sys.executable, "-c", FORKED_IN_THE_WINDOW], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, str(script_file("forked_in_the_window.py"))], capture_output=True, text=True,
+                          env=script_env(), timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True", str(-signal.SIGTERM), "False"], \
         "blocked in the child until its reset, then died of it; the parent's mask given back"
