@@ -1,8 +1,9 @@
 """A rank that raises under a real torchrun or srun: the job exits non-zero within seconds, the raising rank's
 traceback is in the output, and the launcher's summary names that rank, not a peer that only lost its connection.
 
-Before the fix, torchrun's "Root Cause" named rank 0 (which saw the broken barrier) in 5 of 12 runs when rank 1
-raised (and in 4 of 8 in a second series); one run shows it too rarely, so the torchrun test repeats it.
+Which rank torchrun's "Root Cause" names is a race: rank 0, which sees the broken barrier, may end first, or in the
+same poll of torchrun's agent. A launcher that takes the first failure it observes names rank 0 in about 5 of 12
+runs where rank 1 raised; one run shows that too rarely, so the torchrun test repeats it.
 """
 
 from __future__ import annotations
@@ -20,13 +21,11 @@ from support.procs import run_torchrun, script_file, slurm_env, wait_dead, wait_
 
 SCRIPT = script_file("rank_1_fails.py")
 USER_LINE = 'raise ValueError("rank 1 fails on purpose")'
-# 5 runs where rank 1 raises and 1 where it calls sys.exit(3), 2 at a time: 3 rounds (was 8 raising runs in 4
-# rounds, then the exit run alone). Every run is a draw of the race the fix is about (rank 0 leaving first, or in the
-# same poll of torchrun's agent, named it the root cause), and every run must name rank 1. Before the fix a run
-# named rank 1 anyway with probability 7/12 (5 of 12 runs failed; 4 of 8 in a second series: 11/20 pooled), so all
-# 6 runs pass under the old code with probability (7/12)**6 = 3.9% ((11/20)**6 = 2.8%): the old bug fails this
-# test in 96% of runs (8 runs: 98.7%; the 5 raising runs alone: 93%). The exit run is such a draw too: rerun on the
-# code before the fix (01adf27~1) on a loaded machine, 5 of 6 raising and 4 of 6 exiting runs named rank 0.
+# 5 runs where rank 1 raises and 1 where it calls sys.exit(3), 2 at a time: 3 rounds. Every run is a draw of the
+# race above, and every run must name rank 1. A launcher that takes the first failure it observes names rank 1 in
+# a run with probability about 7/12 (11/20 on a loaded machine), so all 6 runs pass with it with probability
+# (7/12)**6 = 3.9% ((11/20)**6 = 2.8%): this test catches it in 96% of runs (the 5 raising runs alone: 93%). The
+# exiting run is such a draw too: on a loaded machine, such a launcher names rank 0 in about 4 of 6 exiting runs.
 RAISE_RUNS, PARALLEL = 5, 2
 # From rank 1's raise to the launcher's exit: 1-4 s here (a rank held for the cause to go first waits 3 s), up to
 # 11 s while other test suites load the 2 cores. The ranks' timeout is the default 30 min: a hang shows.

@@ -18,8 +18,8 @@ import uuid
 import pytest
 
 from support.procs import (
-    REPO, marked_pids, once_per_session, result_lines, run_script, run_torchrun, signal_when, slurm_env, torchrun_cmd, wait_dead, wait_for,
-    wait_for_text,
+    REPO, marked_pids, once_per_session, result_lines, run_script, run_torchrun, signal_when, slurm_env, torchrun_cmd,
+    wait_dead, wait_for, wait_for_text,
 )
 from support.real_train import REAL, checked, real_env
 
@@ -67,7 +67,7 @@ def test_srun_runs_the_real_script_to_the_same_parameters(reference, slurm_clust
 def test_torchrun_restarts_resume_bitwise(reference, tmp_path):
     """Attempt 0 dies before the first checkpoint, attempt 1 after it (and resumes from it); attempt 2 must end
     with the uninterrupted run's parameters. Each restart must rendezvous anew: the dead attempt's addresses
-    stay in torchrun's store (they made restarts hang or fail with 'Connection refused')."""
+    stay in torchrun's store (a restart that rendezvouses on them hangs or fails with 'Connection refused')."""
     proc = run_torchrun(REAL, "--ckpt", str(tmp_path / "ckpt"), "--crash-at", "0:3,1:2",
                         torchrun_args=("--max-restarts", "2"), env=real_env(), cwd=tmp_path, timeout=250)
     result = checked(proc)
@@ -173,8 +173,8 @@ def test_slurm_usr1_warning_saves_requeues_and_resumes_bitwise(reference, slurm_
              and slurm_cluster.job_info(job).get("JobState") == "PENDING", 60,
              lambda: f"the requeued job to be pending; job output:\n{out.read_text()}", interval=0.2)
     # slurmd refuses a launch whose credential is not newer, in whole seconds, than the kill of the job's previous
-    # start ("Job N already killed, do not launch batch job": slurm_cred_revoked); started in the same second,
-    # the requeued job ended FAILED 1:0 (1 run in 5-8 here). SLURM's own hold never meets this; wait it out.
+    # start ("Job N already killed, do not launch batch job": slurm_cred_revoked): a requeued job started in the
+    # same second ends FAILED 1:0 (about 1 run in 6 here). SLURM's own hold never meets this; wait it out.
     time.sleep(2)
     slurm_cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
     slurm_cluster.wait_job(job, timeout=150)

@@ -35,7 +35,7 @@ def _users_folders(tmpdir: Path, outside: Path) -> dict[str, str]:
     (tmpdir / "qaccel-experiments" / "results.csv").write_text("epoch,loss\n1,0.5\n")
     (tmpdir / "qaccel-empty").mkdir()
     (tmpdir / "qaccel-new").mkdir()
-    (tmpdir / "qaccel-abc123").mkdir()  # a run directory of the old layout: lock file free, old
+    (tmpdir / "qaccel-abc123").mkdir()  # looks like a run directory (a free lock file, old), outside qaccel's folder
     (tmpdir / "qaccel-abc123" / "caller.lock").write_text("")
     (tmpdir / "qaccel-venv" / "bin").mkdir(parents=True)
     (tmpdir / "qaccel-venv" / "bin" / "python").write_text("#!/bin/sh\n")
@@ -65,7 +65,7 @@ def test_private_run_directory_is_0700_and_removed_under_a_long_tmpdir_and_other
     """The run directory and its folder are 0700, the run directory is removed after a launch, a failed one too,
     and the user's own qaccel-* folders, old or new, a symlink and what it points to, all survive. TMPDIR is long
     on purpose (the same launches serve): multiprocessing puts the forkserver's Unix socket under TMPDIR, and past
-    107 bytes it cannot bind (CI failure when pytest's tmp path grew by one digit)."""
+    107 bytes it cannot bind, and pytest's own tmp paths are not far below that."""
     tmpdir = tmp_path / ("a-long-per-job-temporary-directory-" * 3)
     tmpdir.mkdir()
     before = _users_folders(tmpdir, tmp_path / "outside")

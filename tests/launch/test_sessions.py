@@ -137,7 +137,7 @@ def _check_later_sessions(returncodes, stdout, stderr):
 def test_later_sessions_under_torchrun_never_crash_in_dataloader_workers(tmp_path, attempt):
     """Sessions that trained a DDP model (one kept by the script in a cycle of its own, one failed and its
     exception kept), then sessions whose DataLoader workers run the garbage collector: the old sessions' models
-    must never be destroyed in a worker (the old code crashed there in every run). Two runs, each with four later
+    must never be destroyed in a worker (destroying one there crashes the worker). Two runs, each with four later
     sessions."""
     proc = run_torchrun(LATER, str(tmp_path), cwd=tmp_path, timeout=240)
     _check_later_sessions([proc.returncode], proc.stdout, proc.stderr)

@@ -39,8 +39,8 @@ def test_srun_task_that_loses_its_peer_says_the_cause_is_in_the_other_ranks_log(
 def test_srun_tasks_run_in_place_with_slurm_ranks_for_many_sessions_back_to_back(tmp_path):
     """One pair of tasks for both checks. Each task is its rank, run in place, with the rank variables SLURM gives
     (and RANK set for the code in it). Each session re-rendezvouses; a peer must never reach rank 0's store of the
-    session before (CI failure: "Failed to recv, got 0 bytes" in 1 of 3 runs of 25 sessions while rank 0 hosted a
-    new store per session)."""
+    session before: it fails with "Failed to recv, got 0 bytes" (with a new store per session hosted by rank 0, in
+    about 1 of 3 runs of 25 sessions)."""
     script = script_file("many_sessions.py")
     results = _run_as_srun_tasks(script, "many", free_job_id())
     assert [(r["rank"], r["local"], r["node"], r["world"], r["sum"], r["env_rank"]) for r in results] == [

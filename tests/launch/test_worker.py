@@ -44,7 +44,7 @@ def test_dataloader_workers_die_with_their_rank_when_another_rank_fails(tmp_path
 
 def test_pools_opened_and_closed_in_a_rank_never_hang(tmp_path):
     """Pool.__exit__ stops its workers with SIGTERM and waits for them: a worker still starting when the pool
-    closes must die of it (a Python-level SIGTERM handler inherited from the rank made it miss the signal)."""
+    closes must die of it (with a Python-level SIGTERM handler inherited from the rank, it would miss the signal)."""
     script = script_file("pools_in_a_rank.py")
     proc = run_script(script, cwd=tmp_path, timeout=100)
     assert proc.returncode == 0, proc.stderr

@@ -223,7 +223,7 @@ def _children_of_an_armed_rank(acc, ckpt):
     acc.resume(ckpt)
     workers = {tuple(row.tolist()) for (batch) in workers_loader for row in batch}
     pools = set()
-    for _ in range(20):  # a Python-level SIGTERM handler in pool workers made Pool.__exit__ hang 1 run in 6
+    for _ in range(20):  # with a Python-level SIGTERM handler in its workers, Pool.__exit__ hangs about 1 run in 6
         with multiprocessing.Pool(2) as pool:
             pools.update(pool.starmap(_pool_child, [()] * 4))
     return workers, pools
@@ -257,7 +257,8 @@ def _signalled_as_workers_start(acc, ckpt):
 @pytest.mark.timeout(60)
 def test_a_sigterm_while_dataloader_workers_start_stops_the_ranks_cleanly(acc, tmp_path):
     """The signal reaches a worker forked a moment ago: it must not die of it (its rank would fail instead of
-    saving; seen in CI with torchrun at an epoch's start). Without stopping.held the worker dies every time."""
+    saving; under torchrun, a signal that comes at an epoch's start does this). Without stopping.held the worker dies
+    every time."""
     with pytest.raises(Preempted) as raised:
         acc.distribute(_signalled_as_workers_start)(acc, str(tmp_path / "ckpt"))
     assert raised.value.signal_name == "SIGTERM"
