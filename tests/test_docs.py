@@ -4,7 +4,7 @@ works: a block that is a complete script (it has ``if __name__ == "__main__":``)
 and every other block compiles.
 
 Without MkDocs installed (``pip install -e ".[docs]"``, or the ``test`` extra) the build test is skipped saying so,
-or fails under CI=true, as the tests of component.py do for a missing SLURM.
+or fails under CI=true, as the tests of support/component.py do for a missing SLURM.
 """
 
 from __future__ import annotations

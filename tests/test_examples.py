@@ -57,10 +57,10 @@ def test_quickstart_under_torchrun_follows_torchrun_and_warns_once_of_a_world_mi
 
 
 def test_regression_bf16_with_gradient_accumulation_under_torchrun(tmp_path):
-    """One torchrun run (was one under torchrun and a bf16 one under python): the example with bf16 and gradient
-    accumulation, run in place by torchrun. In float32: under python, the straight run of
-    test_regression_resumes_where_it_stopped_and_matches_a_straight_run, and in place under srun,
-    test_examples_print_once_under_srun; bf16 and accumulation on ranks qaccel starts: tests/test_training.py."""
+    """One torchrun run: the example with bf16 and gradient accumulation, run in place by torchrun. In float32:
+    under python, the straight run of test_regression_resumes_where_it_stopped_and_matches_a_straight_run, and in
+    place under srun, test_examples_print_once_under_srun; bf16 and accumulation on ranks qaccel starts:
+    tests/train/test_training.py."""
     out = _run([*_torchrun(tmp_path), str(REPO / "examples/regression.py"), "--bf16", "--accumulate", "2",
                 "--epochs", "4"], tmp_path)
     assert out.count("validation loss") == 1 and "2 rank(s)" in out and "float32 with bf16" in out, out
@@ -105,7 +105,7 @@ ONCE = {  # each example's arguments, the lines that must appear exactly once ho
     "classify_cnn.py": (["--epochs", "1"], ["test accuracy", "saved "], _classified),
     "long_run.py": (["--epochs", "1"], ["final loss"], lambda out: None),
 }
-# quickstart.py under srun: test_slurm_scripts.py::test_one_node_template_runs_the_quickstart_example_without_arguments
+# quickstart.py under srun: cluster/test_slurm_scripts.py::test_one_node_template_runs_the_quickstart_example_without_arguments
 # runs it with slurm/one_node.sbatch (srun, a task per rank) and checks "final mean loss" is printed once.
 
 
