@@ -55,7 +55,7 @@ def _snapshot(*dirs: Path) -> dict[str, str]:
             for name in subdirs + files:
                 path = Path(base, name)
                 if name.startswith("torchinductor_"):
-                    continue  # torch's own cache, which some versions (2.11) make on import (see procs.left_in)
+                    continue  # torch's own cache, which some versions (2.11) make on import (see support.procs.left_in)
                 found[str(path)] = (os.readlink(path) if path.is_symlink() else
                                     "dir" if path.is_dir() else path.read_text())
     return found

@@ -3,7 +3,7 @@ a small file system that fills up (marker ``small_disk``).
 
 Whether the component can run here, installing what it needs with apt-get when root, and what happens when it
 cannot: the test is skipped with the reason, or fails under CI=true, so that CI never passes without it.
-Not a test module; conftest.py applies it to every marked test.
+Not a test module; tests/conftest.py applies it to every marked test.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Test helpers: run scripts in fresh interpreters and check processes through /proc."""
+"""Test helpers: run scripts (tests/scripts) and launchers in fresh interpreters, check processes through /proc, wait
+for what they do (one ``wait_for``), and pick free ports (one ``free_port``)."""
 
 from __future__ import annotations
 
@@ -49,10 +50,11 @@ def wait_for_text(path: Path, *needles: str, timeout: float = 30.0, proc: subpro
         return Path(path).read_text() if Path(path).exists() else ""
 
     def holds_all() -> str | None:
+        ended = proc is not None and proc.poll() is not None  # before the read: what it wrote last is read too
         text = read()
         if all(needle in text for needle in needles):
             return text
-        if proc is not None and proc.poll() is not None:
+        if ended:
             raise AssertionError(f"{needles} never came in {path} (exit {proc.returncode}):\n{text}")
         return None
 
