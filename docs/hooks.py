@@ -1,7 +1,8 @@
 """MkDocs hook: the Options page's table is generated from the code, so it cannot drift from what qaccel accepts.
 
 Registered in mkdocs.yml (``hooks:``). A page's line ``<!-- options-table -->`` is replaced with the markdown table
-``qaccel.options.option_table()`` returns (columns option | values | meaning). If qaccel cannot give the table, the
+``qaccel.options.option_table()`` returns (the call with every default, and a table of option | default |
+values | what it does). If qaccel cannot give the table, the
 build fails: an ImportError, not a page without its table.
 """
 

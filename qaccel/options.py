@@ -158,8 +158,15 @@ def document(cls: type) -> type:
 
 
 def option_table() -> str:
-    """The options as a Markdown table, for the docs."""
-    rows = ["| option | default | values | what it does |", "| --- | --- | --- | --- |"]
+    """The options for the docs, in Markdown: the call with every default written out, then a table."""
+    positional = sum(not o.keyword_only for o in OPTIONS)
+    arguments = ", ".join(f"{o.name}={o.default!r}" for o in OPTIONS)
+    call = textwrap.fill(f"acc = Accelerator({arguments})", 112, subsequent_indent=" " * 18, break_on_hyphens=False)
+    rows = [
+        "```python", call, "```", "",
+        f"The first {positional} may be given by position; the others are keyword-only.", "",
+        "| option | default | values | what it does |", "| --- | --- | --- | --- |",
+    ]
     for option in OPTIONS:
         rows.append(f"| `{option.name}` | `{option.default!r}` | {option.values} | {option.meaning} |")
     return "\n".join(rows) + "\n"
