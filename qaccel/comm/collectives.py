@@ -97,7 +97,7 @@ def _describe_broadcast(obj: Any, src: int, *rest: Any) -> str:
     return f"src={src}"
 
 
-def _distributed() -> bool:
+def is_distributed() -> bool:
     """True where a process group exists, also a one-rank group the user made: its collectives are real."""
     return dist.is_available() and dist.is_initialized()
 
@@ -156,7 +156,7 @@ def _reduce_flat(tensors: list[torch.Tensor], op: str, ctx: RankContext) -> list
     divides the buffer once and is floating point for integer inputs. Without a group, the same arithmetic
     on copies, so results do not depend on the world size.
     """
-    world = ctx.world_size if _distributed() else 1
+    world = ctx.world_size if is_distributed() else 1
     device = _comm_device(ctx)
     groups: dict[torch.dtype, list[int]] = {}
     for i, tensor in enumerate(tensors):
@@ -181,7 +181,7 @@ def broadcast(obj: Any, src: int, ctx: RankContext) -> Any:
     """Every rank gets rank ``src``'s ``obj`` (any picklable object)."""
     if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < ctx.world_size:
         raise ValueError(f"src must be a rank in [0, {ctx.world_size - 1}]; got {src!r}")
-    if not _distributed():
+    if not is_distributed():
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=src, device=_comm_device(ctx))
@@ -191,7 +191,7 @@ def broadcast(obj: Any, src: int, ctx: RankContext) -> Any:
 @tracked("gather_object()")
 def gather_object(obj: Any, ctx: RankContext) -> list[Any]:
     """Every rank gets the list of all ranks' ``obj``, indexed by rank."""
-    if not _distributed():
+    if not is_distributed():
         return [obj]
     out: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(out, obj)
@@ -201,7 +201,7 @@ def gather_object(obj: Any, ctx: RankContext) -> list[Any]:
 @tracked("wait_for_everyone()")
 def wait_for_everyone(ctx: RankContext) -> None:
     """Block until every rank reaches this point."""
-    if _distributed():
+    if is_distributed():
         session.group_barrier(ctx)
 
 
@@ -220,7 +220,7 @@ def gather(data: Any, ctx: RankContext) -> Any:
     Across ranks the results are new tensors without autograd history, on the input's device.
     """
     tensors = [t.reshape(1) if t.dim() == 0 else t for t in _tensor_leaves(data, "gather")]
-    if not _distributed():
+    if not is_distributed():
         return _with_leaves(data, tensors)
     shapes = _shapes_by_rank(tensors, ctx, "gather")
     return _with_leaves(data, [_gather_tensor(t, [s[i] for s in shapes], ctx) for i, t in enumerate(tensors)])
@@ -246,7 +246,7 @@ def pad_across_processes(data: Any, ctx: RankContext, dim: int = 0, pad_index: i
     largest size come back as they are.
     """
     tensors = _tensor_leaves(data, "pad_across_processes")
-    if not _distributed():
+    if not is_distributed():
         for tensor in tensors:
             _normalised_dim(dim, tensor)
         return _with_leaves(data, tensors)

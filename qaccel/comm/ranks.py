@@ -50,7 +50,7 @@ def split_between_processes(obj: Any, ctx: RankContext, apply_padding: bool) -> 
                          "use apply_padding=False")
     if isinstance(obj, torch.Tensor) and obj.dim() == 0:
         raise ValueError("split_between_processes: a 0-dim tensor has no dim 0 to split")
-    if not collectives._distributed(ctx):
+    if not collectives.is_distributed():
         yield obj
         return
     yield _share(obj, ctx.rank, ctx.world_size, apply_padding)

@@ -5,6 +5,7 @@ missing), a folder that is not a checkpoint, and a checkpoint written for anothe
 from __future__ import annotations
 
 import errno
+import json
 import os
 import warnings
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from qaccel import Accelerator, CheckpointError, consolidate
+from qaccel import Accelerator, CheckpointError, consolidate, storage
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -119,13 +120,16 @@ def test_resume_skips_a_damaged_newest_checkpoint_on_every_rank(acc, tmp_path, d
 
 
 def test_a_checkpoint_torch_cannot_read_is_damaged_too(acc, tmp_path):
-    """A checkpoint written before sizes and checksums were recorded: torch's own error, named."""
+    """A file that holds what its marker records but that torch cannot read (written wrong, not damaged later):
+    torch's own error, named."""
     folder = tmp_path / "ckpt"
     acc.distribute(_checkpoints)(acc, str(folder))
     newest = folder / "checkpoint_00000004"
     marker = newest / "qaccel_state.json"
-    marker.write_text(marker.read_text().replace('"files"', '"unchecked"'))
     _cut_short(newest / "optimizer_0.pt")
+    recorded = json.loads(marker.read_text())
+    recorded["files"]["optimizer_0.pt"] = storage.sums(newest / "optimizer_0.pt").to_json()
+    marker.write_text(json.dumps(recorded))
     ranks = acc.distribute(_load_explicitly, all_results=True)(acc, str(newest))
     (kind, message, file), untouched = ranks[0]
     assert ranks[1] == ranks[0] and untouched
