@@ -2,6 +2,7 @@
 
 Layers, each importing only the ones below it:
 
+- ``trainer``: qadence's Trainer (``Trainer``, ``TrainConfig``, ``qaccel.callbacks``), built on the facade;
 - ``accelerator`` (the facade users hold) and ``cli`` (``qaccel env``, ``qaccel test``);
 - ``launch``: starting ranks (a plain launch) or running in place (torchrun, srun), and bringing results back;
 - ``train``: what runs inside a rank's training function: prepare, data, the step, precision, checkpoints;
@@ -14,8 +15,10 @@ __version__ = "0.1.0"
 from qaccel.accelerator import Accelerator
 from qaccel.errors import CheckpointError, CollectiveMismatchError, Preempted, QaccelError, RankError, RankKilledError
 from qaccel.train.checkpoint import consolidate
+from qaccel.trainer.config import TrainConfig
+from qaccel.trainer.trainer import Trainer
 
 __all__ = [
     "Accelerator", "Preempted", "consolidate", "CheckpointError", "CollectiveMismatchError", "QaccelError", "RankError",
-    "RankKilledError", "__version__",
+    "RankKilledError", "TrainConfig", "Trainer", "__version__",
 ]

@@ -1,0 +1,301 @@
+"""Callbacks: code the Trainer runs at named points of training, as qadence's callbacks do.
+
+A callback runs on every rank, so one that saves a checkpoint (a collective) or changes the learning rate keeps the
+ranks in step; the ones that print or write do so on rank 0 only. One that raises ends the fit on every rank with
+that rank's traceback, as any error in a distributed function does. A callback with state (early stopping's
+patience, a schedule's base rates) has ``state_dict``/``load_state_dict``: the Trainer keeps that state in its
+checkpoints, so a resumed fit continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+if TYPE_CHECKING:
+    from qaccel.trainer.config import TrainConfig
+    from qaccel.trainer.tracking import Tracker
+    from qaccel.trainer.trainer import Trainer
+
+
+class Stage(enum.StrEnum):
+    """The points of training a callback can run at (qadence's names)."""
+
+    TRAIN_START = "train_start"
+    TRAIN_END = "train_end"
+    TRAIN_EPOCH_START = "train_epoch_start"
+    TRAIN_EPOCH_END = "train_epoch_end"
+    TRAIN_BATCH_START = "train_batch_start"
+    TRAIN_BATCH_END = "train_batch_end"
+    VAL_EPOCH_START = "val_epoch_start"
+    VAL_EPOCH_END = "val_epoch_end"
+    VAL_BATCH_START = "val_batch_start"
+    VAL_BATCH_END = "val_batch_end"
+    TEST_BATCH_START = "test_batch_start"
+    TEST_BATCH_END = "test_batch_end"
+
+
+@dataclass
+class OptimizeResult:
+    """Where training is, for callbacks: the epoch (``iteration``), the model and optimizer, the latest loss and
+    metrics (``train_*``, ``val_*`` or ``test_*``, as plain floats), and ``extra`` for callbacks' own use."""
+
+    iteration: int
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    loss: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    rank: int = 0
+    device: str = "cpu"
+
+
+CallbackFunction = Callable[["Trainer", "TrainConfig", "Tracker | None"], Any]
+
+
+class Callback:
+    """Run ``callback(trainer, config, tracker)`` (or a subclass's ``run_callback``) at stage ``on``.
+
+    Args:
+        on: the stage (a ``Stage`` or its name, e.g. ``"train_epoch_end"``).
+        called_every: every this many epochs (at ``train_start`` and ``train_end``: always); 0: never.
+        callback: the function to run, for a callback that is not a subclass.
+        callback_condition: ``condition(optimize_result) -> bool``, checked first.
+        modify_optimize_result: a function of the OptimizeResult returning it changed, or a dict merged into its
+            ``extra``, applied before the callback runs.
+    """
+
+    def __init__(self, on: Stage | str = Stage.TRAIN_EPOCH_END, called_every: int = 1,
+                 callback: CallbackFunction | None = None,
+                 callback_condition: Callable[[OptimizeResult], bool] | None = None,
+                 modify_optimize_result: Callable[[OptimizeResult], OptimizeResult] | dict[str, Any] | None = None
+                 ) -> None:
+        self.on = on
+        if isinstance(called_every, bool) or not isinstance(called_every, int) or called_every < 0:
+            raise ValueError(f"called_every must be an int >= 0; got {called_every!r}")
+        if callback is not None and not callable(callback):
+            raise TypeError(f"callback must be a function (trainer, config, tracker); got {callback!r}")
+        self.called_every = called_every
+        self.callback = callback
+        self.callback_condition = callback_condition
+        self.modify_optimize_result = modify_optimize_result
+
+    @property
+    def on(self) -> Stage:
+        return self._on
+
+    @on.setter
+    def on(self, on: Stage | str) -> None:
+        try:
+            self._on = Stage(on)
+        except ValueError:
+            allowed = ", ".join(repr(s.value) for s in Stage)
+            raise ValueError(f"on must be one of {allowed}; got {on!r}") from None
+
+    def should_call(self, when: Stage, result: OptimizeResult) -> bool:
+        if when in (Stage.TRAIN_START, Stage.TRAIN_END):
+            return True
+        if self.called_every == 0 or result.iteration == 0 or result.iteration % self.called_every:
+            return False
+        return self.callback_condition is None or bool(self.callback_condition(result))
+
+    def __call__(self, when: Stage, trainer: Trainer, config: TrainConfig, tracker: Tracker | None) -> Any:
+        if when != self.on:
+            return None
+        if isinstance(self.modify_optimize_result, dict):
+            trainer.opt_result.extra.update(self.modify_optimize_result)
+        elif self.modify_optimize_result is not None:
+            trainer.opt_result = self.modify_optimize_result(trainer.opt_result)
+        if self.should_call(when, trainer.opt_result):
+            return self.run_callback(trainer, config, tracker)
+        return None
+
+    def run_callback(self, trainer: Trainer, config: TrainConfig, tracker: Tracker | None) -> Any:
+        if self.callback is None:
+            raise NotImplementedError(f"{type(self).__name__}: pass callback=... or override run_callback")
+        return self.callback(trainer, config, tracker)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(on={self.on.value!r}, called_every={self.called_every})"
+
+
+class PrintMetrics(Callback):
+    """Print the latest loss and metrics on rank 0."""
+
+    def run_callback(self, trainer: Trainer, config: TrainConfig, tracker: Tracker | None) -> None:
+        if trainer.accelerator.is_main_process:
+            result = trainer.opt_result
+            values = "  ".join(f"{name} {value:.6g}" for name, value in sorted(result.metrics.items()))
+            print(f"epoch {result.iteration}: {values}", flush=True)
+
+
+class WriteMetrics(Callback):
+    """Write the latest metrics to the tracker (rank 0), at the epoch as step."""
+
+    def run_callback(self, trainer: Trainer, config: TrainConfig, tracker: Tracker | None) -> None:
+        if tracker is not None and trainer.opt_result.metrics:
+            trainer.write_metrics(trainer.opt_result.metrics)
+
+
+class PlotMetrics(Callback):
+    """Log the figures of ``config.plotting_functions`` to the tracker (rank 0)."""
+
+    def run_callback(self, trainer: Trainer, config: TrainConfig, tracker: Tracker | None) -> None:
+        if tracker is None:
+            return
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        for plot in config.plotting_functions:
+            name, figure = plot(model, trainer.opt_result.iteration)
+            tracker.log_figure(name, figure, trainer.opt_result.iteration)
+
+
+class LogHyperparameters(Callback):
+    """Log ``config.hyperparams`` (with the latest metrics) to the tracker (rank 0)."""
+
+    def run_callback(self, trainer: Trainer, config: TrainConfig, tracker: Tracker | None) -> None:
+        if tracker is not None and config.hyperparams:
+            tracker.log_hyperparams(config.hyperparams, trainer.opt_result.metrics)
+
+
+class SaveCheckpoint(Callback):
+    """Save a numbered checkpoint in the run's ``checkpoints`` folder (every rank: a collective)."""
+
+    def run_callback(self, trainer: Trainer, config: TrainConfig, tracker: Tracker | None) -> None:
+        trainer.save_checkpoint()
+
+
+class SaveBestCheckpoint(Callback):
+    """Save the ``best`` checkpoint when the latest validation is the best so far (every rank)."""
+
+    def run_callback(self, trainer: Trainer, config: TrainConfig, tracker: Tracker | None) -> None:
+        if trainer.validation_improved:
+            trainer.save_checkpoint(best=True)
+
+
+class EarlyStopping(Callback):
+    """Stop training when ``monitor`` (a metric name, e.g. ``"val_loss"``) has not improved for ``patience`` calls.
+
+    Rank 0's value decides, and every rank stops after the same epoch.
+    """
+
+    def __init__(self, on: Stage | str, called_every: int, monitor: str, patience: int = 5,
+                 mode: str = "min") -> None:
+        super().__init__(on, called_every)
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max'; got {mode!r}")
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
+            raise ValueError(f"patience must be an int >= 1; got {patience!r}")
+        self.monitor, self.patience, self.mode = monitor, patience, mode
+        self.best = math.inf if mode == "min" else -math.inf
+        self.counter = 0
+
+    def run_callback(self, trainer: Trainer, config: TrainConfig, tracker: Tracker | None) -> None:
+        metrics = trainer.opt_result.metrics
+        if self.monitor not in metrics:
+            raise KeyError(f"EarlyStopping monitors {self.monitor!r}, which is not among the metrics at "
+                           f"{self.on.value}: {sorted(metrics)}")
+        value = float(metrics[self.monitor])
+        if (value < self.best) if self.mode == "min" else (value > self.best):
+            self.best, self.counter = value, 0
+            return
+        self.counter += 1
+        if self.counter >= self.patience:
+            trainer.request_stop(f"early stopping: {self.monitor} has not improved for {self.patience} checks")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "counter": self.counter}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best, self.counter = state["best"], state["counter"]
+
+
+class _Schedule(Callback):
+    """A learning-rate schedule applied to the optimizer's groups, from each group's rate when it first ran."""
+
+    def __init__(self, on: Stage | str, called_every: int) -> None:
+        super().__init__(on, called_every)
+        self.base: list[float] | None = None
+
+    def run_callback(self, trainer: Trainer, config: TrainConfig, tracker: Tracker | None) -> None:
+        groups = trainer.optimizer.param_groups
+        if self.base is None:
+            self.base = [group["lr"] for group in groups]
+        for group, base in zip(groups, self.base):
+            group["lr"] = self.rate(base, trainer.opt_result.iteration, group["lr"])
+
+    def rate(self, base: float, iteration: int, current: float) -> float:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"base": self.base}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.base = state["base"]
+
+
+class LRSchedulerStepDecay(_Schedule):
+    """Multiply the learning rate by ``gamma`` at each call."""
+
+    def __init__(self, on: Stage | str, called_every: int, gamma: float = 0.5) -> None:
+        super().__init__(on, called_every)
+        self.gamma = gamma
+
+    def rate(self, base: float, iteration: int, current: float) -> float:
+        return current * self.gamma
+
+
+class LRSchedulerCyclic(_Schedule):
+    """A triangular cycle between ``base_lr`` and ``max_lr``, ``step_size`` epochs each way."""
+
+    def __init__(self, on: Stage | str, called_every: int, base_lr: float, max_lr: float, step_size: int) -> None:
+        super().__init__(on, called_every)
+        self.base_lr, self.max_lr, self.step_size = base_lr, max_lr, step_size
+
+    def rate(self, base: float, iteration: int, current: float) -> float:
+        cycle = iteration // (2 * self.step_size)
+        x = abs(iteration / self.step_size - 2 * cycle - 1)
+        return self.base_lr + (self.max_lr - self.base_lr) * max(0.0, 1 - x)
+
+
+class LRSchedulerCosineAnnealing(_Schedule):
+    """Cosine annealing from each group's first rate to ``min_lr`` over ``t_max`` epochs."""
+
+    def __init__(self, on: Stage | str, called_every: int, t_max: int, min_lr: float = 0.0) -> None:
+        super().__init__(on, called_every)
+        self.t_max, self.min_lr = t_max, min_lr
+
+    def rate(self, base: float, iteration: int, current: float) -> float:
+        return self.min_lr + (base - self.min_lr) * (1 + math.cos(math.pi * min(iteration, self.t_max) / self.t_max)) / 2
+
+
+class GradientMonitoring(Callback):
+    """Write each parameter's gradient mean, standard deviation and largest magnitude to the tracker (rank 0)."""
+
+    def __init__(self, on: Stage | str = Stage.TRAIN_BATCH_END, called_every: int = 1) -> None:
+        super().__init__(on, called_every)
+
+    def run_callback(self, trainer: Trainer, config: TrainConfig, tracker: Tracker | None) -> None:
+        named = [(n, p.grad) for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()
+                 if p.grad is not None]
+        sharded = any(hasattr(grad, "full_tensor") for _, grad in named)  # gathering a shard is a collective
+        if tracker is None and not sharded:
+            return
+        stats: dict[str, float] = {}
+        for name, grad in named:
+            grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+            stats[f"grad_mean/{name}"] = grad.mean().item()
+            stats[f"grad_std/{name}"] = grad.std().item() if grad.numel() > 1 else 0.0
+            stats[f"grad_max/{name}"] = grad.abs().max().item()
+        if tracker is not None:
+            trainer.write_metrics(stats)
+
+
+__all__ = [
+    "Callback", "EarlyStopping", "GradientMonitoring", "LogHyperparameters", "LRSchedulerCosineAnnealing",
+    "LRSchedulerCyclic", "LRSchedulerStepDecay", "OptimizeResult", "PlotMetrics", "PrintMetrics",
+    "SaveBestCheckpoint", "SaveCheckpoint", "Stage", "WriteMetrics",
+]

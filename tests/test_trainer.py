@@ -1,0 +1,178 @@
+"""The Trainer: fit() on 2 real gloo ranks from this process (a plain launch) returns what the ranks trained, equal
+to one process with the doubled batch and to the same loop written by hand; metrics are tracked per epoch; a fit
+continues its folder's checkpoints; early stopping and a callback's error end every rank; bad config values fail
+at construction naming the field."""
+
+from __future__ import annotations
+
+import csv
+import datetime
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from qaccel import Accelerator, TrainConfig, Trainer
+from qaccel.callbacks import Callback, EarlyStopping
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _data(n=64):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(n, 4, generator=g)
+    return TensorDataset(x, x.sum(dim=1, keepdim=True) * 0.3 - 1)
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def _config(tmp_path, **fields):
+    values = dict(max_iter=3, compute_setup="cpu", tracking_tool="csv", log_folder=tmp_path / "run", verbose=False)
+    return TrainConfig(**{**values, **fields})
+
+
+def _trainer(config, batch_size=8, **kwargs):
+    model = _model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    return Trainer(model, optimizer, config, "mse", DataLoader(_data(), batch_size=batch_size),
+                   DataLoader(_data(32), batch_size=batch_size), **kwargs)
+
+
+def _params(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def _by_hand(acc, model, optimizer, loader, epochs):
+    model, optimizer, loader = acc.prepare(model, optimizer, loader)
+    for _ in range(epochs):
+        for x, y in loader:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            acc.backward(loss)
+            optimizer.step()
+    return acc.get_state_dict(model)
+
+
+def _tracked(folder):
+    """The CSV tracker's rows, one per step (a step's training and validation metrics may come in two writes)."""
+    with open(folder / "tracking" / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    steps = [int(row["step"]) for row in rows]
+    assert steps == sorted(steps), "steps in order"
+    merged: dict[int, dict] = {}
+    for row in rows:
+        merged.setdefault(int(row["step"]), {}).update({k: v for k, v in row.items() if v != ""})
+    return list(merged.values())
+
+
+def test_two_ranks_return_what_they_trained_equal_to_one_process_and_to_the_loop_by_hand(tmp_path):
+    trainer = _trainer(_config(tmp_path, nprocs=2, val_every=1, write_every=1), batch_size=8)
+    before = _params(trainer.model).clone()
+    model, optimizer = trainer.fit()
+    assert model is trainer.model and optimizer is trainer.optimizer, "the caller's own objects come back"
+    assert not torch.equal(_params(model), before), "trained, not the untouched copy"
+    assert optimizer.state_dict()["state"], "the optimizer's state came back too"
+
+    single = _trainer(_config(tmp_path, log_folder=tmp_path / "one"), batch_size=16)
+    single.fit()
+    torch.testing.assert_close(_params(model), _params(single.model), atol=1e-5, rtol=0)
+
+    acc = Accelerator(nprocs=2, compute_setup="cpu")
+    hand = _model()
+    state = acc.distribute(_by_hand)(acc, hand, torch.optim.Adam(hand.parameters(), lr=0.05),
+                                     DataLoader(_data(), batch_size=8), 3)
+    hand.load_state_dict(state)
+    torch.testing.assert_close(_params(model), _params(hand), atol=1e-6, rtol=0)
+
+    rows = _tracked(trainer.log_folder)
+    assert [int(r["step"]) for r in rows] == [0, 1, 2, 3], "validation before training, then every epoch"
+    assert all(r["val_loss"] for r in rows) and all(r["train_loss"] for r in rows[1:])
+    assert [h["step"] for h in trainer.history] == [0, 1, 2, 3]
+    assert float(rows[3]["train_loss"]) < float(rows[1]["train_loss"])
+
+
+def test_a_second_fit_continues_the_folders_checkpoints_and_ends_where_one_long_fit_ends(tmp_path):
+    first = _trainer(_config(tmp_path, nprocs=2, max_iter=2, checkpoint_every=1, write_every=1))
+    first.fit()
+    more = _trainer(_config(tmp_path, nprocs=2, max_iter=4, checkpoint_every=1, write_every=1))
+    more.fit()
+    straight = _trainer(_config(tmp_path, nprocs=2, max_iter=4, checkpoint_every=1, write_every=1,
+                                log_folder=tmp_path / "straight"))
+    straight.fit()
+    assert torch.equal(_params(more.model), _params(straight.model)), "bitwise the same as one fit of 4 epochs"
+    assert [int(r["step"]) for r in _tracked(more.log_folder)] == [1, 2, 3, 4], "each epoch tracked once"
+    assert [h["step"] for h in more.history] == [1, 2, 3, 4]
+    assert sorted(p.name for p in (more.log_folder / "checkpoints").iterdir()) == [
+        f"checkpoint_{steps:08d}" for steps in (4, 8, 12, 16)]
+
+
+def test_early_stopping_stops_every_rank_after_the_same_epoch(tmp_path):
+    stop = EarlyStopping(on="val_epoch_end", called_every=1, monitor="val_loss", patience=1, mode="max")
+    trainer = _trainer(_config(tmp_path, nprocs=2, max_iter=10, val_every=1, callbacks=[stop]))
+    trainer.fit()
+    # epoch 1's check sets the best; epoch 2's val_loss is lower, which mode="max" counts as no improvement
+    assert [h["step"] for h in trainer.history] == [0, 1, 2]
+
+
+def _raise_on_rank_1(trainer, config, tracker):
+    if trainer.accelerator.rank == 1 and trainer.opt_result.iteration == 2:
+        raise RuntimeError("callback failed on purpose")
+
+
+def test_a_callback_raising_on_one_rank_ends_the_fit_with_its_error(tmp_path):
+    trainer = _trainer(_config(tmp_path, nprocs=2, callbacks=[Callback("train_epoch_end", 1, _raise_on_rank_1)]))
+    with pytest.raises(RuntimeError, match="callback failed on purpose") as caught:
+        trainer.fit()
+    assert "raised on rank 1 of 2" in "\n".join(caught.value.__notes__)
+
+
+def test_the_best_checkpoint_is_kept_when_validation_improves(tmp_path):
+    trainer = _trainer(_config(tmp_path, nprocs=2, val_every=1, checkpoint_best_only=True))
+    trainer.fit()
+    assert (trainer.log_folder / "best" / "qaccel_state.json").is_file()
+    assert not (trainer.log_folder / "checkpoints").exists() or not list((trainer.log_folder / "checkpoints").iterdir())
+
+
+def test_test_reports_means_over_every_sample(tmp_path):
+    trainer = _trainer(_config(tmp_path, nprocs=2))
+    trainer.fit()
+    metrics = trainer.test(DataLoader(_data(30), batch_size=4))
+    with torch.no_grad():
+        x, y = _data(30).tensors
+        expected = torch.nn.functional.mse_loss(trainer.model(x), y).item()
+    assert set(metrics) == {"test_loss", "test_mse"}
+    assert metrics["test_loss"] == pytest.approx(expected, rel=0.05), "padding of the last round counts little"
+
+
+@pytest.mark.parametrize("fields, exc, message", [
+    ({"max_iter": 0}, ValueError, "TrainConfig.max_iter must be an int >= 1; got 0"),
+    ({"val_every": -1}, ValueError, "TrainConfig.val_every must be an int >= 0; got -1"),
+    ({"tracking_tool": "wandb"}, ValueError, "TrainConfig.tracking_tool must be one of 'tensorboard', 'mlflow', 'csv'"),
+    ({"lr_scheduler_step": "step"}, ValueError, "TrainConfig.lr_scheduler_step must be one of 'epoch', 'batch'"),
+    ({"checkpoint_best_only": True}, ValueError, "checkpoint_best_only keeps the best validation: set val_every"),
+    ({"callbacks": [print]}, TypeError, "TrainConfig.callbacks must be a list of qaccel.callbacks.Callback"),
+    ({"nprocs": 0}, ValueError, "TrainConfig.nprocs must be a positive int; got 0"),
+    ({"strategy": "zero"}, ValueError, "TrainConfig.strategy must be one of 'ddp', 'fsdp'; got 'zero'"),
+    ({"timeout": datetime.timedelta(0)}, ValueError, "TrainConfig.timeout must be a positive number"),
+])
+def test_bad_config_values_fail_at_construction_naming_the_field(fields, exc, message):
+    with pytest.raises(exc, match=message.replace("(", r"\(").replace(")", r"\)")):
+        TrainConfig(**fields)
+
+
+def test_the_config_holds_every_accelerator_option_with_its_default():
+    from qaccel import options
+    config = TrainConfig()
+    for option in options.OPTIONS:
+        assert getattr(config, option.name) == option.default, option.name
+
+
+def test_bad_trainer_arguments_fail_at_construction(tmp_path):
+    with pytest.raises(ValueError, match="loss_fn must be one of 'mse', 'cross_entropy'"):
+        _trainer(_config(tmp_path)).__class__(_model(), torch.optim.SGD(_model().parameters(), lr=1),
+                                              _config(tmp_path), "l1")
+    with pytest.raises(TypeError, match="Trainer\\(config=...\\) takes a qaccel.TrainConfig"):
+        Trainer(_model(), torch.optim.SGD(_model().parameters(), lr=1), {"max_iter": 1})
