@@ -16,6 +16,7 @@ LAYERS = [
     {"qaccel.train"},
     {"qaccel.launch"},
     {"qaccel.accelerator"},
+    {"qaccel.trainer"},
     {"qaccel.cli", "qaccel"},
 ]
 
