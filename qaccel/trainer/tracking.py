@@ -1,0 +1,441 @@
+"""The experiment trackers the Trainer writes metrics, hyperparameters and figures through (rank 0 only):
+TensorBoard (the default), MLflow, or a CSV file.
+
+qaccel requires only torch, cloudpickle and numpy: TensorBoard and MLflow are optional extras
+(``pip install "qaccel[tensorboard]"``, ``"qaccel[mlflow]"``), imported when a tracker of theirs opens, so the other
+ranks and a run tracking to CSV never import them; a missing one raises an ImportError naming the extra. Every
+write is on disk (or with the tracking server) when the call returns, so the files can be read while the run lives.
+
+A resumed run continues the one it resumes: ``open`` takes what ``state()`` returned there, and the first step it
+will write; what the previous attempt wrote at that step or later is dropped, so the curves have no step twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import enum
+import importlib
+import io
+import json
+import os
+import time
+import urllib.parse
+import urllib.request
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
+
+from qaccel.storage import write_bytes
+
+if TYPE_CHECKING:
+    import matplotlib.figure
+
+
+class TrackingTool(enum.StrEnum):
+    """Where the metrics go (qadence's ExperimentTrackingTool values, and CSV)."""
+
+    TENSORBOARD = "tensorboard"  # the default
+    MLFLOW = "mlflow"
+    CSV = "csv"  # needs nothing
+
+
+class Tracker(Protocol):
+    """What the Trainer writes through; make_tracker gives the one for a TrackingTool."""
+
+    def open(self, folder: Path, run_name: str, resume: dict[str, Any] | None, start_step: int) -> None:
+        """Start (or continue) the run whose files live in ``folder`` (created if missing).
+
+        ``run_name`` names the run where the tool names runs (MLflow). ``resume``: what state() returned in the run
+        this one continues (None: a new run). ``start_step``: the first step this run will write; anything a
+        previous attempt wrote at that step or later is dropped, so a resumed run has no duplicated or out-of-order
+        steps (TensorBoard and CSV, whose run is the folder, do so for a new run too: what the folder held from
+        earlier steps stays).
+        """
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Write ``metrics`` (name -> number) at ``step``."""
+
+    def log_hyperparams(self, hyperparams: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
+        """Write the run's hyperparameters, and ``metrics``: the results that go with them (the final losses); one
+        that log_metrics has not written in this session is written at the last step."""
+
+    def log_figure(self, name: str, figure: matplotlib.figure.Figure, step: int) -> None:
+        """Write ``figure`` as a PNG image named ``name`` at ``step``; the figure stays open (the caller's to
+        close)."""
+
+    def state(self) -> dict[str, Any]:
+        """What a resumed run needs to continue this one (e.g. {"run_id": ...}); JSON-serialisable."""
+
+    def close(self) -> None:
+        """Flush and close; safe to call twice."""
+
+
+def make_tracker(tool: TrackingTool | str) -> Tracker:
+    """A tracker for ``tool``: a TrackingTool, its value, or a member of another enum with one of those values
+    (qadence's ExperimentTrackingTool); ValueError naming the allowed values otherwise."""
+    raw = tool.value if isinstance(tool, enum.Enum) else tool
+    try:
+        kind = TrackingTool(str(raw))
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in TrackingTool)
+        raise ValueError(f"tracking tool must be one of {allowed}; got {tool!r}") from None
+    return {TrackingTool.TENSORBOARD: TensorBoardTracker, TrackingTool.MLFLOW: MlflowTracker,
+            TrackingTool.CSV: CsvTracker}[kind]()
+
+
+def _optional(module: str, extra: str, package: str) -> Any:
+    """``module``, imported; an ImportError naming the extra that installs it when it is missing."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(f"tracking to {extra} needs the {package} package: pip install \"qaccel[{extra}]\" "
+                          f"(or pip install {package}); or track to csv, which needs nothing") from exc
+
+
+def _png(figure: matplotlib.figure.Figure) -> bytes:
+    """The figure as PNG bytes. savefig draws on a canvas of its own for the file and leaves the figure's canvas (an
+    interactive backend's, in a notebook) as it was."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def _param(value: Any) -> bool | int | float | str:
+    """A hyperparameter as a tracker stores it: a bool, number or string as it is, anything else as its str()."""
+    return value if isinstance(value, (bool, int, float, str)) else str(value)
+
+
+class _Opened:
+    """What every tracker does alike: the step last written, and the check that open() came first."""
+
+    def __init__(self) -> None:
+        self._opened = False
+        self._closed = False
+        self._step = 0
+        self._written: set[str] = set()  # metric names this session wrote
+
+    def _check_open(self) -> None:
+        if not self._opened or self._closed:
+            raise RuntimeError(f"{type(self).__name__} is {'closed' if self._closed else 'not open'}: "
+                               "call open() before writing")
+
+    def _wrote(self, metrics: dict[str, float], step: int) -> dict[str, float]:
+        self._check_open()
+        self._step = step
+        values = {name: float(value) for name, value in metrics.items()}
+        self._written.update(values)
+        return values
+
+    def _unwritten(self, metrics: dict[str, float] | None) -> dict[str, float]:
+        """The results of log_hyperparams this session has no curve for: they are written at the last step."""
+        return {name: float(value) for name, value in (metrics or {}).items() if name not in self._written}
+
+
+class TensorBoardTracker(_Opened):
+    """Event files in the folder, through torch.utils.tensorboard's SummaryWriter (whose thread does the writing),
+    flushed after every call: that costs nothing measurable, a call of three scalars takes about 0.2 ms with or
+    without the flush."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._writer: Any = None
+
+    def open(self, folder: Path, run_name: str, resume: dict[str, Any] | None, start_step: int) -> None:
+        tensorboard = _optional("torch.utils.tensorboard", "tensorboard", "tensorboard")
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        _after_existing_event_files(folder)
+        # purge_step writes a restart marker at start_step: TensorBoard's reader drops what the files before this
+        # one hold at that step or later.
+        self._writer = tensorboard.SummaryWriter(log_dir=str(folder), purge_step=start_step)
+        self._writer.flush()
+        self._opened, self._step = True, start_step
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        for name, value in self._wrote(metrics, step).items():
+            self._writer.add_scalar(name, value, step)
+        self._writer.flush()
+
+    def log_hyperparams(self, hyperparams: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
+        self._check_open()
+        from torch.utils.tensorboard.summary import hparams
+
+        # Into this run's own file (torch's add_hparams would start a run of its own in a subfolder): the HPARAMS
+        # dashboard shows the folder's run with its hyperparameters and the last values of the metrics named here.
+        for summary in hparams({k: _param(v) for k, v in hyperparams.items()}, dict(metrics or {})):
+            self._writer.file_writer.add_summary(summary)
+        for name, value in self._unwritten(metrics).items():
+            self._writer.add_scalar(name, value, self._step)
+        self._writer.flush()
+
+    def log_figure(self, name: str, figure: matplotlib.figure.Figure, step: int) -> None:
+        self._check_open()
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        # The PNG as it is, in an image summary (what add_figure writes, without replacing the figure's canvas by
+        # an Agg one and closing it through pyplot as add_figure does).
+        png = _png(figure)
+        width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")  # the IHDR chunk
+        image = Summary.Image(height=height, width=width, colorspace=4, encoded_image_string=png)
+        self._writer.file_writer.add_summary(Summary(value=[Summary.Value(tag=name, image=image)]), step)
+        self._writer.flush()
+
+    def state(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        if self._writer is not None and not self._closed:
+            self._writer.close()
+        self._closed = True
+
+
+def _after_existing_event_files(folder: Path) -> None:
+    """TensorBoard reads a folder's event files in the order of their names, which start with the second each was
+    created, and its purge drops only events it has read: the new file must sort after the previous attempt's. A
+    run resumed within the same second (or on a host whose clock is slightly behind) waits for the next second."""
+    latest = -1
+    for name in os.listdir(folder):
+        parts = name.split(".")
+        if name.startswith("events.out.tfevents.") and len(parts) > 3 and parts[3].isdigit():
+            latest = max(latest, int(parts[3]))
+    wait = latest + 1 - time.time()
+    if 0 < wait <= 5:
+        time.sleep(wait)
+
+
+class MlflowTracker(_Opened):
+    """An MLflow run, through an MlflowClient of the tracker's own: nothing global is set (the tracking URI, the
+    active run), so a notebook's own MLflow runs, or a second Trainer in the process, are left alone.
+
+    The tracking URI is MLFLOW_TRACKING_URI's, else a file store under folder/"mlruns" (``mlflow ui
+    --backend-store-uri <folder>/mlruns`` shows it). MLflow 3 has its file store in maintenance mode and opens one
+    only with MLFLOW_ALLOW_FILE_STORE=true, which the tracker sets while it opens its own; mlflow-skinny has no
+    database store (that needs SQLAlchemy, which the full mlflow package brings). The
+    experiment is MLFLOW_EXPERIMENT_ID's or MLFLOW_EXPERIMENT_NAME's (created if missing), else "Default". A resumed
+    run continues the same run id. MLflow cannot delete logged values, so the steps a previous attempt wrote at
+    start_step or later are dropped from a local file store's files; a tracking server or database keeps them beside
+    the new ones (the newer has the later timestamp).
+
+    Importing mlflow adds handlers to its own loggers and, unless MLFLOW_DISABLE_TELEMETRY or DO_NOT_TRACK is set
+    (or a CI variable), MLflow's usage telemetry starts a daemon thread at the first tracking call.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._client: Any = None
+        self._run_id: str | None = None
+
+    def open(self, folder: Path, run_name: str, resume: dict[str, Any] | None, start_step: int) -> None:
+        _optional("mlflow", "mlflow", "mlflow-skinny")
+        from mlflow.tracking import MlflowClient
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or (folder / "mlruns").absolute().as_uri()
+        with _file_store_allowed(not os.environ.get("MLFLOW_TRACKING_URI")):
+            self._client = client = MlflowClient(tracking_uri=uri)
+        run_id = (resume or {}).get("run_id")
+        if run_id is not None and not self._exists(run_id):
+            warnings.warn(f"the MLflow run {run_id} to resume is not in {uri}: the resumed training writes to a new "
+                          "run", stacklevel=2)
+            run_id = None
+        if run_id is None:
+            run_id = client.create_run(self._experiment_id(), run_name=run_name or None).info.run_id
+        else:
+            client.update_run(run_id, status="RUNNING")
+            self._drop_from(uri, run_id, start_step)
+        self._run_id, self._opened, self._step = run_id, True, start_step
+
+    def _exists(self, run_id: str) -> bool:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self._client.get_run(run_id)
+        except MlflowException:
+            return False
+        return True
+
+    def _experiment_id(self) -> str:
+        if os.environ.get("MLFLOW_EXPERIMENT_ID"):
+            return os.environ["MLFLOW_EXPERIMENT_ID"]
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "Default"
+        experiment = self._client.get_experiment_by_name(name)
+        return experiment.experiment_id if experiment is not None else self._client.create_experiment(name)
+
+    def _drop_from(self, uri: str, run_id: str, start_step: int) -> None:
+        """In a local file store, each metric is a file of lines "timestamp value step": the lines of steps from
+        start_step on go, so the resumed run's values are the only ones there."""
+        root = _local_path(uri)
+        if root is None:
+            return
+        metrics = root / self._client.get_run(run_id).info.experiment_id / run_id / "metrics"
+        for path in metrics.rglob("*") if metrics.is_dir() else ():
+            if path.is_file() and not path.name.startswith("."):
+                lines = path.read_text().splitlines(keepends=True)
+                kept = [line for line in lines if not _step_at_or_after(line, start_step)]
+                if len(kept) != len(lines):
+                    write_bytes("".join(kept).encode(), path, durable=False)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self._log(self._wrote(metrics, step), step)
+
+    def _log(self, values: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        points = [Metric(name, value, now, step) for name, value in values.items()]
+        for start in range(0, len(points), 1000):  # MLflow's limit for one batch
+            self._client.log_batch(self._run_id, metrics=points[start:start + 1000], synchronous=True)
+
+    def log_hyperparams(self, hyperparams: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
+        self._check_open()
+        from mlflow.entities import Param
+
+        # A run's parameters cannot change in MLflow: a resumed run logging a changed one (more epochs) keeps the
+        # first value, and says so, rather than failing the training.
+        logged = self._client.get_run(self._run_id).data.params
+        params, changed = [], []
+        for name, value in hyperparams.items():
+            text = str(_param(value))[:6000]  # MLflow's limit for a parameter's value
+            if name not in logged:
+                params.append(Param(name, text))
+            elif logged[name] != text:
+                changed.append(f"{name} stays {logged[name]!r} (now {text!r})")
+        for start in range(0, len(params), 100):  # MLflow's limit for one batch
+            self._client.log_batch(self._run_id, params=params[start:start + 100], synchronous=True)
+        if changed:
+            warnings.warn(f"MLflow keeps a run's parameters fixed: in run {self._run_id}, {'; '.join(changed)}",
+                          stacklevel=2)
+        self._log(self._unwritten(metrics), self._step)
+
+    def log_figure(self, name: str, figure: matplotlib.figure.Figure, step: int) -> None:
+        self._check_open()
+        self._client.log_figure(self._run_id, figure, f"{name}_{step}.png")
+
+    def state(self) -> dict[str, Any]:
+        return {} if self._run_id is None else {"run_id": self._run_id}
+
+    def close(self) -> None:
+        if self._run_id is not None and not self._closed:
+            self._client.set_terminated(self._run_id)
+        self._closed = True
+
+
+@contextlib.contextmanager
+def _file_store_allowed(allow: bool) -> Iterator[None]:
+    """MLFLOW_ALLOW_FILE_STORE=true (unless set otherwise) while the client opens the store qaccel chose; MLflow keeps
+    an opened store for the process, so the setting is not needed afterwards and the process's environment is left
+    as it was."""
+    if not allow or "MLFLOW_ALLOW_FILE_STORE" in os.environ:
+        yield
+        return
+    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    try:
+        yield
+    finally:
+        os.environ.pop("MLFLOW_ALLOW_FILE_STORE", None)
+
+
+def _local_path(uri: str) -> Path | None:
+    """The folder of a local file store's URI (file:... or a plain path), or None for a server or database."""
+    parsed = urllib.parse.urlparse(uri)
+    if parsed.scheme == "file":
+        return Path(urllib.request.url2pathname(parsed.path))
+    return Path(uri) if parsed.scheme == "" else None
+
+
+def _step_at_or_after(line: str, start_step: int) -> bool:
+    fields = line.split()
+    return len(fields) >= 3 and fields[2].lstrip("-").isdigit() and int(fields[2]) >= start_step
+
+
+class CsvTracker(_Opened):
+    """folder/"metrics.csv": a column ``step`` and one per metric name (a new name adds a column, and the file is
+    rewritten with it); a row per log_metrics call, blank where that call had no value. Rows are appended and
+    flushed; a rewrite replaces the file atomically. Hyperparameters go to folder/"hyperparams.json", figures to
+    folder/"plots"/f"{name}_{step:08d}.png"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._folder = Path()
+        self._columns: list[str] = []
+        self._file: Any = None
+
+    @property
+    def _path(self) -> Path:
+        return self._folder / "metrics.csv"
+
+    def open(self, folder: Path, run_name: str, resume: dict[str, Any] | None, start_step: int) -> None:
+        self._folder = Path(folder)
+        self._folder.mkdir(parents=True, exist_ok=True)
+        if self._path.exists():
+            # The previous attempt's rows before start_step stay; later ones, and a row cut short, go.
+            columns, rows = _read_csv(self._path)
+            self._columns = columns
+            _write_csv(self._path, columns, [row for row in rows if int(row["step"]) < start_step])
+        self._opened, self._step = True, start_step
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if "step" in metrics:
+            raise ValueError("a metric cannot be named 'step' in a CSV tracker: the file's first column is the step")
+        values = self._wrote(metrics, step)
+        row = {"step": str(step)} | {name: repr(value) for name, value in values.items()}
+        new = [name for name in values if name not in self._columns]
+        if new or not self._path.exists():
+            self._close_file()
+            self._columns += new
+            rows = _read_csv(self._path)[1] if self._path.exists() else []
+            _write_csv(self._path, self._columns, rows + [row])
+            return
+        if self._file is None:
+            self._file = open(self._path, "a", newline="")
+        csv.DictWriter(self._file, ["step"] + self._columns, lineterminator="\n").writerow(row)
+        self._file.flush()
+
+    def log_hyperparams(self, hyperparams: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
+        self._check_open()
+        path = self._folder / "hyperparams.json"
+        content = json.loads(path.read_text()) if path.exists() else {}
+        content = {"hyperparams": content.get("hyperparams", {}) | {k: _param(v) for k, v in hyperparams.items()},
+                   "metrics": content.get("metrics", {}) | {k: float(v) for k, v in (metrics or {}).items()}}
+        write_bytes(json.dumps(content, indent=2).encode() + b"\n", path, durable=False)
+
+    def log_figure(self, name: str, figure: matplotlib.figure.Figure, step: int) -> None:
+        self._check_open()
+        path = self._folder / "plots" / f"{name}_{step:08d}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_bytes(_png(figure), path, durable=False)
+
+    def state(self) -> dict[str, Any]:
+        return {}
+
+    def _close_file(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def close(self) -> None:
+        self._close_file()
+        self._closed = True
+
+
+def _read_csv(path: Path) -> tuple[list[str], list[dict[str, str]]]:
+    """The metric columns and the rows of a metrics.csv. A last line without its newline (cut short by a crash) is
+    left out, and so is a row without a whole-number step or with another number of fields than the header."""
+    text = path.read_text()
+    if not text.endswith("\n"):
+        text = text[:text.rfind("\n") + 1]
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    columns = [name for name in reader.fieldnames or () if name != "step"]
+    rows = [row for row in reader
+            if (row.get("step") or "").lstrip("-").isdigit() and None not in row and None not in row.values()]
+    return columns, rows
+
+
+def _write_csv(path: Path, columns: list[str], rows: list[dict[str, str]]) -> None:
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, ["step"] + columns, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    write_bytes(text.getvalue().encode(), path, durable=False)

@@ -1,0 +1,283 @@
+"""The Trainer's experiment trackers (TensorBoard, MLflow, CSV) and its curves PNG: what they write is read back with
+each tool's own reader, while the run lives and after it, and a resumed run continues with every step once."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qaccel.trainer import plots
+from qaccel.trainer.tracking import TrackingTool, make_tracker
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO = Path(__file__).resolve().parents[2]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(autouse=True)
+def _mlflow_env(monkeypatch):
+    """MLflow tracks to the folder's own store, and sends no telemetry from a test."""
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "MLFLOW_ALLOW_FILE_STORE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+
+
+def _figure():
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(2, 1.5), dpi=50)
+    figure.subplots().plot([1, 3, 2])
+    return figure
+
+
+def _needs(tool):
+    pytest.importorskip({"tensorboard": "tensorboard", "mlflow": "mlflow", "csv": "csv"}[tool],
+                        reason=f"{tool} is in the test extra")
+    pytest.importorskip("matplotlib", reason="matplotlib is in the test extra")
+
+
+def _read(tool, folder, state):
+    """What the tool's own reader sees: {metric: [(step, value), ...]}, the hyperparameters, the figures' steps."""
+    if tool == "tensorboard":
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        from tensorboard.plugins.hparams import plugin_data_pb2
+
+        events = EventAccumulator(str(folder), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+        events.Reload()
+        metrics = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+        hparams = {}
+        try:
+            content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+        except KeyError:  # none logged
+            content = None
+        if content is not None:
+            start = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info
+            hparams = {k: v.number_value if v.HasField("number_value") else v.string_value
+                       for k, v in start.hparams.items()}
+        images = {}
+        for tag in events.Tags()["images"]:
+            images |= {(tag, i.step): i.encoded_image_string for i in events.Images(tag)}
+        return metrics, hparams, images
+    if tool == "mlflow":
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient((folder / "mlruns").absolute().as_uri())
+        run = client.get_run(state["run_id"])
+        metrics = {name: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, name))
+                   for name in run.data.metrics}
+        artifacts = Path(run.info.artifact_uri.removeprefix("file://"))
+        images = {(p.stem.rsplit("_", 1)[0], int(p.stem.rsplit("_", 1)[1])): p.read_bytes()
+                  for p in artifacts.glob("*.png")}
+        return metrics, dict(run.data.params), images
+    with open(folder / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    metrics = {}
+    for row in rows:
+        for name, value in row.items():
+            if name != "step" and value != "":
+                metrics.setdefault(name, []).append((int(row["step"]), float(value)))
+    hyperparams = folder / "hyperparams.json"
+    hparams = json.loads(hyperparams.read_text())["hyperparams"] if hyperparams.exists() else {}
+    images = {(p.stem.rsplit("_", 1)[0], int(p.stem.rsplit("_", 1)[1])): p.read_bytes()
+              for p in (folder / "plots").glob("*.png")}
+    return metrics, hparams, images
+
+
+def _write(tracker, steps, offset):
+    for step in steps:
+        tracker.log_metrics({"train_loss": offset + step, "train_accuracy": offset + step + 0.5}, step)
+
+
+@pytest.mark.parametrize("tool", ["tensorboard", "mlflow", "csv"])
+def test_metrics_hyperparams_and_a_figure_read_back_while_the_run_lives_and_after(tool, tmp_path):
+    _needs(tool)
+    tracker = make_tracker(tool)
+    tracker.open(tmp_path, "first", None, 1)
+    _write(tracker, range(1, 6), 10)
+    tracker.log_hyperparams({"lr": 0.25, "layers": [4, 4], "optimizer": "adam"}, {"train_loss": 15.0})
+    tracker.log_figure("curve", _figure(), 3)
+    expected = {"train_loss": [(s, 10.0 + s) for s in range(1, 6)],
+                "train_accuracy": [(s, 10.5 + s) for s in range(1, 6)]}
+
+    for moment in ("open", "closed"):
+        metrics, hparams, images = _read(tool, tmp_path, tracker.state())
+        assert metrics == expected, moment
+        assert hparams == {"lr": 0.25 if tool != "mlflow" else "0.25", "layers": "[4, 4]", "optimizer": "adam"}
+        assert list(images) == [("curve", 3)] and images["curve", 3].startswith(PNG)
+        tracker.close()
+    tracker.close()  # twice: nothing happens
+
+
+@pytest.mark.parametrize("tool", ["tensorboard", "mlflow", "csv"])
+def test_a_resumed_run_has_every_step_once_the_later_steps_from_the_resumed_run(tool, tmp_path):
+    _needs(tool)
+    first = make_tracker(tool)
+    first.open(tmp_path, "run", None, 1)
+    _write(first, range(1, 6), 10)  # steps 4 and 5 are lost with the crash: the checkpoint was at step 3
+    first.close()
+    state = json.loads(json.dumps(first.state()))  # what a checkpoint keeps
+
+    second = make_tracker(tool)
+    second.open(tmp_path, "run", state, 4)
+    _write(second, range(4, 7), 100)
+    assert second.state() == state  # MLflow: the same run
+    second.close()
+
+    metrics, _, _ = _read(tool, tmp_path, state)
+    assert metrics["train_loss"] == [(1, 11.0), (2, 12.0), (3, 13.0), (4, 104.0), (5, 105.0), (6, 106.0)]
+    assert metrics["train_accuracy"] == [(s, 10.5 + s) for s in (1, 2, 3)] + [(s, 100.5 + s) for s in (4, 5, 6)]
+    if tool == "mlflow":
+        from mlflow.tracking import MlflowClient
+
+        runs = MlflowClient((tmp_path / "mlruns").absolute().as_uri()).search_runs(["0"])
+        assert [(r.info.run_id, r.info.status) for r in runs] == [(state["run_id"], "FINISHED")]
+
+
+def test_mlflow_sets_nothing_global_and_follows_the_tracking_uri_and_experiment(tmp_path, monkeypatch):
+    _needs("mlflow")
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    store = tmp_path / "elsewhere"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store.as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the user's own file store: theirs to allow
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "sweep")
+    tracker = make_tracker(TrackingTool.MLFLOW)
+    tracker.open(tmp_path / "run", "named", None, 0)
+    tracker.log_metrics({"val_loss": 0.5}, 0)
+    assert mlflow.active_run() is None and not (tmp_path / "run" / "mlruns").exists()
+    tracker.close()
+
+    client = MlflowClient(store.as_uri())
+    run = client.get_run(tracker.state()["run_id"])
+    assert run.info.run_name == "named" and client.get_experiment(run.info.experiment_id).name == "sweep"
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "val_loss")] == [(0, 0.5)]
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
+    own = make_tracker("mlflow")
+    own.open(tmp_path / "own", "own", None, 0)  # qaccel's own file store opens without the user allowing it
+    own.close()
+    assert "MLFLOW_ALLOW_FILE_STORE" not in os.environ and (tmp_path / "own" / "mlruns").is_dir()
+
+
+def test_mlflow_resumed_with_a_changed_hyperparameter_keeps_the_first_and_warns(tmp_path):
+    _needs("mlflow")
+    first = make_tracker("mlflow")
+    first.open(tmp_path, "run", None, 0)
+    first.log_hyperparams({"epochs": 10, "lr": 0.1})
+    first.close()
+    second = make_tracker("mlflow")
+    second.open(tmp_path, "run", first.state(), 5)
+    with pytest.warns(UserWarning, match=r"epochs stays '10' \(now '20'\)"):
+        second.log_hyperparams({"epochs": 20, "lr": 0.1, "batch": 8})
+    second.close()
+    _, hparams, _ = _read("mlflow", tmp_path, first.state())
+    assert hparams == {"epochs": "10", "lr": "0.1", "batch": "8"}
+
+
+def test_csv_adds_a_column_for_a_new_metric_and_drops_a_line_cut_short(tmp_path):
+    tracker = make_tracker("csv")
+    tracker.open(tmp_path, "run", None, 1)
+    tracker.log_metrics({"train_loss": 1.5}, 1)
+    tracker.log_metrics({"train_loss": 1.25, "val_loss": 2.5}, 2)  # a new name: the file is rewritten with it
+    tracker.log_metrics({"train_loss": float("nan")}, 3)
+    tracker.close()
+    assert (tmp_path / "metrics.csv").read_text() == "step,train_loss,val_loss\n1,1.5,\n2,1.25,2.5\n3,nan,\n"
+
+    with open(tmp_path / "metrics.csv", "a") as f:
+        f.write("4,0.")  # a crash in the middle of a row
+    again = make_tracker("csv")
+    again.open(tmp_path, "run", {}, 3)
+    again.log_metrics({"train_loss": 0.75}, 3)
+    again.close()
+    assert (tmp_path / "metrics.csv").read_text() == "step,train_loss,val_loss\n1,1.5,\n2,1.25,2.5\n3,0.75,\n"
+    with pytest.raises(ValueError, match="cannot be named 'step'"):
+        make_tracker("csv").log_metrics({"step": 1.0}, 1)
+
+
+def test_a_tool_by_its_value_or_another_enums_member_and_a_bad_name_listed(tmp_path):
+    import enum
+
+    class ExperimentTrackingTool(str, enum.Enum):  # qadence's, with the same values
+        TENSORBOARD = "tensorboard"
+        MLFLOW = "mlflow"
+
+    assert type(make_tracker(ExperimentTrackingTool.MLFLOW)) is type(make_tracker("mlflow"))
+    assert type(make_tracker(TrackingTool.CSV)) is type(make_tracker("csv"))
+    with pytest.raises(ValueError, match="must be one of 'tensorboard', 'mlflow', 'csv'; got 'wandb'"):
+        make_tracker("wandb")
+
+
+def _without(blocked, code, tmp_path):
+    """``code`` run in a fresh interpreter where importing any of ``blocked`` fails as if it were not installed."""
+    lines = ["import sys", *(f"sys.modules[{name!r}] = None" for name in blocked), code]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", "\n".join(lines), str(tmp_path)], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=100)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.mark.parametrize("tool", ["tensorboard", "mlflow"])
+def test_a_missing_optional_dependency_names_the_extra_to_install(tool, tmp_path):
+    out = _without([tool], "\n".join([
+        "from pathlib import Path",
+        "from qaccel.trainer.tracking import make_tracker",
+        f"tracker = make_tracker({tool!r})",
+        "try:",
+        "    tracker.open(Path(sys.argv[1]), 'run', None, 0)",
+        "except ImportError as exc:",
+        "    print(exc)",
+    ]), tmp_path)
+    assert f'pip install "qaccel[{tool}]"' in out
+
+
+HISTORY = [{"step": s, "train_loss": 2.0 / s, "train_accuracy": s / 10} | ({"val_loss": 2.5 / s} if s % 3 == 0 else {})
+           for s in range(1, 21)]
+
+
+def test_curves_writes_a_png_of_losses_and_metrics(tmp_path):
+    image = pytest.importorskip("matplotlib.image", reason="matplotlib is in the test extra")
+    path = plots.curves(HISTORY, tmp_path / "plots" / "curves.png")
+    assert path == tmp_path / "plots" / "curves.png" and path.read_bytes().startswith(PNG)
+    pixels = image.imread(path)
+    assert pixels.shape[0] > 300 and pixels.shape[1] > 500 and pixels.std() > 0  # two panels, something drawn
+    assert [p.name for p in path.parent.iterdir()] == ["curves.png"]  # no temporary file left beside it
+
+
+def test_curves_without_matplotlib_is_none_and_writes_nothing(tmp_path):
+    out = _without(["matplotlib"], "\n".join([
+        "from pathlib import Path",
+        "from qaccel.trainer import plots",
+        f"print(plots.curves({HISTORY!r}, Path(sys.argv[1]) / 'curves.png'))",
+    ]), tmp_path)
+    assert out == "None\n" and not (tmp_path / "curves.png").exists()
+
+
+def test_tensorboard_resumed_within_the_same_second_still_reads_the_new_file_last(tmp_path):
+    """TensorBoard reads event files in name order (creation second, host, pid): a file of the previous attempt
+    created in the same second by a process whose name sorts later must not hide the purge."""
+    _needs("tensorboard")
+    import time
+
+    first = make_tracker("tensorboard")
+    first.open(tmp_path, "run", None, 1)
+    _write(first, range(1, 6), 10)
+    first.close()
+    (old,) = tmp_path.glob("events.out.tfevents.*")
+    old.rename(tmp_path / f"events.out.tfevents.{int(time.time()):010d}.~host.1.0")  # sorts after this host's
+
+    second = make_tracker("tensorboard")
+    second.open(tmp_path, "run", {}, 4)
+    _write(second, range(4, 7), 100)
+    second.close()
+    assert _read("tensorboard", tmp_path, {})[0]["train_loss"] == [(1, 11.0), (2, 12.0), (3, 13.0), (4, 104.0),
+                                                                   (5, 105.0), (6, 106.0)]
