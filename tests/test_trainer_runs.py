@@ -1,0 +1,62 @@
+"""A Trainer script run as users run it: an uninterrupted plain launch; a SIGTERM mid-run that saves, then a rerun that
+ends bitwise where the uninterrupted run ends, with TensorBoard holding each epoch's metrics once, equal to the
+uninterrupted run's; and the same script under torchrun, where each rank runs fit in place, to the same result."""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import pytest
+from support.procs import result_lines, run_script, run_torchrun, script_env, script_file, signal_when
+
+pytestmark = pytest.mark.timeout(300)
+SCRIPT = script_file("trainer_run.py")
+EPOCHS = "3"
+
+
+def _scalars(folder, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder / "tracking"), size_guidance={"scalars": 0})
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)]
+
+
+def _result(proc):
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = result_lines(proc.stdout)
+    assert len(results) == 1, proc.stdout  # printed once
+    return results[0]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reference")
+    result = _result(run_script(SCRIPT, str(tmp / "run"), EPOCHS, cwd=tmp, timeout=200))
+    return result, {tag: _scalars(tmp / "run", tag) for tag in ("train_loss", "val_loss")}
+
+
+def test_an_uninterrupted_fit_tracks_every_epoch_once(reference):
+    result, scalars = reference
+    assert [step for step, _ in scalars["train_loss"]] == [1, 2, 3]
+    assert [step for step, _ in scalars["val_loss"]] == [0, 1, 2, 3]
+    assert result["lr"] == pytest.approx(0.01 * 0.9 ** 3), "the scheduler stepped once per epoch, and came back"
+
+
+def test_sigterm_saves_and_a_rerun_ends_bitwise_where_the_uninterrupted_fit_ends(reference, tmp_path):
+    cmd = [sys.executable, str(SCRIPT), str(tmp_path / "run"), EPOCHS, "0.1"]
+    first = signal_when(cmd, signal.SIGTERM, "epoch 1 done", env=script_env(), cwd=tmp_path, timeout=200)
+    assert first.returncode == 128 + signal.SIGTERM, first.stdout + first.stderr
+    assert first.stderr.count("qaccel: stopped by SIGTERM after saving state to") == 1, first.stderr
+    assert "epoch 3 done" not in first.stderr, "stopped mid-run"
+    second = run_script(SCRIPT, str(tmp_path / "run"), EPOCHS, cwd=tmp_path, timeout=200)
+    result, scalars = reference
+    assert _result(second) == result
+    for tag in ("train_loss", "val_loss"):
+        assert _scalars(tmp_path / "run", tag) == scalars[tag], f"{tag}: each epoch once, as the uninterrupted run"
+
+
+def test_under_torchrun_each_rank_fits_in_place_to_the_same_result(reference, tmp_path):
+    proc = run_torchrun(SCRIPT, str(tmp_path / "run"), EPOCHS, cwd=tmp_path, timeout=200)
+    assert _result(proc) == reference[0]
