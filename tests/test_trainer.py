@@ -176,3 +176,67 @@ def test_bad_trainer_arguments_fail_at_construction(tmp_path):
                                               _config(tmp_path), "l1")
     with pytest.raises(TypeError, match="Trainer\\(config=...\\) takes a qaccel.TrainConfig"):
         Trainer(_model(), torch.optim.SGD(_model().parameters(), lr=1), {"max_iter": 1})
+
+
+def test_mlflow_continues_the_same_run_after_a_second_fit(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow", reason="the mlflow extra (mlflow-skinny) is not installed")
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    from mlflow.tracking import MlflowClient
+
+    for epochs in (2, 4):
+        trainer = _trainer(_config(tmp_path, nprocs=2, max_iter=epochs, checkpoint_every=1, write_every=1,
+                                   tracking_tool="mlflow"))
+        trainer.fit()
+    store = trainer.log_folder / "tracking" / "mlruns"
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient(tracking_uri=store.absolute().as_uri())
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert len(runs) == 1, "the second fit continued the first's run"
+    history = client.get_metric_history(runs[0].info.run_id, "train_loss")
+    assert sorted(m.step for m in history) == [1, 2, 3, 4]
+    assert [m.value for m in sorted(history, key=lambda m: m.step)] == pytest.approx(
+        [h["train_loss"] for h in trainer.history], rel=1e-6)
+
+
+def test_the_curves_are_drawn_and_plots_logged(tmp_path):
+    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
+    from matplotlib.figure import Figure
+
+    def weights(model, epoch):
+        figure = Figure()
+        figure.add_subplot().hist(torch.cat([p.detach().flatten() for p in model.parameters()]).numpy())
+        return "weights", figure
+
+    trainer = _trainer(_config(tmp_path, nprocs=2, val_every=1, plot_every=1, plotting_functions=(weights,)))
+    trainer.fit()
+    assert (trainer.log_folder / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    plots = sorted(p.name for p in (trainer.log_folder / "tracking" / "plots").iterdir())
+    assert plots == [f"weights_{epoch:08d}.png" for epoch in (1, 2, 3)]
+
+
+@pytest.mark.parametrize("accumulate, updates", [(1, 4), (2, 2)])
+def test_a_scheduler_stepped_per_batch_steps_once_per_optimizer_update(tmp_path, accumulate, updates):
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    config = _config(tmp_path, nprocs=2, max_iter=1, lr_scheduler_step="batch", gradient_accumulation_steps=accumulate)
+    Trainer(model, optimizer, config, "mse", DataLoader(_data(), batch_size=8), lr_scheduler=scheduler).fit()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** updates), "64 samples, 16 a round: 4 rounds"
+    assert scheduler.last_epoch == updates
+
+
+def test_fsdp_from_the_config_trains_and_gives_the_model_back(tmp_path):
+    trainer = _trainer(_config(tmp_path, nprocs=2, strategy="fsdp", fsdp_min_params=1))
+    before = _params(trainer.model).clone()
+    trainer.fit()
+    ddp = _trainer(_config(tmp_path, nprocs=2, log_folder=tmp_path / "ddp"))
+    ddp.fit()
+    assert not torch.equal(_params(trainer.model), before)
+    torch.testing.assert_close(_params(trainer.model), _params(ddp.model), atol=1e-5, rtol=0)
+
+
+def test_the_progress_bar_is_drawn_by_rank_0_only(tmp_path, capfd):
+    trainer = _trainer(_config(tmp_path, nprocs=2, verbose=True, rank_prefix=True))
+    trainer.fit()
+    err = capfd.readouterr().err
+    assert "[rank 0] epochs" in err and "[rank 1] epochs" not in err, err

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -151,6 +152,9 @@ class PlotMetrics(Callback):
         for plot in config.plotting_functions:
             name, figure = plot(model, trainer.opt_result.iteration)
             tracker.log_figure(name, figure, trainer.opt_result.iteration)
+            pyplot = sys.modules.get("matplotlib.pyplot")
+            if pyplot is not None:
+                pyplot.close(figure)  # a figure made with pyplot stays open, and they pile up, until closed
 
 
 class LogHyperparameters(Callback):
