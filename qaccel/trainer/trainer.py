@@ -92,7 +92,9 @@ class Trainer:
         config: a TrainConfig.
         loss_fn: ``"mse"``, ``"cross_entropy"`` or ``fn(model, batch) -> (loss, metrics)``; metrics are a dict of
             numbers or scalar tensors, logged as ``train_<name>``, ``val_<name>`` or ``test_<name>``.
-        train_dataloader, val_dataloader, test_dataloader: DataLoaders (or pass them to fit()/test()).
+        train_dataloader: the training DataLoader (or pass it to fit()).
+        val_dataloader: the validation DataLoader (or pass it to fit()).
+        test_dataloader: the test DataLoader (or pass it to test()).
         lr_scheduler: an LR scheduler of ``optimizer``, stepped per epoch or per optimizer update
             (``config.lr_scheduler_step``).
     """
