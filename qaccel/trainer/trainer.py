@@ -194,6 +194,7 @@ class Trainer:
         val_loader = prepared[3] if self.val_dataloader is not None else None
         self._callbacks[:] = self._make_callbacks()
         self._stop_reason = None
+        self._state = _State(self._callbacks)  # a fit starts from its folder's checkpoint, or from nothing
         acc.register_for_checkpointing(self._state)
         resumed = acc.resume(folder / CHECKPOINTS, keep=None)
         state = self._state
