@@ -240,3 +240,21 @@ def test_the_progress_bar_is_drawn_by_rank_0_only(tmp_path, capfd):
     trainer.fit()
     err = capfd.readouterr().err
     assert "[rank 0] epochs" in err and "[rank 1] epochs" not in err, err
+
+
+def _fail_once_in_epoch_3(trainer, config, tracker):
+    if trainer.accelerator.restart_count == 0 and trainer.opt_result.iteration == 3:
+        raise RuntimeError("the first attempt fails in epoch 3")
+
+
+def test_a_restarted_fit_continues_its_checkpoint_and_tracker_to_the_uninterrupted_result(tmp_path, capfd):
+    fields = dict(nprocs=2, max_iter=4, checkpoint_every=1, write_every=1)
+    failing = Callback("train_batch_end", 1, _fail_once_in_epoch_3)
+    restarted = _trainer(_config(tmp_path, max_restarts=1, callbacks=[failing], **fields))
+    restarted.fit()
+    assert "restarting all 2 ranks (restart 1 of 1)" in capfd.readouterr().err
+    straight = _trainer(_config(tmp_path, log_folder=tmp_path / "straight", **fields))
+    straight.fit()
+    assert torch.equal(_params(restarted.model), _params(straight.model))
+    assert [int(r["step"]) for r in _tracked(restarted.log_folder)] == [1, 2, 3, 4]
+    assert _tracked(restarted.log_folder) == _tracked(straight.log_folder)
