@@ -225,7 +225,7 @@ def test_a_scheduler_stepped_per_batch_steps_once_per_optimizer_update(tmp_path,
     assert scheduler.last_epoch == updates
 
 
-def test_fsdp_from_the_config_trains_and_gives_the_model_back(tmp_path):
+def test_fsdp_from_the_config_trains_and_gives_the_model_and_optimizer_back(tmp_path):
     trainer = _trainer(_config(tmp_path, nprocs=2, strategy="fsdp", fsdp_min_params=1))
     before = _params(trainer.model).clone()
     trainer.fit()
@@ -233,6 +233,10 @@ def test_fsdp_from_the_config_trains_and_gives_the_model_back(tmp_path):
     ddp.fit()
     assert not torch.equal(_params(trainer.model), before)
     torch.testing.assert_close(_params(trainer.model), _params(ddp.model), atol=1e-5, rtol=0)
+    sharded, plain = trainer.optimizer.state_dict(), ddp.optimizer.state_dict()
+    assert sharded["param_groups"] == plain["param_groups"] and sorted(sharded["state"]) == sorted(plain["state"])
+    for index, moments in plain["state"].items():
+        torch.testing.assert_close(sharded["state"][index]["exp_avg"], moments["exp_avg"], atol=1e-5, rtol=0)
 
 
 def test_the_progress_bar_is_drawn_by_rank_0_only(tmp_path, capfd):

@@ -124,6 +124,28 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, Any]:
     return get_model_state_dict(model, options=options)
 
 
+def full_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's full state of a sharded ``model``, keyed by parameter name, plain CPU tensors, on rank 0 ({}
+    on the others). A collective. ``by_index`` turns it into what the plain optimizer's load_state_dict takes."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def by_index(named: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """An optimizer state keyed by parameter name (full_optimizer_state_dict's) keyed as ``optimizer.state_dict()``
+    keys it: by the position of each parameter in ``optimizer``'s groups, a plain optimizer of the plain ``model``."""
+    names = {id(param): name for name, param in model.named_parameters()}
+    index = {names[id(param)]: i
+             for i, param in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+    return {
+        "state": {index[name]: value for name, value in named["state"].items()},
+        "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
+                         for group in named["param_groups"]],
+    }
+
+
 def state_dicts(models: list[torch.nn.Module], optimizers: list[Any]) -> dict[str, Any]:
     """Models' and optimizers' state dicts as torch.distributed.checkpoint saves and loads them: keyed by parameter
     name, sharded where the model is (DTensors), plain where it is not (DDP, one process). The same names on

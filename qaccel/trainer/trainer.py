@@ -20,6 +20,7 @@ import torch
 from qaccel.accelerator import Accelerator
 from qaccel.environment import detect
 from qaccel.options import Strategy
+from qaccel.train import sharding
 from qaccel.trainer import plots
 from qaccel.trainer.callbacks import (
     Callback,
@@ -146,8 +147,10 @@ class Trainer:
         trained = self.accelerator.distribute(_fit_on_rank)(self, folder)
         if launching:  # the ranks trained copies: give their results to the caller's own objects
             self.model.load_state_dict(trained["model"])
-            if trained["optimizer"] is not None:  # under FSDP the optimizer's state stays in the checkpoints
-                self.optimizer.load_state_dict(trained["optimizer"])
+            optimizer_state = trained["optimizer"]
+            if self.accelerator.strategy is Strategy.FSDP:  # keyed by parameter name: key it by position
+                optimizer_state = sharding.by_index(optimizer_state, self.model, self.optimizer)
+            self.optimizer.load_state_dict(optimizer_state)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.load_state_dict(trained["lr_scheduler"])
         self.history, self.log_folder = trained["history"], trained["log_folder"]
@@ -211,7 +214,8 @@ class Trainer:
             acc.save_model(self.model, folder)
         result = {
             "model": acc.get_state_dict(self.model),
-            "optimizer": self.optimizer.state_dict() if acc.strategy is Strategy.DDP else None,
+            "optimizer": self.optimizer.state_dict() if acc.strategy is Strategy.DDP
+            else sharding.full_optimizer_state_dict(self.model, self.optimizer.optimizer),
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "history": state.history,
             "log_folder": folder,
