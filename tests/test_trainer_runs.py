@@ -8,7 +8,7 @@ import signal
 import sys
 
 import pytest
-from support.procs import result_lines, run_script, run_torchrun, script_env, script_file, signal_when
+from support.procs import once_per_session, result_lines, run_script, run_torchrun, script_env, script_file, signal_when
 
 pytestmark = pytest.mark.timeout(300)
 SCRIPT = script_file("trainer_run.py")
@@ -20,7 +20,7 @@ def _scalars(folder, tag):
 
     events = EventAccumulator(str(folder / "tracking"), size_guidance={"scalars": 0})
     events.Reload()
-    return [(e.step, e.value) for e in events.Scalars(tag)]
+    return [[e.step, e.value] for e in events.Scalars(tag)]
 
 
 def _result(proc):
@@ -30,11 +30,16 @@ def _result(proc):
     return results[0]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def _reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reference")
     result = _result(run_script(SCRIPT, str(tmp / "run"), EPOCHS, cwd=tmp, timeout=200))
-    return result, {tag: _scalars(tmp / "run", tag) for tag in ("train_loss", "val_loss")}
+    return [result, {tag: _scalars(tmp / "run", tag) for tag in ("train_loss", "val_loss")}]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted plain launch every other run must match, run once for all pytest-xdist workers."""
+    return once_per_session(tmp_path_factory, "trainer_reference", lambda: _reference(tmp_path_factory))
 
 
 def test_an_uninterrupted_fit_tracks_every_epoch_once(reference):
