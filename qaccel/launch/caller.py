@@ -130,6 +130,8 @@ def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, al
             _clear_reports(run_dir)
         if attempt:
             failure.add_note(f"[qaccel] the failure of the last attempt, after {attempt} restart(s)")
+        if isinstance(failure, Preempted) and received == [signal.SIGINT]:
+            raise _interrupted(failure) from None
         if not received or isinstance(failure, Preempted):
             raise failure
     _die_of(received[0])  # the ranks ended because the caller was told to stop: end the way it was told
@@ -180,7 +182,7 @@ def _clear_reports(run_dir: str) -> None:
 
 # Signals the caller passes on to its ranks (they lead process groups of their own, so a signal sent to the
 # caller's group does not reach them): a scheduler's or a user's request to stop, which ranks that called
-# resume() answer by saving and raising Preempted. Ctrl-C's SIGINT reaches them through the terminal as before.
+# resume() answer by saving and raising Preempted. Ctrl-C's SIGINT reaches the caller only: see _on_ctrl_c.
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 
@@ -202,11 +204,52 @@ def _forwarding_signals(procs: list) -> Iterator[list[int]]:
     for sig in FORWARDED_SIGNALS:
         if signal.getsignal(sig) is signal.SIG_DFL:
             previous[sig] = signal.signal(sig, forward)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when the user handles Ctrl-C
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, _on_ctrl_c(procs, received))
     try:
         yield received
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _on_ctrl_c(procs: list, received: list[int]) -> Callable[[int, Any], None]:
+    """The caller's SIGINT handler while ranks run. When every rank can stop cleanly (it called resume(), which
+    handles SIGTERM by saving at its next step), the first Ctrl-C asks them to, as a scheduler's SIGTERM does;
+    otherwise, and at the second Ctrl-C, KeyboardInterrupt as usual (the ranks are stopped at once)."""
+
+    def interrupt(signum: int, frame: Any) -> None:
+        if received or not _can_stop_cleanly(procs):
+            raise KeyboardInterrupt
+        received.append(signal.SIGINT)
+        print("qaccel: Ctrl-C: every rank saves its state after its current step and stops (Ctrl-C again stops "
+              "them at once)", file=sys.stderr, flush=True)
+        _forward(procs, signal.SIGTERM)
+
+    return interrupt
+
+
+def _can_stop_cleanly(procs: list) -> bool:
+    """True when every running rank handles SIGTERM (Linux's /proc tells which signals a process catches)."""
+    running = [proc for proc in procs if proc.pid is not None and proc.exitcode is None]
+    if not running:
+        return False
+    for proc in running:
+        try:
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+        except OSError:
+            return False
+        caught = next((line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), "0")
+        if not int(caught, 16) >> (signal.SIGTERM - 1) & 1:
+            return False
+    return True
+
+
+def _interrupted(stop: Preempted) -> KeyboardInterrupt:
+    """What a Ctrl-C that stopped the ranks cleanly raises in the caller: a KeyboardInterrupt saying where they saved."""
+    exc = KeyboardInterrupt()
+    exc.add_note(f"[qaccel] the ranks saved their state to {stop.checkpoint} and stopped: run again to resume")
+    return exc
 
 
 def _forward(procs: list, signum: int) -> None:
