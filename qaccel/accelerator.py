@@ -314,9 +314,9 @@ class Accelerator:
         Damaged checkpoints are skipped, with a warning naming them; if every one is damaged, CheckpointError.
 
         Afterwards save_state() with no argument saves into ``directory`` as ``checkpoint_<step>``, keeping the
-        ``keep`` newest (None: all). On SIGTERM or ``requeue_signal`` every rank finishes its step, the state is
-        saved there, and Preempted (a SystemExit) is raised; after ``requeue_signal`` in a SLURM job, rank 0 also
-        requeues the job (``scontrol requeue``), which then resumes here. Call it on every rank, after prepare()
+        ``keep`` newest (None: all). On SIGTERM, Ctrl-C (a second one stops at once) or ``requeue_signal`` every rank
+        finishes its step, the state is saved there, and Preempted (a SystemExit) is raised; after ``requeue_signal``
+        in a SLURM job, rank 0 also requeues the job (``scontrol requeue``), which then resumes here. Call it on every rank, after prepare()
         and register_for_checkpointing(), before the loop; iterate ``range(loader.epoch, epochs)``.
         """
         self._inside_ranks("resume()")

@@ -8,7 +8,16 @@ import signal
 import sys
 
 import pytest
-from support.procs import once_per_session, result_lines, run_script, run_torchrun, script_env, script_file, signal_when
+from support.procs import (
+    once_per_session,
+    result_lines,
+    run_script,
+    run_torchrun,
+    script_env,
+    script_file,
+    signal_when,
+    torchrun_cmd,
+)
 
 pytestmark = pytest.mark.timeout(300)
 SCRIPT = script_file("trainer_run.py")
@@ -77,3 +86,15 @@ def test_ctrl_c_saves_every_rank_and_a_rerun_ends_bitwise_where_the_uninterrupte
     second = run_script(SCRIPT, str(tmp_path / "run"), EPOCHS, cwd=tmp_path, timeout=200)
     assert _result(second) == reference[0]
     assert _scalars(tmp_path / "run", "train_loss") == reference[1]["train_loss"]
+
+
+def test_ctrl_c_to_torchrun_saves_every_rank_and_a_rerun_ends_bitwise(reference, tmp_path):
+    """torchrun passes Ctrl-C's SIGINT on to its workers; resume() armed it, so they save and stop together."""
+    cmd = [*torchrun_cmd(tmp_path / "logs", "--standalone", "--nproc_per_node", "2"), str(SCRIPT),
+           str(tmp_path / "run"), EPOCHS, "0.1"]
+    first = signal_when(cmd, signal.SIGINT, "epoch 1 done", env=script_env(), cwd=tmp_path, timeout=200)
+    assert first.returncode != 0
+    assert first.stderr.count("qaccel: stopped by SIGINT after saving state to") == 1, first.stderr
+    assert "epoch 3 done" not in first.stderr, "stopped mid-run"
+    second = run_torchrun(SCRIPT, str(tmp_path / "run"), EPOCHS, cwd=tmp_path, timeout=200)
+    assert _result(second) == reference[0]

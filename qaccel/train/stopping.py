@@ -1,5 +1,6 @@
-"""Stopping cleanly on a signal: after SIGTERM (or the warning signal a cluster sends before a time limit or a
-preemption) every rank finishes its step, saves state, and leaves; under SLURM the job is also requeued.
+"""Stopping cleanly on a signal: after SIGTERM, Ctrl-C's SIGINT (a second one stops at once) or the warning signal a
+cluster sends before a time limit or a preemption, every rank finishes its step, saves state, and leaves; after
+the warning signal, under SLURM, the job is also requeued.
 
 Ranks receive a signal at slightly different moments, possibly in different steps, so none may act on its own.
 Each prepared training loop asks at its step boundaries (train/data.py); the ranks combine what they received
@@ -12,8 +13,9 @@ result every rank computes the same number of steps to the next check.
 The handler only notes the signal. Launchers signal a worker's whole process group (torchrun's agent) or every
 process of a step (SLURM), so a rank's children get the signal too, and a DataLoader worker dying of it would make
 its rank's loader raise before the step ends: DataLoader workers of an armed rank ignore the armed signals (they
-still exit with their rank). Other forked children (pool workers) get back SIGTERM's previous handler, as a
-Python-level handler would keep them from dying of the SIGTERM their pool sends, and ignore the requeue signal.
+still exit with their rank). Other forked children (pool workers) get back SIGTERM's and SIGINT's previous handlers,
+as a Python-level handler would keep them from dying of the SIGTERM their pool sends, and ignore the requeue
+signal.
 """
 
 from __future__ import annotations
@@ -76,6 +78,8 @@ class Armed:
             signal.signal(signum, self.previous.get(signum, signal.SIG_DFL))
             os.kill(os.getpid(), signum)
             return
+        if signum == signal.SIGINT and self.received:  # a second Ctrl-C, or one after another stop: stop now
+            raise KeyboardInterrupt
         if not self.received:
             self.received = signum
 
@@ -126,7 +130,7 @@ def _unblock() -> None:
 
 
 def _child_defaults() -> None:
-    """In a forked child: SIGTERM's handler from before arming; the requeue signal ignored.
+    """In a forked child: SIGTERM's and SIGINT's handlers from before arming; the requeue signal ignored.
 
     A signal that came between the fork and this reset was held back (blocked) and is delivered now, to the reset
     handler; noted by Armed._note instead, Python would drop it when the handler became SIG_DFL, and a pool worker
@@ -138,7 +142,7 @@ def _child_defaults() -> None:
     armed, _armed = _armed, None  # the child's own: the parent's Armed no longer applies
     try:
         for sig, handler in armed.previous.items():
-            signal.signal(sig, handler if sig == signal.SIGTERM else signal.SIG_IGN)
+            signal.signal(sig, handler if sig in (signal.SIGTERM, signal.SIGINT) else signal.SIG_IGN)
     except ValueError:  # forked from a thread other than the main one: Armed._note's pid check covers it
         pass
     finally:
@@ -190,7 +194,7 @@ class Stopper:
     """One session's agreement on when to stop, and the stop itself: save, requeue (SLURM), raise Preempted."""
 
     def __init__(self, ctx: RankContext, save: Callable[[], str], requeue_signal: signal.Signals | None) -> None:
-        self.armed = arm({signal.SIGTERM} | ({requeue_signal} if requeue_signal is not None else set()))
+        self.armed = arm({signal.SIGTERM, signal.SIGINT} | ({requeue_signal} if requeue_signal is not None else set()))
         self.ctx = ctx
         self.save = save
         self.requeue_signal = requeue_signal
