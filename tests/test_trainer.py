@@ -6,6 +6,7 @@ at construction naming the field."""
 from __future__ import annotations
 
 import csv
+import os
 import datetime
 
 import pytest
@@ -262,3 +263,21 @@ def test_a_restarted_fit_continues_its_checkpoint_and_tracker_to_the_uninterrupt
     assert torch.equal(_params(restarted.model), _params(straight.model))
     assert [int(r["step"]) for r in _tracked(restarted.log_folder)] == [1, 2, 3, 4]
     assert _tracked(restarted.log_folder) == _tracked(straight.log_folder)
+
+
+def test_a_requeued_or_restarted_job_finds_its_own_run_folder_again(tmp_path, monkeypatch):
+    """With qadence's default log_folder each run gets a new subfolder of root_folder; a SLURM job (or a torchrun
+    run) that comes back after a requeue (or a restart) finds the one it made, so it continues its checkpoints."""
+    trainer = _trainer(TrainConfig(root_folder=tmp_path / "runs", compute_setup="cpu", verbose=False))
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    first = trainer._choose_folder()
+    first.mkdir(parents=True)
+    assert first.parent == tmp_path / "runs" and first.name.startswith("1_") and first.name.endswith("_4242")
+    assert trainer._choose_folder() == first, "the requeued job's folder"
+    monkeypatch.setenv("SLURM_JOB_ID", "4243")
+    other = trainer._choose_folder()
+    assert other != first and other.name.startswith("2_") and other.name.endswith("_4243"), "another job: its own"
+    monkeypatch.delenv("SLURM_JOB_ID")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert trainer._choose_folder().name.endswith(f"_{os.getpid():x}"), "no job: the process, as qadence names it"
