@@ -6,8 +6,8 @@ at construction naming the field."""
 from __future__ import annotations
 
 import csv
-import os
 import datetime
+import os
 
 import pytest
 import torch
