@@ -1,13 +1,15 @@
-"""The examples run as a user runs them: with python (qaccel starts the ranks) and under torchrun.
+"""The examples run as a user runs them: with python (qaccel starts the ranks), under torchrun and under srun.
 
 The examples only print their results, as users' scripts do; the checks of those results are here.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +23,15 @@ def _torchrun(tmp_path):
 
 
 REGRESSION = [sys.executable, str(REPO / "examples/regression.py")]
+DIGITS = str(REPO / "examples/digits_trainer.py")
+# What an example imports beyond qaccel's requirements (the examples extra; the test extra has them too)
+NEEDS = {"digits_trainer.py": ("sklearn", "matplotlib", "tensorboard")}
+
+
+def _needs(example):
+    missing = [module for module in NEEDS.get(example, ()) if importlib.util.find_spec(module) is None]
+    if missing:
+        pytest.skip(f"{example} needs {', '.join(missing)}: pip install -e '.[test]' (or '.[examples]')")
 
 
 def _run(cmd, tmp_path):
@@ -100,10 +111,63 @@ def test_classify_cnn_evaluates_every_sample_once_and_saves_once_into_the_workin
     assert f"weights to {saved}" in out and saved.exists()
 
 
+def _trained_digits(out, epochs, first=1):
+    """digits_trainer.py's run: epochs ``first``..``epochs`` printed (train and validation), the final validation
+    accuracy printed once and at least 90 %, and the run's folder (printed) holding a PNG of the curves, checkpoints
+    and TensorBoard files with train_loss at every epoch and val_loss at every epoch and before training (step 0),
+    each step once. Returns the run's folder."""
+    for phase in ("train", "val"):
+        printed = [int(n) for n in re.findall(rf"^epoch (\d+): {phase}_accuracy ", out, re.M)]
+        assert printed == list(range(first, epochs + 1)), out
+    assert out.count("validation accuracy") == 1, out
+    accuracy = re.search(r"^validation accuracy ([\d.]+)% after epoch (\d+)$", out, re.M)
+    assert accuracy and float(accuracy.group(1)) >= 90 and int(accuracy.group(2)) == epochs, out
+    assert out.count("run folder: ") == 1, out
+    folder = Path(re.search(r"^run folder: (.+) \(curves\.png", out, re.M).group(1))
+    assert (folder / "curves.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    assert any((folder / "checkpoints").iterdir())
+    steps = _tensorboard_steps(folder / "tracking")
+    assert steps["train_loss"] == list(range(1, epochs + 1)), steps
+    assert steps["val_loss"] == list(range(epochs + 1)), steps
+    return folder
+
+
+def _tensorboard_steps(path):
+    """The steps of train_loss and val_loss as TensorBoard reads ``path``: a folder (its event files in order, a
+    resumed run's purge applied) or one event file."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(path))
+    events.Reload()
+    return {tag: [event.step for event in events.Scalars(tag)] for tag in ("train_loss", "val_loss")}
+
+
+def test_digits_trainer_continues_its_run_from_the_checkpoint(tmp_path):
+    """Under python: a run of 4 epochs, then the same folder with --epochs 6 trains, prints and tracks epochs 5 and
+    6 only; TensorBoard has every step once, and the second run's event file holds only its own steps."""
+    _needs("digits_trainer.py")
+    cmd = [sys.executable, DIGITS, "--log-folder", "run"]
+    folder = _trained_digits(_run([*cmd, "--epochs", "4"], tmp_path), 4)
+    assert folder == tmp_path.resolve() / "run"
+    first = set((folder / "tracking").iterdir())
+    again = _run([*cmd, "--epochs", "6"], tmp_path)
+    assert _trained_digits(again, 6, first=5) == folder
+    (added,) = set((folder / "tracking").iterdir()) - first
+    assert _tensorboard_steps(added) == {"train_loss": [5, 6], "val_loss": [5, 6]}
+
+
+def test_digits_trainer_under_torchrun(tmp_path):
+    _needs("digits_trainer.py")
+    out = _run([*_torchrun(tmp_path), DIGITS, "--epochs", "5", "--log-folder", str(tmp_path / "run")], tmp_path)
+    assert _trained_digits(out, 5) == tmp_path.resolve() / "run"
+
+
 ONCE = {  # each example's arguments, the lines that must appear exactly once however it was started, its result
     "regression.py": (["--epochs", "4"], ["validation loss"], _loss_went_down),
     "classify_cnn.py": (["--epochs", "1"], ["test accuracy", "saved "], _classified),
     "long_run.py": (["--epochs", "1"], ["final loss"], lambda out: None),
+    "digits_trainer.py": (["--epochs", "5"], ["validation accuracy", "run folder: "],
+                          lambda out: _trained_digits(out, 5)),
 }
 # quickstart.py under srun: cluster/test_slurm_scripts.py::test_one_node_template_runs_the_quickstart_example_without_arguments
 # runs it with slurm/one_node.sbatch (srun, a task per rank) and checks "final mean loss" is printed once.
@@ -126,6 +190,7 @@ def test_classify_cnn_prints_once_under_torchrun_and_saves_to_out(tmp_path):
 @pytest.mark.slurm
 @pytest.mark.parametrize("example", sorted(ONCE))
 def test_examples_print_once_under_srun(slurm_cluster, tmp_path, example):
+    _needs(example)
     proc = slurm_cluster.srun(["-N1", "-n2", "--chdir", str(tmp_path), "python", str(REPO / "examples" / example),
                                *ONCE[example][0]], timeout=200, env=slurm_env(slurm_cluster))
     assert proc.returncode == 0, proc.stdout + proc.stderr
