@@ -65,6 +65,7 @@ def test_sigterm_saves_and_a_rerun_ends_bitwise_where_the_uninterrupted_fit_ends
     assert first.stderr.count("qaccel: stopped by SIGTERM after saving state to") == 1, first.stderr
     assert "epoch 3 done" not in first.stderr, "stopped mid-run"
     second = run_script(SCRIPT, str(tmp_path / "run"), EPOCHS, cwd=tmp_path, timeout=200)
+    assert second.stderr.count(f"qaccel: resumed {tmp_path / 'run' / 'checkpoints'}/checkpoint_") == 1, second.stderr
     result, scalars = reference
     assert _result(second) == result
     for tag in ("train_loss", "val_loss"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -201,6 +202,10 @@ class Trainer:
         acc.register_for_checkpointing(self._state)
         resumed = acc.resume(folder / CHECKPOINTS, keep=None)
         state = self._state
+        if resumed is not None and acc.is_main_process:
+            print(f"qaccel: resumed {resumed} after epoch {state.epochs_done} of {config.max_iter}"
+                  + (f" (and {state.batches} batches of the next)" if state.batches else ""), file=sys.stderr,
+                  flush=True)
         self._open_tracker(resumed)
         try:
             self._train(train_loader, val_loader)
