@@ -342,12 +342,18 @@ def _start_without_main(proc: multiprocessing.process.BaseProcess) -> None:
         data.pop("init_main_from_name", None)
         return data
 
+    # A Ctrl-C in the middle of start() would leave the forkserver's new child reading a half-sent request: it
+    # prints an EOFError traceback of its own beside the caller's. SIGINT is held back until start() returns.
+    main = threading.current_thread() is threading.main_thread()
     with _PREPARE_LOCK:
         multiprocessing.spawn.get_preparation_data = preparation_data
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if main else None
         try:
             proc.start()
         finally:
             multiprocessing.spawn.get_preparation_data = original
+            if held is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _supervise(procs: list, readers: list, run_dir: str) -> list[RankFailure]:

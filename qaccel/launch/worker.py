@@ -57,6 +57,7 @@ def become_worker(environ: dict[str, str]) -> None:
     if sys.stdout is not None and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a spawned rank inherits the caller's mask
 
 
 def flush_std_streams() -> None:
