@@ -281,3 +281,13 @@ def test_a_requeued_or_restarted_job_finds_its_own_run_folder_again(tmp_path, mo
     monkeypatch.delenv("SLURM_JOB_ID")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
     assert trainer._choose_folder().name.endswith(f"_{os.getpid():x}"), "no job: the process, as qadence names it"
+
+
+def test_gradient_monitoring_sees_each_steps_gradients(tmp_path):
+    from qaccel.callbacks import GradientMonitoring
+
+    trainer = _trainer(_config(tmp_path, nprocs=2, max_iter=1, callbacks=[GradientMonitoring()]))
+    trainer.fit()
+    rows = _tracked(trainer.log_folder)
+    assert rows and all(name in rows[-1] for name in ("grad_mean/0.weight", "grad_std/2.bias", "grad_max/0.bias"))
+    assert float(rows[-1]["grad_max/0.weight"]) > 0

@@ -267,7 +267,6 @@ class Trainer:
             loss, metrics = self.loss_fn(self.model, acc.prepare_batch(batch))
             acc.backward(loss)
             self.optimizer.step()
-            self.optimizer.zero_grad()
         if (self.lr_scheduler is not None and self.config.lr_scheduler_step is SchedulerStep.BATCH
                 and acc.sync_gradients and not acc.optimizer_step_was_skipped):
             self.lr_scheduler.step()
@@ -276,7 +275,8 @@ class Trainer:
             state.sums[name] = state.sums.get(name, 0.0) + value
         state.batches += 1
         self.opt_result.loss, self.opt_result.metrics = values["train_loss"], values
-        self._stage(Stage.TRAIN_BATCH_END)
+        self._stage(Stage.TRAIN_BATCH_END)  # before zero_grad: batch-end callbacks see the step's gradients
+        self.optimizer.zero_grad()  # a no-op on accumulation steps, as the prepared optimizer's step
 
     def _validate(self, loader: Any, iteration: int) -> None:
         acc, state = self.accelerator, self._state
