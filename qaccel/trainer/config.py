@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime
 import enum
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -106,10 +106,10 @@ class TrainConfig:
     rank_prefix: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("max_iter",):
-            _count(name, getattr(self, name), 1)
-        for name in ("print_every", "write_every", "checkpoint_every", "plot_every", "val_every", "batch_size"):
-            _count(name, getattr(self, name), 1 if name == "batch_size" else 0)
+        _count("max_iter", self.max_iter, 1)
+        _count("batch_size", self.batch_size, 1)
+        for name in ("print_every", "write_every", "checkpoint_every", "plot_every", "val_every"):
+            _count(name, getattr(self, name), 0)
         for name in ("log_model", "create_subfolder_per_run", "checkpoint_best_only", "verbose",
                      "all_reduce_metrics"):
             if not isinstance(getattr(self, name), bool):
@@ -143,10 +143,6 @@ class TrainConfig:
     def accelerator_options(self) -> dict[str, Any]:
         """The fields that are the Accelerator's options, by name."""
         return {name: getattr(self, name) for name in options.NAMES}
-
-
-ACCELERATOR_FIELDS = frozenset(options.NAMES)
-QADENCE_FIELDS = tuple(f.name for f in fields(TrainConfig) if f.name not in ACCELERATOR_FIELDS)
 
 
 def _count(name: str, value: object, least: int) -> None:
