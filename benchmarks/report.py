@@ -26,3 +26,26 @@ def timed(block, calls: int) -> float:
     start = time.perf_counter()
     block(calls)
     return (time.perf_counter() - start) / calls
+
+
+def regression_data(n: int, in_features: int):
+    """``n`` samples of the synthetic regression the training benchmarks learn, in memory, the same every run."""
+    import torch  # here, as in timed()
+    from torch.utils.data import TensorDataset
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, in_features, generator=gen)
+    y = x[:, :1] * 0.5 - x[:, 1:2] + 0.1 * torch.randn(n, 1, generator=gen)
+    return TensorDataset(x, y)
+
+
+def mlp(in_features: int, hidden: int):
+    """The MLP the training benchmarks train, from the same initial weights every time."""
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(in_features, hidden), torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
+        torch.nn.Linear(hidden, 1),
+    )

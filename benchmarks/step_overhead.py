@@ -58,7 +58,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from qaccel import Accelerator
-from report import row, verdict
+from report import mlp, regression_data, row, verdict
 
 WORLD = 2
 IN_FEATURES, HIDDEN = 32, 256
@@ -78,21 +78,12 @@ _END = object()
 
 def make_dataset(steps: int) -> TensorDataset:
     """Synthetic regression data: exactly steps / EPOCHS batches per rank per epoch."""
-    gen = torch.Generator().manual_seed(0)
-    n = steps // EPOCHS * BATCH * WORLD
-    x = torch.randn(n, IN_FEATURES, generator=gen)
-    y = x[:, :1] * 0.5 - x[:, 1:2] + 0.1 * torch.randn(n, 1, generator=gen)
-    return TensorDataset(x, y)
+    return regression_data(steps // EPOCHS * BATCH * WORLD, IN_FEATURES)
 
 
 def make_model() -> torch.nn.Module:
     """The small MLP both sides train, with the same initial weights."""
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(IN_FEATURES, HIDDEN), torch.nn.ReLU(),
-        torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(),
-        torch.nn.Linear(HIDDEN, 1),
-    )
+    return mlp(IN_FEATURES, HIDDEN)
 
 
 def qaccel_setup(acc: Accelerator, template: torch.nn.Module, dataset: TensorDataset) -> tuple:

@@ -68,7 +68,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from qaccel import Accelerator, TrainConfig, Trainer
 from qaccel.callbacks import Callback, Stage, WriteMetrics
-from report import row, verdict
+from report import mlp, regression_data, row, verdict
 
 WORLD = 2
 IN_FEATURES, HIDDEN = 32, 256
@@ -92,21 +92,12 @@ ROWS = {
 
 def make_dataset(batches: int) -> TensorDataset:
     """Synthetic regression data in memory: exactly ``batches`` batches per rank per epoch."""
-    gen = torch.Generator().manual_seed(0)
-    n = batches * BATCH * WORLD
-    x = torch.randn(n, IN_FEATURES, generator=gen)
-    y = x[:, :1] * 0.5 - x[:, 1:2] + 0.1 * torch.randn(n, 1, generator=gen)
-    return TensorDataset(x, y)
+    return regression_data(batches * BATCH * WORLD, IN_FEATURES)
 
 
 def make_model() -> torch.nn.Module:
     """The MLP every side trains, from the same initial weights."""
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(IN_FEATURES, HIDDEN), torch.nn.ReLU(),
-        torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(),
-        torch.nn.Linear(HIDDEN, 1),
-    )
+    return mlp(IN_FEATURES, HIDDEN)
 
 
 class Run(NamedTuple):
