@@ -4,6 +4,7 @@ each tool's own reader, while the run lives and after it, and a resumed run cont
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import subprocess
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from qaccel.trainer import plots
-from qaccel.trainer.tracking import TrackingTool, make_tracker
+from qaccel.trainer.tracking import Axis, TrackingTool, make_tracker
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -113,6 +114,45 @@ def test_metrics_hyperparams_and_a_figure_read_back_while_the_run_lives_and_afte
         assert list(images) == [("curve", 3)] and images["curve", 3].startswith(PNG)
         tracker.close()
     tracker.close()  # twice: nothing happens
+
+
+def _read_batches(tool, folder, state):
+    """The per-batch curves as the tool's reader shows them: {metric: [(batch, value), ...]}."""
+    if tool == "tensorboard":
+        return _read(tool, folder / "batches", state)[0]
+    if tool == "mlflow":
+        return {name.removeprefix("batch/"): values for name, values in _read(tool, folder, state)[0].items()
+                if name.startswith("batch/")}
+    with open(folder / "batches.csv", newline="") as f:
+        return {name: [(int(row["step"]), float(row[name])) for row in csv.DictReader(io.StringIO(f.read()))
+                       if row[name] != ""]
+                for name in ["train_loss"]}
+
+
+@pytest.mark.parametrize("tool", ["tensorboard", "mlflow", "csv"])
+def test_batches_have_a_curve_of_their_own_that_a_resumed_run_continues_without_a_batch_twice(tool, tmp_path):
+    _needs(tool)
+    first = make_tracker(tool)
+    first.open(tmp_path, "run", None, 0, 0)
+    for batch in range(1, 31):  # 10 batches an epoch; the checkpoint is after epoch 2 (batch 20)
+        first.log_metrics({"train_loss": batch}, batch, Axis.BATCH)
+        if batch % 10 == 0:
+            first.log_metrics({"train_loss": batch / 10}, batch // 10)
+    first.close()
+    state = json.loads(json.dumps(first.state()))
+
+    second = make_tracker(tool)
+    second.open(tmp_path, "run", state, 3, 21)
+    for batch in range(21, 41):
+        second.log_metrics({"train_loss": 1000 + batch}, batch, Axis.BATCH)
+        if batch % 10 == 0:
+            second.log_metrics({"train_loss": 100 + batch / 10}, batch // 10)
+    second.close()
+
+    epochs = _read(tool, tmp_path, state)[0]
+    assert epochs["train_loss"] == [(1, 0.1 * 10), (2, 2.0), (3, 103.0), (4, 104.0)]
+    assert _read_batches(tool, tmp_path, state)["train_loss"] == (
+        [(b, float(b)) for b in range(1, 21)] + [(b, 1000.0 + b) for b in range(21, 41)])
 
 
 @pytest.mark.parametrize("tool", ["tensorboard", "mlflow", "csv"])
