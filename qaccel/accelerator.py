@@ -417,6 +417,13 @@ class Accelerator:
         return self._registry().sync_gradients
 
     @property
+    def batch_is_padding(self) -> bool:
+        """Whether this rank's current batch of a prepared DataLoader is padding: a repeat of the epoch's first
+        samples that gives every rank a batch in the last step. It trains like any batch; leave it out of what
+        counts samples (evaluation sums; gather_for_metrics does so itself)."""
+        return self._registry().marks.padding
+
+    @property
     def optimizer_step_was_skipped(self) -> bool:
         """True when the fp16 scaler skipped the last optimizer step (inf/nan gradients)."""
         return any(opt.step_was_skipped for opt in self._registry().optimizers)

@@ -42,6 +42,7 @@ class BatchShard:
         self.world_size = world_size
         self.drop_last = drop_last
         self.padded: dict[int, int] = {}  # step -> real samples in that gathered step (padded rounds only)
+        self.padding_step: int | None = None  # the step at which this rank's batch is a repeat, evening out
         self.skip = 0  # own batches to pass over at the start of the next epoch (resuming mid-epoch)
 
     def __len__(self) -> int:
@@ -49,7 +50,7 @@ class BatchShard:
         return batches // self.world_size if self.drop_last else math.ceil(batches / self.world_size)
 
     def __iter__(self) -> Iterator[list]:
-        self.padded = {}
+        self.padded, self.padding_step = {}, None
         skip, self.skip = self.skip, 0
         first: list = []
         round_: list = []
@@ -64,6 +65,8 @@ class BatchShard:
                 round_, step = [], step + 1
         if round_ and not self.drop_last and step >= skip:
             self.padded[step - skip] = sum(len(b) for b in round_)
+            if self.rank >= len(round_):
+                self.padding_step = step - skip
             filler = [first[i % len(first)] for i in range(self.world_size - len(round_))]
             yield (round_ + filler)[self.rank]
 
@@ -208,13 +211,14 @@ class PreparedDataLoader(DataLoader):
             batches = itertools.islice(batches, skip, None)
         position = self._position = [epoch, skip]
         shard, device, marks = self._shard, self._device, self._marks
-        outer = marks.remainder, marks.end_of_epoch  # of a loop this one runs inside (evaluation in training)
+        outer = marks.remainder, marks.end_of_epoch, marks.padding  # of a loop this one runs inside (evaluation)
         try:
             upcoming = next(batches, _END)
             step = 0
             while upcoming is not _END:
                 item, upcoming = upcoming, next(batches, _END)  # one batch ahead, to know which batch ends the epoch
                 marks.remainder = shard.padded.get(step) if shard is not None else None
+                marks.padding = shard is not None and shard.padding_step == step
                 marks.end_of_epoch = upcoming is _END
                 step += 1
                 position[1] = skip + step
@@ -223,7 +227,7 @@ class PreparedDataLoader(DataLoader):
                     seen[0], seen[1] = registry.updates, True
                     registry.stopper.boundary()  # may save and raise Preempted
         finally:
-            marks.remainder, marks.end_of_epoch = outer
+            marks.remainder, marks.end_of_epoch, marks.padding = outer
             self._position = None
 
 

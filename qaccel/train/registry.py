@@ -29,13 +29,15 @@ class LoopMarks:
     ``end_of_epoch``: the loop body runs on the last batch of an epoch (accumulation syncs there).
     ``remainder``: real samples in this step's gathered batch when it is a padded last step, else None
     (gather_for_metrics keeps only that many leading rows).
+    ``padding``: this rank's batch is a repeat of the epoch's first samples, evening out the padded last step.
     """
 
-    __slots__ = ("end_of_epoch", "remainder")
+    __slots__ = ("end_of_epoch", "padding", "remainder")
 
     def __init__(self) -> None:
         self.end_of_epoch = False
         self.remainder: int | None = None
+        self.padding = False
 
 
 @dataclass

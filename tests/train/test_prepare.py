@@ -196,15 +196,19 @@ def test_iterable_dataset_is_sharded_by_batch(acc):
 
 def _eval_counts(a, size):
     loader = a.prepare(DataLoader(TensorDataset(torch.arange(size)), batch_size=16))
-    seen = [a.gather_for_metrics(ids) for (ids,) in loader]
-    return torch.cat(seen).tolist(), len(loader)
+    seen, own = [], []
+    for (ids,) in loader:
+        seen.append(a.gather_for_metrics(ids))
+        own += [] if a.batch_is_padding else ids.tolist()
+    return torch.cat(seen).tolist(), len(loader), own
 
 
 @pytest.mark.parametrize("size", [82, 99, 512, 7])
-def test_gather_for_metrics_counts_are_exact(acc, size):
-    (everything, steps), _ = acc.distribute(_eval_counts, all_results=True)(acc, size)
+def test_gather_for_metrics_counts_are_exact_and_padding_batches_are_marked(acc, size):
+    (everything, steps, own0), (_, _, own1) = acc.distribute(_eval_counts, all_results=True)(acc, size)
     assert sorted(everything) == list(range(size))
     assert steps == math.ceil(math.ceil(size / 16) / 2)
+    assert sorted(own0 + own1) == list(range(size)), "the batches not marked as padding hold every sample once"
 
 
 def _labels(a):
