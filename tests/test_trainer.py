@@ -137,15 +137,21 @@ def test_the_best_checkpoint_is_kept_when_validation_improves(tmp_path):
     assert not (trainer.log_folder / "checkpoints").exists() or not list((trainer.log_folder / "checkpoints").iterdir())
 
 
-def test_test_reports_means_over_every_sample(tmp_path):
-    trainer = _trainer(_config(tmp_path, nprocs=2))
-    trainer.fit()
-    metrics = trainer.test(DataLoader(_data(30), batch_size=4))
+def test_validation_and_test_are_exact_means_over_every_sample_of_an_uneven_set(tmp_path):
+    # 34 samples in batches of 4: 9 batches, so in the last step rank 1 gets a repeat of the first batch (padding),
+    # and the last real batch holds 2 samples
+    config = _config(tmp_path, nprocs=2, val_every=1, all_reduce_metrics=True, checkpoint_every=1, keep_checkpoints=2)
+    trainer = _trainer(config)
+    trainer.fit(val_dataloader=DataLoader(_data(34), batch_size=4))
+    metrics = trainer.test(DataLoader(_data(34), batch_size=4))
     with torch.no_grad():
-        x, y = _data(30).tensors
+        x, y = _data(34).tensors
         expected = torch.nn.functional.mse_loss(trainer.model(x), y).item()
     assert set(metrics) == {"test_loss", "test_mse"}
-    assert metrics["test_loss"] == pytest.approx(expected, rel=0.05), "padding of the last round counts little"
+    assert metrics["test_loss"] == pytest.approx(expected, rel=1e-6), "each sample once, weighted by its batch"
+    assert trainer.history[-1]["val_loss"] == pytest.approx(expected, rel=1e-6)
+    kept = sorted(p.name for p in (trainer.log_folder / "checkpoints").iterdir() if not p.name.startswith("."))
+    assert len(kept) == 2 and kept[-1].endswith("12"), f"the 2 newest of 3 stay: {kept}"
 
 
 @pytest.mark.parametrize("fields, exc, message", [
@@ -156,6 +162,7 @@ def test_test_reports_means_over_every_sample(tmp_path):
     ({"checkpoint_best_only": True}, ValueError, "checkpoint_best_only keeps the best validation: set val_every"),
     ({"callbacks": [print]}, TypeError, "TrainConfig.callbacks must be a list of qaccel.callbacks.Callback"),
     ({"nprocs": 0}, ValueError, "TrainConfig.nprocs must be a positive int; got 0"),
+    ({"keep_checkpoints": 0}, ValueError, "TrainConfig.keep_checkpoints must be an int >= 1; got 0"),
     ({"strategy": "zero"}, ValueError, "TrainConfig.strategy must be one of 'ddp', 'fsdp'; got 'zero'"),
     ({"timeout": datetime.timedelta(0)}, ValueError, "TrainConfig.timeout must be a positive number"),
 ])
@@ -283,11 +290,18 @@ def test_a_requeued_or_restarted_job_finds_its_own_run_folder_again(tmp_path, mo
     assert trainer._choose_folder().name.endswith(f"_{os.getpid():x}"), "no job: the process, as qadence names it"
 
 
-def test_gradient_monitoring_sees_each_steps_gradients(tmp_path):
-    from qaccel.callbacks import GradientMonitoring
+def test_per_batch_writes_go_on_the_batch_axis_and_called_every_counts_batches(tmp_path):
+    from qaccel.callbacks import GradientMonitoring, WriteMetrics
 
-    trainer = _trainer(_config(tmp_path, nprocs=2, max_iter=1, callbacks=[GradientMonitoring()]))
-    trainer.fit()
-    rows = _tracked(trainer.log_folder)
-    assert rows and all(name in rows[-1] for name in ("grad_mean/0.weight", "grad_std/2.bias", "grad_max/0.bias"))
-    assert float(rows[-1]["grad_max/0.weight"]) > 0
+    callbacks = [GradientMonitoring(), WriteMetrics("train_batch_end", called_every=3)]
+    trainer = _trainer(_config(tmp_path, nprocs=2, max_iter=2, write_every=1, callbacks=callbacks))
+    trainer.fit()  # 64 samples, 8 per batch, 2 ranks: 4 batches an epoch
+    with open(trainer.log_folder / "tracking" / "batches.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(row["step"]) for row in rows] == [1, 2, 3, 3, 4, 5, 6, 6, 7, 8], "each batch, and every third twice"
+    grads = [row for row in rows if row["grad_max/0.weight"]]
+    assert len(grads) == 8 and all(float(row["grad_max/0.weight"]) > 0 for row in grads), "each step's gradients"
+    losses = [(int(row["step"]), float(row["train_loss"])) for row in rows if row["train_loss"]]
+    assert [step for step, _ in losses] == [3, 6] and all(loss > 0 for _, loss in losses)
+    epochs = _tracked(trainer.log_folder)
+    assert [int(row["step"]) for row in epochs] == [1, 2] and not any("grad_max/0.weight" in row for row in epochs)

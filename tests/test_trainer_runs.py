@@ -1,6 +1,6 @@
 """A Trainer script run as users run it: an uninterrupted plain launch; a SIGTERM mid-run that saves, then a rerun that
-ends bitwise where the uninterrupted run ends, with TensorBoard holding each epoch's metrics once, equal to the
-uninterrupted run's; and the same script under torchrun, where each rank runs fit in place, to the same result."""
+ends bitwise where the uninterrupted run ends, with TensorBoard holding each epoch's metrics and each batch's loss
+once, equal to the uninterrupted run's; and the same script under torchrun, where each rank runs fit in place, to the same result."""
 
 from __future__ import annotations
 
@@ -24,10 +24,11 @@ SCRIPT = script_file("trainer_run.py")
 EPOCHS = "3"
 
 
-def _scalars(folder, tag):
+def _scalars(folder, tag, run="."):
+    """(step, value) of ``tag`` in the run's TensorBoard run ``run``: "." for the epochs, "batches" for batches."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(folder / "tracking"), size_guidance={"scalars": 0})
+    events = EventAccumulator(str(folder / "tracking" / run), size_guidance={"scalars": 0})
     events.Reload()
     return [[e.step, e.value] for e in events.Scalars(tag)]
 
@@ -42,7 +43,8 @@ def _result(proc):
 def _reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reference")
     result = _result(run_script(SCRIPT, str(tmp / "run"), EPOCHS, cwd=tmp, timeout=200))
-    return [result, {tag: _scalars(tmp / "run", tag) for tag in ("train_loss", "val_loss")}]
+    scalars = {tag: _scalars(tmp / "run", tag) for tag in ("train_loss", "val_loss")}
+    return [result, {**scalars, "batches": _scalars(tmp / "run", "train_loss", "batches")}]
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +57,7 @@ def test_an_uninterrupted_fit_tracks_every_epoch_once(reference):
     result, scalars = reference
     assert [step for step, _ in scalars["train_loss"]] == [1, 2, 3]
     assert [step for step, _ in scalars["val_loss"]] == [0, 1, 2, 3]
+    assert [step for step, _ in scalars["batches"]] == list(range(1, 19)), "96 samples, 8 a batch, 2 ranks: 6 an epoch"
     assert result["lr"] == pytest.approx(0.01 * 0.9 ** 3), "the scheduler stepped once per epoch, and came back"
 
 
@@ -70,6 +73,7 @@ def test_sigterm_saves_and_a_rerun_ends_bitwise_where_the_uninterrupted_fit_ends
     assert _result(second) == result
     for tag in ("train_loss", "val_loss"):
         assert _scalars(tmp_path / "run", tag) == scalars[tag], f"{tag}: each epoch once, as the uninterrupted run"
+    assert _scalars(tmp_path / "run", "train_loss", "batches") == scalars["batches"], "each batch once"
 
 
 def test_under_torchrun_each_rank_fits_in_place_to_the_same_result(reference, tmp_path):

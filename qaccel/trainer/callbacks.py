@@ -39,11 +39,21 @@ class Stage(enum.StrEnum):
     TEST_BATCH_START = "test_batch_start"
     TEST_BATCH_END = "test_batch_end"
 
+    @property
+    def per_batch(self) -> bool:
+        """Whether the stage comes once per batch: its ``called_every`` counts batches."""
+        return "_batch_" in self.value
+
 
 @dataclass
 class OptimizeResult:
     """Where training is, for callbacks: the epoch (``iteration``), the model and optimizer, the latest loss and
-    metrics (``train_*``, ``val_*`` or ``test_*``, as plain floats), and ``extra`` for callbacks' own use."""
+    metrics (``train_*``, ``val_*`` or ``test_*``, as plain floats), ``batch`` and ``extra`` for callbacks' own use.
+
+    At batch stages, ``batch`` is the batch's number (from 1): counted over the whole fit in training (resumed fits
+    included), within the pass in validation and test; the loss and metrics are the batch's. At other stages they
+    are the epoch's means.
+    """
 
     iteration: int
     model: torch.nn.Module
@@ -51,6 +61,7 @@ class OptimizeResult:
     loss: float | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    batch: int = 0
     rank: int = 0
     device: str = "cpu"
 
@@ -63,7 +74,8 @@ class Callback:
 
     Args:
         on: the stage (a ``Stage`` or its name, e.g. ``"train_epoch_end"``).
-        called_every: every this many epochs (at ``train_start`` and ``train_end``: always); 0: never.
+        called_every: every this many epochs, or batches at a batch stage (at ``train_start`` and ``train_end``:
+            always); 0: never.
         callback: the function to run, for a callback that is not a subclass.
         callback_condition: ``condition(optimize_result) -> bool``, checked first.
         modify_optimize_result: a function of the OptimizeResult returning it changed, or a dict merged into its
@@ -100,7 +112,8 @@ class Callback:
     def should_call(self, when: Stage, result: OptimizeResult) -> bool:
         if when in (Stage.TRAIN_START, Stage.TRAIN_END):
             return True
-        if self.called_every == 0 or result.iteration == 0 or result.iteration % self.called_every:
+        count = result.batch if when.per_batch else result.iteration
+        if self.called_every == 0 or count == 0 or count % self.called_every:
             return False
         return self.callback_condition is None or bool(self.callback_condition(result))
 
@@ -131,11 +144,13 @@ class PrintMetrics(Callback):
         if trainer.accelerator.is_main_process:
             result = trainer.opt_result
             values = "  ".join(f"{name} {value:.6g}" for name, value in sorted(result.metrics.items()))
-            print(f"epoch {result.iteration}: {values}", flush=True)
+            where = f"epoch {result.iteration}" + (f" batch {result.batch}" if self.on.per_batch else "")
+            print(f"{where}: {values}", flush=True)
 
 
 class WriteMetrics(Callback):
-    """Write the latest metrics to the tracker (rank 0), at the epoch as step."""
+    """Write the latest metrics to the tracker (rank 0): at a training batch stage the batch's, on the batch axis;
+    elsewhere at the epoch as step."""
 
     def run_callback(self, trainer: Trainer, config: TrainConfig, tracker: Tracker | None) -> None:
         if tracker is not None and trainer.opt_result.metrics:
@@ -277,7 +292,8 @@ class LRSchedulerCosineAnnealing(_Schedule):
 
 
 class GradientMonitoring(Callback):
-    """Write each parameter's gradient mean, standard deviation and largest magnitude to the tracker (rank 0)."""
+    """Write each parameter's gradient mean, standard deviation and largest magnitude to the tracker (rank 0): per
+    batch by default, on the batch axis."""
 
     def __init__(self, on: Stage | str = Stage.TRAIN_BATCH_END, called_every: int = 1) -> None:
         super().__init__(on, called_every)

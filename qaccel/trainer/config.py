@@ -49,6 +49,8 @@ class TrainConfig:
     """Write the epoch's metrics to the tracker every this many epochs (validation metrics are always written)."""
     checkpoint_every: int = 0
     """Save a checkpoint every this many epochs (ignored with ``checkpoint_best_only``)."""
+    keep_checkpoints: int | None = None
+    """How many numbered checkpoints stay in the run's ``checkpoints`` folder, the newest; None: all."""
     plot_every: int = 0
     """Call ``plotting_functions`` and log their figures every this many epochs."""
     callbacks: list[Callback] = field(default_factory=list)
@@ -135,6 +137,8 @@ class TrainConfig:
         self.plotting_functions = tuple(self.plotting_functions)
         if self.seed is not None:
             _count("seed", self.seed, 0)
+        if self.keep_checkpoints is not None:
+            _count("keep_checkpoints", self.keep_checkpoints, 1)
         try:
             options.make_config(detect(), **self.accelerator_options())
         except (ValueError, TypeError, RuntimeError) as exc:

@@ -34,7 +34,7 @@ from qaccel.trainer.callbacks import (
     WriteMetrics,
 )
 from qaccel.trainer.config import SchedulerStep, TrainConfig
-from qaccel.trainer.tracking import Tracker, make_tracker
+from qaccel.trainer.tracking import Axis, Tracker, make_tracker
 
 LossFunction = Callable[[torch.nn.Module, Any], tuple[torch.Tensor, dict[str, Any]]]
 CHECKPOINTS = "checkpoints"
@@ -60,21 +60,23 @@ LOSSES: dict[str, LossFunction] = {"mse": mse_loss, "cross_entropy": cross_entro
 
 
 class _State:
-    """What the Trainer adds to a checkpoint: the epochs done, their metrics, the best validation, the running sums
-    of an epoch in progress, the tracker's run and the callbacks' own state. Registered for checkpointing, so a
+    """What the Trainer adds to a checkpoint: the epochs and batches done, their metrics, the best validation, the
+    running sums of an epoch in progress, the tracker's run and the callbacks' own state. Registered for checkpointing, so a
     resumed fit (mid-epoch included, after a stop on a signal too) continues exactly."""
 
     def __init__(self, callbacks: list[Callback]) -> None:
         self.epochs_done = 0
+        self.global_step = 0  # training batches done, over every epoch
         self.history: list[dict[str, float]] = []
         self.best_val = math.inf
-        self.sums: dict[str, float] = {}
+        self.sums: dict[str, Any] = {}  # name -> a number or a 0-dim tensor on the device (summed without a sync)
         self.batches = 0
         self.tracker: dict[str, Any] | None = None
         self._callbacks = callbacks  # whose state_dict() goes into the checkpoint with this
 
     def state_dict(self) -> dict[str, Any]:
         state = {name: value for name, value in vars(self).items() if not name.startswith("_")}
+        state["sums"] = {name: float(total) for name, total in self.sums.items()}
         return {**state, "callbacks": [_state_of(c) for c in self._callbacks]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -131,6 +133,13 @@ class Trainer:
         self._callbacks: list[Callback] = []
         self._state = _State(self._callbacks)
         self._stop_reason: str | None = None
+        self._at: Stage | None = None  # the stage whose callbacks run
+        self._per_batch: set[str] = set()  # phases ("train", "val", "test") with a callback at a batch stage
+
+    @property
+    def global_step(self) -> int:
+        """Training batches done, over every epoch of the fit (a resumed fit continues the count)."""
+        return self._state.global_step
 
     # ---- what users call ----
 
@@ -169,9 +178,15 @@ class Trainer:
         self._stop_reason = reason
 
     def write_metrics(self, metrics: dict[str, float]) -> None:
-        """Write metrics to the tracker at the current epoch (rank 0; nothing elsewhere)."""
-        if self.tracker is not None:
-            self.tracker.log_metrics({k: float(v) for k, v in metrics.items()}, self.opt_result.iteration)
+        """Write metrics to the tracker (rank 0; nothing elsewhere): from a callback at a training batch stage at
+        the batch's number on the tracker's batch axis, otherwise at the current epoch."""
+        if self.tracker is None:
+            return
+        values = {k: float(v) for k, v in metrics.items()}
+        if self._at in (Stage.TRAIN_BATCH_START, Stage.TRAIN_BATCH_END):
+            self.tracker.log_metrics(values, self.opt_result.batch, Axis.BATCH)
+        else:
+            self.tracker.log_metrics(values, self.opt_result.iteration)
 
     def save_checkpoint(self, best: bool = False) -> str:
         """Save a checkpoint in the run's folder (every rank): numbered, or the ``best`` one."""
@@ -197,10 +212,11 @@ class Trainer:
         self.model, self.optimizer, train_loader = prepared[:3]
         val_loader = prepared[3] if self.val_dataloader is not None else None
         self._callbacks[:] = self._make_callbacks()
+        self._per_batch = {c.on.value.split("_")[0] for c in self._callbacks if c.on.per_batch}
         self._stop_reason = None
         self._state = _State(self._callbacks)  # a fit starts from its folder's checkpoint, or from nothing
         acc.register_for_checkpointing(self._state)
-        resumed = acc.resume(folder / CHECKPOINTS, keep=None)
+        resumed = acc.resume(folder / CHECKPOINTS, keep=config.keep_checkpoints)
         state = self._state
         if resumed is not None and acc.is_main_process:
             print(f"qaccel: resumed {resumed} after epoch {state.epochs_done} of {config.max_iter}"
@@ -262,6 +278,7 @@ class Trainer:
 
     def _train_batch(self, batch: Any) -> None:
         acc, state = self.accelerator, self._state
+        self.opt_result.batch = state.global_step + 1
         self._stage(Stage.TRAIN_BATCH_START)
         with acc.accumulate(self.model):
             loss, metrics = self.loss_fn(self.model, acc.prepare_batch(batch))
@@ -270,11 +287,13 @@ class Trainer:
         if (self.lr_scheduler is not None and self.config.lr_scheduler_step is SchedulerStep.BATCH
                 and acc.sync_gradients and not acc.optimizer_step_was_skipped):
             self.lr_scheduler.step()
-        values = _floats("train", loss, metrics)
+        values = _detached("train", loss, metrics)
         for name, value in values.items():
             state.sums[name] = state.sums.get(name, 0.0) + value
         state.batches += 1
-        self.opt_result.loss, self.opt_result.metrics = values["train_loss"], values
+        state.global_step += 1
+        if "train" in self._per_batch:  # floats wait for the device: only when a callback reads them
+            self._show_batch("train", values)
         self._stage(Stage.TRAIN_BATCH_END)  # before zero_grad: batch-end callbacks see the step's gradients
         self.optimizer.zero_grad()  # a no-op on accumulation steps, as the prepared optimizer's step
 
@@ -282,23 +301,10 @@ class Trainer:
         acc, state = self.accelerator, self._state
         self.opt_result = OptimizeResult(iteration, self.model, self.optimizer, rank=acc.rank, device=str(acc.device))
         self._stage(Stage.VAL_EPOCH_START)
-        sums: dict[str, float] = {}
-        batches = 0
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                for batch in loader:
-                    self._stage(Stage.VAL_BATCH_START)
-                    loss, metrics = self.loss_fn(self.model, acc.prepare_batch(batch))
-                    values = _floats("val", loss, metrics)
-                    for name, value in values.items():
-                        sums[name] = sums.get(name, 0.0) + value
-                    batches += 1
-                    self.opt_result.loss, self.opt_result.metrics = values["val_loss"], values
-                    self._stage(Stage.VAL_BATCH_END)
-        finally:
-            self.model.train()
-        means = self._reduced({name: total / max(batches, 1) for name, total in sums.items()})
+        sums, samples = self._evaluate(self.model, loader, "val")
+        if self.config.all_reduce_metrics:
+            sums, samples = self._summed(sums, samples)
+        means = {name: float(total) / max(samples, 1.0) for name, total in sums.items()}
         improved = False
         if acc.is_main_process:
             criterion = self.config.validation_criterion or _lower
@@ -315,24 +321,45 @@ class Trainer:
         acc = self.accelerator
         model, loader = acc.prepare(self.model, self.test_dataloader)
         self.opt_result = OptimizeResult(0, model, self.optimizer, rank=acc.rank, device=str(acc.device))
-        sums: dict[str, float] = {}
+        sums, samples = self._summed(*self._evaluate(model, loader, "test"))
+        return {name: float(total) / max(samples, 1.0) for name, total in sums.items()}
+
+    def _evaluate(self, model: torch.nn.Module, loader: Any, phase: str) -> tuple[dict[str, Any], float]:
+        """This rank's sums of the loss and metrics over ``loader``'s samples (batch means times batch sizes), and
+        its sample count. Padding batches (repeats that even out the last step) run, as a sharded model needs every
+        rank's forward, but count for nothing."""
+        acc = self.accelerator
+        start, end = Stage(f"{phase}_batch_start"), Stage(f"{phase}_batch_end")
+        sums: dict[str, Any] = {}
         samples = 0
         model.eval()
-        with torch.no_grad():
-            for batch in loader:
-                self._stage(Stage.TEST_BATCH_START)
-                batch = acc.prepare_batch(batch)
-                loss, metrics = self.loss_fn(model, batch)
-                values = _floats("test", loss, metrics)
-                size = _batch_size(batch)
-                for name, value in values.items():
-                    sums[name] = sums.get(name, 0.0) + value * size
-                samples += size
-                self.opt_result.loss, self.opt_result.metrics = values["test_loss"], values
-                self._stage(Stage.TEST_BATCH_END)
-        totals = acc.all_reduce_dict({**sums, "_samples": float(samples)}, op="sum")
-        count = totals.pop("_samples")
-        return {name: total / max(count, 1.0) for name, total in totals.items()}
+        try:
+            with torch.no_grad():
+                for number, batch in enumerate(loader, 1):
+                    self.opt_result.batch = number
+                    self._stage(start)
+                    batch = acc.prepare_batch(batch)
+                    loss, metrics = self.loss_fn(model, batch)
+                    values = _detached(phase, loss, metrics)
+                    size = 0 if acc.batch_is_padding else _batch_size(batch)  # every rank keeps every name
+                    for name, value in values.items():
+                        sums[name] = sums.get(name, 0.0) + value * size
+                    samples += size
+                    if phase in self._per_batch:
+                        self._show_batch(phase, values)
+                    self._stage(end)
+        finally:
+            model.train()
+        return sums, float(samples)
+
+    def _summed(self, sums: dict[str, Any], samples: float) -> tuple[dict[str, Any], float]:
+        """Sums and sample count over every rank."""
+        totals = self.accelerator.all_reduce_dict({**sums, "_samples": samples}, op="sum")
+        return totals, float(totals.pop("_samples"))
+
+    def _show_batch(self, phase: str, values: dict[str, Any]) -> None:
+        floats = {name: float(value) for name, value in values.items()}
+        self.opt_result.loss, self.opt_result.metrics = floats[f"{phase}_loss"], floats
 
     # ---- helpers ----
 
@@ -355,12 +382,16 @@ class Trainer:
         return made + list(config.callbacks)
 
     def _stage(self, when: Stage) -> None:
-        for callback in self._callbacks:
-            callback(when, self, self.config, self.tracker)
+        self._at = when
+        try:
+            for callback in self._callbacks:
+                callback(when, self, self.config, self.tracker)
+        finally:
+            self._at = None
 
     def _epoch_means(self) -> dict[str, float]:
         state = self._state
-        means = {name: total / max(state.batches, 1) for name, total in state.sums.items()}
+        means = {name: float(total) / max(state.batches, 1) for name, total in state.sums.items()}
         state.sums, state.batches = {}, 0
         return self._reduced(means)
 
@@ -411,7 +442,8 @@ class Trainer:
         self.tracker = make_tracker(self.config.tracking_tool)
         assert self.log_folder is not None
         self.tracker.open(self.log_folder / "tracking", self.log_folder.name, state.tracker,
-                          start_step=state.epochs_done + 1 if resumed else 0)
+                          start_step=state.epochs_done + 1 if resumed else 0,
+                          start_batch=state.global_step + 1 if resumed else 0)
         state.tracker = self.tracker.state()
 
     def _write_curves(self) -> None:
@@ -428,12 +460,21 @@ def _test_on_rank(trainer: Trainer) -> dict[str, float]:
     return trainer._test()
 
 
-def _floats(phase: str, loss: torch.Tensor, metrics: dict[str, Any]) -> dict[str, float]:
-    """The batch's loss and metrics as floats named ``<phase>_<name>`` (detached: no graph kept)."""
-    values = {f"{phase}_{name}": float(value.detach() if isinstance(value, torch.Tensor) else value)
-              for name, value in metrics.items()}
-    values[f"{phase}_loss"] = float(loss.detach())
+def _detached(phase: str, loss: torch.Tensor, metrics: dict[str, Any]) -> dict[str, Any]:
+    """The batch's loss and metrics named ``<phase>_<name>``: numbers, or tensors detached (no graph kept) in the
+    precision sums need, left on the device (reading a number would wait for it)."""
+    values = {f"{phase}_{name}": _number(f"{phase}_{name}", value) for name, value in metrics.items()}
+    values[f"{phase}_loss"] = _number(f"{phase}_loss", loss)
     return values
+
+
+def _number(name: str, value: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return float(value)
+    if value.numel() != 1:
+        raise ValueError(f"the loss function's {name!r} is a tensor of shape {tuple(value.shape)}; metrics are "
+                         "numbers or one-element tensors")
+    return value.detach().to(torch.float32 if value.device.type == "mps" else torch.float64)  # MPS has no float64
 
 
 def _batch_size(batch: Any) -> int:

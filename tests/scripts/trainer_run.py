@@ -1,5 +1,5 @@
 """A Trainer script as a user writes one: logging set up at the top, a Dataset class of its own, DataLoader workers,
-TensorBoard tracking and a checkpoint every epoch. Prints the trained parameters' hash on stdout as
+TensorBoard tracking (every epoch, and every batch's loss) and a checkpoint every epoch. Prints the trained parameters' hash on stdout as
 ``RESULT {"hash": ...}`` (rank 0 under torchrun), and ``epoch N done`` on stderr as each epoch ends.
 
 Arguments: LOG_FOLDER EPOCHS [STEP_SLEEP]: the run's folder, the epochs, and seconds slept per training batch (so
@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from qaccel import TrainConfig, Trainer
-from qaccel.callbacks import Callback
+from qaccel.callbacks import Callback, WriteMetrics
 
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
 log = logging.getLogger("trainer_run")
@@ -51,7 +51,8 @@ if __name__ == "__main__":
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
     config = TrainConfig(nprocs=2, max_iter=epochs, compute_setup="cpu", log_folder=folder, checkpoint_every=1,
                          write_every=1, val_every=1, tracking_tool="tensorboard", verbose=False, seed=3,
-                         callbacks=[Callback("train_batch_end", 1, slow), Callback("train_epoch_end", 1, epoch_done)])
+                         callbacks=[Callback("train_batch_end", 1, slow), Callback("train_epoch_end", 1, epoch_done),
+                                    WriteMetrics("train_batch_end", 1)])
     train = DataLoader(Points(96), batch_size=8, shuffle=True, num_workers=2)
     val = DataLoader(Points(32), batch_size=8, num_workers=2)
     trainer = Trainer(model, optimizer, config, "mse", train, val, lr_scheduler=scheduler)
