@@ -16,6 +16,7 @@ from support.procs import (
     script_env,
     script_file,
     signal_when,
+    slurm_env,
     torchrun_cmd,
 )
 
@@ -102,4 +103,21 @@ def test_ctrl_c_to_torchrun_saves_every_rank_and_a_rerun_ends_bitwise(reference,
     assert first.stderr.count("qaccel: stopped by SIGINT after saving state to") == 1, first.stderr
     assert "epoch 3 done" not in first.stderr, "stopped mid-run"
     second = run_torchrun(SCRIPT, str(tmp_path / "run"), EPOCHS, cwd=tmp_path, timeout=200)
+    assert _result(second) == reference[0]
+
+
+@pytest.mark.slurm
+def test_ctrl_c_to_srun_with_disable_status_saves_every_rank_and_a_rerun_ends_bitwise(reference, tmp_path,
+                                                                                     slurm_cluster):
+    """With ``srun -X`` (--disable-status) one Ctrl-C reaches every task as SIGINT, and the step runs on: resume()
+    armed it, so the ranks save after the same step and stop; the same srun again ends where the uninterrupted fit
+    ends. (Without -X, srun's two Ctrl-C send SIGINT and kill the step at once: nothing can save then.)"""
+    srun = ["srun", "-X", "-N1", "-n2", sys.executable, str(SCRIPT), str(tmp_path / "run"), EPOCHS]
+    first = signal_when([*srun, "0.1"], signal.SIGINT, "epoch 1 done", env=slurm_env(slurm_cluster), cwd=tmp_path,
+                        timeout=150)
+    assert first.returncode != 0, first.stderr
+    assert first.stderr.count("qaccel: stopped by SIGINT after saving state to") == 1, first.stderr
+    assert "epoch 3 done" not in first.stderr, "stopped mid-run"
+    second = slurm_cluster.srun(srun[1:], timeout=150, env=slurm_env(slurm_cluster), cwd=tmp_path)
+    assert f"qaccel: resumed {tmp_path / 'run' / 'checkpoints'}/checkpoint_" in second.stderr, second.stderr
     assert _result(second) == reference[0]
