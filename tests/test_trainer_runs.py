@@ -1,14 +1,19 @@
-"""A Trainer script run as users run it: an uninterrupted plain launch; a SIGTERM mid-run that saves, then a rerun that
-ends bitwise where the uninterrupted run ends, with TensorBoard holding each epoch's metrics and each batch's loss
-once, equal to the uninterrupted run's; and the same script under torchrun, where each rank runs fit in place, to the same result."""
+"""A Trainer script run as users run it: an uninterrupted plain launch; a SIGTERM or Ctrl-C mid-run that saves, then a
+rerun that ends bitwise where the uninterrupted run ends, with TensorBoard holding each epoch's metrics and each
+batch's loss once, equal to the uninterrupted run's; the same under torchrun (each rank fits in place), under
+``srun -X`` with Ctrl-C, and through slurm/requeue.sbatch, where a USR1 warning requeues the job and the requeued
+job finds its own run folder."""
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
+import time
 
 import pytest
 from support.procs import (
+    REPO,
     once_per_session,
     result_lines,
     run_script,
@@ -18,6 +23,8 @@ from support.procs import (
     signal_when,
     slurm_env,
     torchrun_cmd,
+    wait_for,
+    wait_for_text,
 )
 
 pytestmark = pytest.mark.timeout(300)
@@ -121,3 +128,36 @@ def test_ctrl_c_to_srun_with_disable_status_saves_every_rank_and_a_rerun_ends_bi
     second = slurm_cluster.srun(srun[1:], timeout=150, env=slurm_env(slurm_cluster), cwd=tmp_path)
     assert f"qaccel: resumed {tmp_path / 'run' / 'checkpoints'}/checkpoint_" in second.stderr, second.stderr
     assert _result(second) == reference[0]
+
+
+@pytest.mark.slurm
+def test_a_slurm_warning_requeues_and_the_requeued_job_finds_its_run_folder_and_ends_bitwise(reference, tmp_path,
+                                                                                           slurm_cluster):
+    """slurm/requeue.sbatch running the Trainer script with qadence's default folders (a new subfolder of the root
+    per run): USR1 mid-run saves and requeues; the requeued job finds its own subfolder (named after the job),
+    continues its checkpoint and tracker, and ends where the uninterrupted fit ends."""
+    env = slurm_env(slurm_cluster)
+    out = tmp_path / "job.out"
+    job = slurm_cluster.sbatch(REPO / "slurm" / "requeue.sbatch",
+                               ["--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1", f"--output={out}"],
+                               env=env, cwd=tmp_path, script_args=[str(SCRIPT), f"root={tmp_path / 'runs'}", EPOCHS,
+                                                                   "0.1"])
+    wait_for_text(out, "epoch 1 done", timeout=120)
+    assert slurm_cluster.run(["scancel", "--signal=USR1", "--batch", str(job)]).returncode == 0
+    wait_for(lambda: slurm_cluster.job_info(job).get("Restarts") == "1"
+             and slurm_cluster.job_info(job).get("JobState") == "PENDING", 60,
+             lambda: f"the requeued job to be pending; job output:\n{out.read_text()}", interval=0.2)
+    time.sleep(2)  # a requeued start in the same second as the kill is refused (see test_real_script.py)
+    slurm_cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+    slurm_cluster.wait_job(job, timeout=150)
+    text = out.read_text()
+    assert slurm_cluster.job_info(job).get("JobState") == "COMPLETED", (text, slurm_cluster.log_tails())
+    assert text.count("qaccel: stopped by SIGUSR1") == 1 and "the SLURM job was requeued" in text, text
+    [folder] = (tmp_path / "runs").iterdir()
+    assert folder.name.endswith(f"_{job}"), "the job's own subfolder"
+    assert f"qaccel: resumed {folder / 'checkpoints'}/checkpoint_" in text, text
+    assert [json.loads(line[len("RESULT "):]) for line in text.splitlines() if line.startswith("RESULT ")] \
+        == [reference[0]]
+    result, scalars = reference
+    assert _scalars(folder, "train_loss") == scalars["train_loss"]
+    assert _scalars(folder, "train_loss", "batches") == scalars["batches"], "each batch once"

@@ -2,8 +2,8 @@
 TensorBoard tracking (every epoch, and every batch's loss) and a checkpoint every epoch. Prints the trained parameters' hash on stdout as
 ``RESULT {"hash": ...}`` (rank 0 under torchrun), and ``epoch N done`` on stderr as each epoch ends.
 
-Arguments: LOG_FOLDER EPOCHS [STEP_SLEEP]: the run's folder, the epochs, and seconds slept per training batch (so
-that a signal lands mid-run)."""
+Arguments: LOG_FOLDER EPOCHS [STEP_SLEEP]: the run's folder (``root=DIR``: qadence's default, a new subfolder of
+DIR per run), the epochs, and seconds slept per training batch (so that a signal lands mid-run)."""
 
 import hashlib
 import json
@@ -49,7 +49,8 @@ if __name__ == "__main__":
     model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
-    config = TrainConfig(nprocs=2, max_iter=epochs, compute_setup="cpu", log_folder=folder, checkpoint_every=1,
+    where = {"root_folder": folder[5:]} if folder.startswith("root=") else {"log_folder": folder}
+    config = TrainConfig(nprocs=2, max_iter=epochs, compute_setup="cpu", **where, checkpoint_every=1,
                          write_every=1, val_every=1, tracking_tool="tensorboard", verbose=False, seed=3,
                          callbacks=[Callback("train_batch_end", 1, slow), Callback("train_epoch_end", 1, epoch_done),
                                     WriteMetrics("train_batch_end", 1)])
