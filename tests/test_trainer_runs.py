@@ -89,6 +89,20 @@ def test_under_torchrun_each_rank_fits_in_place_to_the_same_result(reference, tm
     assert _result(proc) == reference[0]
 
 
+def test_torchrun_max_restarts_restarts_a_failed_fit_which_continues_its_checkpoint_to_the_same_result(reference,
+                                                                                                    tmp_path):
+    """Rank 1 raises in epoch 2 of the first attempt; torchrun restarts both ranks, which continue the checkpoint of
+    epoch 1 and end where the uninterrupted fit ends, with each epoch and batch tracked once."""
+    proc = run_torchrun(SCRIPT, str(tmp_path / "run"), EPOCHS, "0", "9", cwd=tmp_path, timeout=200,
+                        torchrun_args=("--max-restarts", "1"))
+    assert "failing on purpose at batch 9" in proc.stderr, proc.stderr
+    assert proc.stderr.count(f"qaccel: resumed {tmp_path / 'run' / 'checkpoints'}/checkpoint_") == 1, proc.stderr
+    result, scalars = reference
+    assert _result(proc) == result
+    assert _scalars(tmp_path / "run", "train_loss") == scalars["train_loss"]
+    assert _scalars(tmp_path / "run", "train_loss", "batches") == scalars["batches"], "each batch once"
+
+
 def test_ctrl_c_saves_every_rank_and_a_rerun_ends_bitwise_where_the_uninterrupted_fit_ends(reference, tmp_path):
     cmd = [sys.executable, str(SCRIPT), str(tmp_path / "run"), EPOCHS, "0.1"]
     first = signal_when(cmd, signal.SIGINT, "epoch 1 done", env=script_env(), cwd=tmp_path, timeout=200)

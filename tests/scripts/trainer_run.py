@@ -2,8 +2,9 @@
 TensorBoard tracking (every epoch, and every batch's loss) and a checkpoint every epoch. Prints the trained parameters' hash on stdout as
 ``RESULT {"hash": ...}`` (rank 0 under torchrun), and ``epoch N done`` on stderr as each epoch ends.
 
-Arguments: LOG_FOLDER EPOCHS [STEP_SLEEP]: the run's folder (``root=DIR``: qadence's default, a new subfolder of
-DIR per run), the epochs, and seconds slept per training batch (so that a signal lands mid-run)."""
+Arguments: LOG_FOLDER EPOCHS [STEP_SLEEP [FAIL_AT]]: the run's folder (``root=DIR``: qadence's default, a new
+subfolder of DIR per run), the epochs, seconds slept per training batch (so that a signal lands mid-run), and a
+training batch at which rank 1 raises in the first attempt (to be restarted)."""
 
 import hashlib
 import json
@@ -36,6 +37,9 @@ class Points(Dataset):
 
 def slow(trainer, config, tracker):
     time.sleep(float(sys.argv[3]) if len(sys.argv) > 3 else 0.0)
+    first_attempt = trainer.accelerator.restart_count == 0
+    if len(sys.argv) > 4 and first_attempt and trainer.accelerator.rank == 1 and trainer.global_step == int(sys.argv[4]):
+        raise RuntimeError(f"failing on purpose at batch {trainer.global_step}")
 
 
 def epoch_done(trainer, config, tracker):
