@@ -175,3 +175,14 @@ def test_a_slurm_warning_requeues_and_the_requeued_job_finds_its_run_folder_and_
     result, scalars = reference
     assert _scalars(folder, "train_loss") == scalars["train_loss"]
     assert _scalars(folder, "train_loss", "batches") == scalars["batches"], "each batch once"
+
+
+def test_ranks_whose_loaders_keep_their_workers_end_with_the_fit(tmp_path):
+    """persistent_workers=True: the workers live past the epoch, ignoring the signals resume() armed; the session's
+    end stops them, or the rank would wait for them forever at exit."""
+    script = script_file("persistent_workers.py")
+    for attempt in range(2):  # a fresh folder each time: a fit that trains (one that resumes at its end trains not)
+        proc = run_script(script, str(tmp_path / f"run{attempt}"), cwd=tmp_path, timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        [result] = result_lines(proc.stdout)
+        assert set(result) == {"test_loss", "test_mse"}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import weakref
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
@@ -122,6 +123,7 @@ class PreparedDataLoader(DataLoader):
         # [epoch, batches done] while an epoch is in progress; a list updated in place, since every attribute
         # assignment on a DataLoader goes through its Python __setattr__ (~0.4 us per batch)
         self._position: list[int] | None = None
+        self._with_workers: weakref.WeakSet = weakref.WeakSet()  # iterators that started worker processes
         if isinstance(dataset, IterableDataset):
             super().__init__(dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **kwargs)
             self._iterable = True
@@ -201,6 +203,8 @@ class PreparedDataLoader(DataLoader):
         rng = torch.get_rng_state() if skip else None
         with stopping.held():  # workers start with the armed signals held until they ignore them
             batches = super().__iter__()
+        if hasattr(batches, "_shutdown_workers"):
+            self._with_workers.add(batches)
         if rng is not None:
             # Creating the iterator draws a seed from the global RNG. The interrupted run drew it when this epoch
             # began, before the RNG states were saved, so a resumed epoch must not draw again.
@@ -229,6 +233,22 @@ class PreparedDataLoader(DataLoader):
         finally:
             marks.remainder, marks.end_of_epoch, marks.padding = outer
             self._position = None
+
+
+    def release(self) -> None:
+        """At the session's end: stop the workers this loader still has (persistent ones, or those of an epoch left
+        unfinished) and give it back its own ``worker_init_fn``. Its workers ignore the signals resume() armed, so
+        past the session nothing would stop them: multiprocessing's exit handler, which ends a process's children
+        with SIGTERM, would wait for them forever. A later epoch starts new workers."""
+        for iterator in list(self._with_workers):
+            iterator._shutdown_workers()  # what the iterator's __del__ does: tell the workers to end, join them
+            for worker in getattr(iterator, "_workers", ()):
+                if worker.is_alive():  # did not end in time, and ignores the SIGTERM torch sent: kill it
+                    worker.kill()
+                    worker.join()
+        self._with_workers.clear()
+        self._iterator = None
+        stopping.unshield_workers(self)
 
 
 def _with_generator(batch_sampler: Any, generator: torch.Generator) -> Any:

@@ -64,7 +64,10 @@ class Registry:
 
     def release(self, finished: bool = True) -> None:
         """Forget the session's objects as it ends. Prepared optimizers and loaders point back here, so these lists
-        would make cycles that keep the session's models alive for the garbage collector to find later."""
+        would make cycles that keep the session's models alive for the garbage collector to find later. The loaders'
+        workers are stopped first (see PreparedDataLoader.release)."""
+        for loader in self.loaders:
+            loader.release()
         for kept in (self.optimizers, self.models, self.schedulers, self.loaders, self.registered):
             kept.clear()
         self.replaced.clear()

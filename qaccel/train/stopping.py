@@ -157,6 +157,13 @@ def shield_workers(loader: Any) -> None:
         loader.worker_init_fn = functools.partial(_ignoring, tuple(_armed_signals()), init)
 
 
+def unshield_workers(loader: Any) -> None:
+    """Undo shield_workers: the workers ``loader`` starts from now on get its own ``worker_init_fn`` only."""
+    init = loader.worker_init_fn
+    if isinstance(init, functools.partial) and init.func is _ignoring:
+        loader.worker_init_fn = init.args[1]
+
+
 @contextlib.contextmanager
 def held() -> Iterator[None]:
     """Hold the armed signals back in this thread while a DataLoader forks its workers.
