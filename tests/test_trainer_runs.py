@@ -84,6 +84,35 @@ def test_sigterm_saves_and_a_rerun_ends_bitwise_where_the_uninterrupted_fit_ends
     assert _scalars(tmp_path / "run", "train_loss", "batches") == scalars["batches"], "each batch once"
 
 
+def _mlflow_history(folder):
+    """{metric: [(step, value), ...]} of the run's only MLflow run, read through MLflow's own client."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=(folder / "tracking" / "mlruns").absolute().as_uri())
+    [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    return {name: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, name))
+            for name in run.data.metrics}
+
+
+def test_sigterm_and_a_rerun_with_mlflow_continue_one_run_with_every_epoch_and_batch_once(reference, tmp_path,
+                                                                                        monkeypatch):
+    pytest.importorskip("mlflow", reason="the mlflow extra (mlflow-skinny) is not installed")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # for this process's client, which reads the store back
+    env = script_env(TRACKING="mlflow", MLFLOW_DISABLE_TELEMETRY="true")
+    cmd = [sys.executable, str(SCRIPT), str(tmp_path / "run"), EPOCHS, "0.1"]
+    first = signal_when(cmd, signal.SIGTERM, "epoch 1 done", env=env, cwd=tmp_path, timeout=200)
+    assert first.returncode == 128 + signal.SIGTERM, first.stdout + first.stderr
+    assert "epoch 3 done" not in first.stderr, "stopped mid-run"
+    second = run_script(SCRIPT, str(tmp_path / "run"), EPOCHS, cwd=tmp_path, timeout=200, env=env)
+    result, scalars = reference
+    assert _result(second) == result
+    history = _mlflow_history(tmp_path / "run")
+    for name, tensorboard in [("train_loss", scalars["train_loss"]), ("val_loss", scalars["val_loss"]),
+                              ("batch/train_loss", scalars["batches"])]:
+        assert [step for step, _ in history[name]] == [step for step, _ in tensorboard], f"{name}: each step once"
+        assert [v for _, v in history[name]] == pytest.approx([v for _, v in tensorboard], rel=1e-6), name
+
+
 def test_under_torchrun_each_rank_fits_in_place_to_the_same_result(reference, tmp_path):
     proc = run_torchrun(SCRIPT, str(tmp_path / "run"), EPOCHS, cwd=tmp_path, timeout=200)
     assert _result(proc) == reference[0]

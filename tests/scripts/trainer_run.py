@@ -4,11 +4,13 @@ TensorBoard tracking (every epoch, and every batch's loss) and a checkpoint ever
 
 Arguments: LOG_FOLDER EPOCHS [STEP_SLEEP [FAIL_AT]]: the run's folder (``root=DIR``: qadence's default, a new
 subfolder of DIR per run), the epochs, seconds slept per training batch (so that a signal lands mid-run), and a
-training batch at which rank 1 raises in the first attempt (to be restarted)."""
+training batch at which rank 1 raises in the first attempt (to be restarted). TRACKING in the environment picks the
+tracking tool (default: tensorboard)."""
 
 import hashlib
 import json
 import logging
+import os
 import sys
 import time
 
@@ -55,7 +57,7 @@ if __name__ == "__main__":
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
     where = {"root_folder": folder[5:]} if folder.startswith("root=") else {"log_folder": folder}
     config = TrainConfig(nprocs=2, max_iter=epochs, compute_setup="cpu", **where, checkpoint_every=1,
-                         write_every=1, val_every=1, tracking_tool="tensorboard", verbose=False, seed=3,
+                         write_every=1, val_every=1, tracking_tool=os.environ.get("TRACKING", "tensorboard"), verbose=False, seed=3,
                          callbacks=[Callback("train_batch_end", 1, slow), Callback("train_epoch_end", 1, epoch_done),
                                     WriteMetrics("train_batch_end", 1)])
     train = DataLoader(Points(96), batch_size=8, shuffle=True, num_workers=2)
