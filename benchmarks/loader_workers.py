@@ -112,7 +112,7 @@ def torchrun(epochs: int) -> list[float]:
 def _qaccel_rank(acc, epochs: int) -> list[float]:
     loader = acc.prepare(DataLoader(Samples(), batch_size=8, shuffle=True, num_workers=2))
     starts = _epoch_starts(loader, epochs)
-    return [max(per_epoch) for per_epoch in zip(*acc.gather_object(starts))]
+    return [max(per_epoch) for per_epoch in zip(*acc.gather_object([starts]))]
 
 
 def main() -> int:

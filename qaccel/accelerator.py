@@ -116,6 +116,26 @@ class Accelerator:
         return self.local_rank == 0
 
     @property
+    def is_last_process(self) -> bool:
+        """True on the last rank (``world_size - 1``)."""
+        return self.rank == self.world_size - 1
+
+    @property
+    def num_processes(self) -> int:
+        """Accelerate's name for world_size."""
+        return self.world_size
+
+    @property
+    def process_index(self) -> int:
+        """Accelerate's name for rank."""
+        return self.rank
+
+    @property
+    def local_process_index(self) -> int:
+        """Accelerate's name for local_rank."""
+        return self.local_rank
+
+    @property
     def backend(self) -> Backend:
         """The process group's backend, resolved: ``gloo``, ``nccl`` or ``mpi``."""
         return self._config.backend
@@ -210,8 +230,12 @@ class Accelerator:
         return collectives.broadcast(obj, src, self._ctx())
 
     def gather_object(self, obj: Any) -> list[Any]:
-        """Every rank gets all ranks' objects as a list indexed by rank."""
-        return collectives.gather_object(obj, self._ctx())
+        """Every rank gets the ranks' lists (or other iterables) concatenated in rank order, as in Accelerate:
+        ``gather_object([x])`` is every rank's ``x``, indexed by rank."""
+        if isinstance(obj, (str, bytes)) or not isinstance(obj, Iterable):
+            raise TypeError(f"gather_object() concatenates the ranks' lists, as Accelerate's does; got a "
+                            f"{type(obj).__name__}: gather_object([obj]) gives one entry per rank")
+        return [item for part in collectives.gather_object(obj, self._ctx()) for item in part]
 
     def wait_for_everyone(self) -> None:
         """Barrier: block until every rank gets here."""
@@ -257,17 +281,54 @@ class Accelerator:
         return ranks.main_process_first(self._ctx(), local=True)
 
     def split_between_processes(self, obj: Any, apply_padding: bool = False) -> Any:
-        """Context yielding this rank's contiguous share of a list, tuple, dict or tensor (dim 0)."""
+        """Context yielding this rank's contiguous share of a list, tuple or tensor (dim 0), or of every value of
+        a dict; ``apply_padding`` repeats the last item so that every share has the longest share's length."""
         return ranks.split_between_processes(obj, self._ctx(), apply_padding)
 
     def on_main_process(self, fn: Callable[..., R]) -> Callable[..., R | None]:
-        """Decorator: run ``fn`` on the main process only (others get None)."""
+        """Decorator: run ``fn`` on the main process only (elsewhere a call returns None)."""
+        return ranks.run_on(fn, lambda: self.is_main_process)
 
-        @functools.wraps(fn)
-        def run(*args: Any, **kwargs: Any) -> R | None:
-            return fn(*args, **kwargs) if self.is_main_process else None
+    def on_local_main_process(self, fn: Callable[..., R]) -> Callable[..., R | None]:
+        """Decorator: run ``fn`` on each node's local main process only."""
+        return ranks.run_on(fn, lambda: self.is_local_main_process)
 
-        return run
+    def on_last_process(self, fn: Callable[..., R]) -> Callable[..., R | None]:
+        """Decorator: run ``fn`` on the last rank only."""
+        return ranks.run_on(fn, lambda: self.is_last_process)
+
+    def on_process(self, fn: Callable[..., R] | None = None, process_index: int | None = None) -> Any:
+        """Decorator: run ``fn`` on rank ``process_index`` only; ``@acc.on_process(process_index=1)`` too."""
+        if fn is None:
+            return functools.partial(self.on_process, process_index=process_index)
+        _check_rank("process_index", process_index)
+        return ranks.run_on(fn, lambda: self.rank == process_index)
+
+    def on_local_process(self, fn: Callable[..., R] | None = None, local_process_index: int | None = None) -> Any:
+        """Decorator: run ``fn`` on local rank ``local_process_index`` of each node only."""
+        if fn is None:
+            return functools.partial(self.on_local_process, local_process_index=local_process_index)
+        _check_rank("local_process_index", local_process_index)
+        return ranks.run_on(fn, lambda: self.local_rank == local_process_index)
+
+    def set_trigger(self) -> None:
+        """Raise this rank's flag; the next check_trigger() returns True on every rank (early stopping, say)."""
+        self._registry().trigger = True
+
+    def check_trigger(self) -> bool:
+        """Whether any rank called set_trigger() since the last check that saw one; every rank gets the same answer
+        (one all-reduce: every rank must call it) and the flags are lowered when it is True."""
+        registry = self._registry()
+        if not ranks.any_rank(registry.trigger, self._ctx()):
+            return False
+        registry.trigger = False
+        return True
+
+    def synchronize_rng_states(self, rng_types: Iterable[str] = ("torch", "cuda"),
+                               generator: torch.Generator | None = None) -> None:
+        """Give every rank rank 0's state of the generators in ``rng_types``: ``"torch"`` (the global CPU one),
+        ``"cuda"`` (this rank's device; skipped on CPU), ``"generator"`` (``generator``)."""
+        seeding.synchronize_rng_states(rng_types, generator, self._ctx())
 
     def save(self, obj: Any, path: str | os.PathLike) -> None:
         """``torch.save`` on the main process only, atomically (a crash never leaves a half-written file)."""
@@ -469,3 +530,8 @@ def _warn_world_mismatch(nprocs: int, env: Environment) -> None:
         f"Accelerator(nprocs={nprocs}) but {env.kind} started {env.world_size} ranks; following {env.kind}",
         stacklevel=3,
     )
+
+
+def _check_rank(name: str, index: Any) -> None:
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise ValueError(f"{name} must be a rank (an int >= 0); got {index!r}")

@@ -61,6 +61,7 @@ class Registry:
     # strategy="fsdp": replaced parameter's id -> (weak reference to it, its shard), for optimizers built before
     replaced: dict[int, tuple[weakref.ref[torch.nn.Parameter], torch.nn.Parameter]] = field(default_factory=dict)
     accumulating: bool = False  # strategy="fsdp": sharded models hold unsharded gradients over micro-steps
+    trigger: bool = False  # set_trigger() was called on this rank since the last check_trigger() that saw one
 
     def release(self, finished: bool = True) -> None:
         """Forget the session's objects as it ends. Prepared optimizers and loaders point back here, so these lists

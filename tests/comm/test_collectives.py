@@ -74,7 +74,7 @@ def test_one_collective_per_dtype_not_per_key(acc):
 def _broadcast_and_gather(a):
     payload = {"from": a.rank, "data": list(range(a.rank + 2))}
     got = a.broadcast(payload, src=1)
-    gathered = a.gather_object(a.rank * 10)
+    gathered = a.gather_object([a.rank * 10]), a.gather_object((a.rank, "x"))
     a.wait_for_everyone()
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
@@ -86,7 +86,7 @@ def test_broadcast_gather_barrier_print(acc):
     out = acc.distribute(_broadcast_and_gather, all_results=True)(acc)
     for got, gathered, _ in out:
         assert got == {"from": 1, "data": [0, 1, 2]}
-        assert gathered == [0, 10]
+        assert gathered == ([0, 10], [0, "x", 1, "x"]), "the ranks' lists concatenated, as in Accelerate"
     assert [printed for *_, printed in out] == ["hello from 0\n", ""]
 
 
@@ -100,7 +100,9 @@ def test_identity_in_a_single_process():
     assert summed["n"] == 3 and type(summed["n"]) is int
     summed["vec"].add_(1)
     assert vec.tolist() == [1, 2], "the result must not alias the input"
-    assert acc.broadcast("x") == "x" and acc.gather_object(5) == [5]
+    assert acc.broadcast("x") == "x" and acc.gather_object([5]) == [5]
+    with pytest.raises(TypeError, match=r"got a int: gather_object\(\[obj\]\) gives one entry per rank"):
+        acc.gather_object(5)
     acc.wait_for_everyone()
 
 

@@ -112,7 +112,8 @@ def _all_splits(a):
     return {
         "list": _split(a, [0, 1, 2, 3, 4]),
         "tuple": _split(a, ("a", "b", "c")),
-        "dict": _split(a, {"e": 0, "d": 1, "c": 2, "b": 3, "a": 4}),
+        "dict": _split(a, {"ids": [0, 1, 2, 3, 4], "rows": rows, "names": ("a", "b", "c", "d", "e")}),
+        "padded dict": _split(a, {"ids": [0, 1, 2], "rows": rows[:3]}, apply_padding=True),
         "tensor": _split(a, rows),
         "even": _split(a, [0, 1, 2, 3]),
         "short": _split(a, ["only"]),
@@ -142,10 +143,15 @@ def test_split_gives_the_first_ranks_one_item_more(shares):
     assert _by_rank(shares, "empty") == [[], []]
 
 
-def test_split_dict_by_keys_in_insertion_order(shares):
+def test_split_dict_splits_every_value_as_accelerate_does(shares):
     first, second = _by_rank(shares, "dict")
-    assert type(first) is dict and list(first.items()) == [("e", 0), ("d", 1), ("c", 2)]
-    assert list(second.items()) == [("b", 3), ("a", 4)]
+    assert list(first) == ["ids", "rows", "names"] and first["ids"] == [0, 1, 2] and first["names"] == ("a", "b", "c")
+    assert torch.equal(first["rows"], torch.tensor([[0, 1], [2, 3], [4, 5]]))
+    assert second["ids"] == [3, 4] and second["names"] == ("d", "e")
+    assert torch.equal(second["rows"], torch.tensor([[6, 7], [8, 9]]))
+    first, second = _by_rank(shares, "padded dict")
+    assert first["ids"] == [0, 1] and second["ids"] == [2, 2]
+    assert torch.equal(second["rows"], torch.tensor([[4, 5], [4, 5]]))
 
 
 def test_split_tensor_on_dim_0(shares):
@@ -165,7 +171,7 @@ def test_split_padding_repeats_the_last_item(shares):
 
 
 def test_split_yields_the_whole_object_in_one_process(single, acc):
-    for obj in ([1, 2, 3], (1, 2), {"a": 1}, torch.arange(3)):
+    for obj in ([1, 2, 3], (1, 2), {"a": [1]}, torch.arange(3)):
         with single.split_between_processes(obj) as share:
             assert share is obj
     with single.split_between_processes([1, 2, 3], apply_padding=True) as share:
@@ -175,12 +181,98 @@ def test_split_yields_the_whole_object_in_one_process(single, acc):
 
 
 def test_split_rejects_what_it_cannot_split(single):
-    with pytest.raises(TypeError, match="takes a list, tuple, dict, Tensor; got a set"):
+    with pytest.raises(TypeError, match="takes a list, tuple, Tensor, a dict of those, or a dataset with select"):
         with single.split_between_processes({1, 2}):
             pass
-    with pytest.raises(ValueError, match="a dict cannot be padded"):
-        with single.split_between_processes({"a": 1}, apply_padding=True):
+    with pytest.raises(TypeError, match="got a int"):
+        with single.split_between_processes({"a": 1}):
+            pass
+    with pytest.raises(ValueError, match="they need one length; got {'a': 2, 'b': 3}"):
+        with single.split_between_processes({"a": [1, 2], "b": [1, 2, 3]}):
             pass
     with pytest.raises(ValueError, match="a 0-dim tensor has no dim 0 to split"):
         with single.split_between_processes(torch.tensor(1.0)):
             pass
+
+
+class _Selectable:
+    """A dataset with select(), as Hugging Face datasets' Dataset has."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def select(self, indices):
+        return _Selectable([self.rows[i] for i in indices])
+
+
+def _split_dataset(a):
+    return _split(a, _Selectable(["a", "b", "c"])).rows, _split(a, _Selectable(["a", "b", "c"]), True).rows
+
+
+def test_split_a_dataset_through_its_select(acc):
+    assert acc.distribute(_split_dataset, all_results=True)(acc) == [(["a", "b"], ["a", "b"]), (["c"], ["c", "c"])]
+
+
+# ---- Accelerate's names: which rank runs what, triggers, RNG states ----
+
+
+def _names(a):
+    ran = []
+    for name, decorate in [("main", a.on_main_process), ("local main", a.on_local_main_process),
+                           ("last", a.on_last_process), ("rank 1", a.on_process(process_index=1)),
+                           ("local 0", a.on_local_process(local_process_index=0))]:
+        result = decorate(lambda name=name: ran.append(name) or name)()
+        assert result == (name if name in ran else None)
+    called_as_function = a.on_process(lambda: "yes", 0)()
+    aliases = (a.num_processes, a.process_index, a.local_process_index, a.is_last_process)
+    return ran, called_as_function, aliases
+
+
+def test_on_process_decorators_and_accelerates_aliases(acc):
+    (ran0, direct0, aliases0), (ran1, direct1, aliases1) = acc.distribute(_names, all_results=True)(acc)
+    assert ran0 == ["main", "local main", "local 0"] and ran1 == ["last", "rank 1"]
+    assert (direct0, direct1) == ("yes", None)
+    assert (aliases0, aliases1) == ((2, 0, 0, False), (2, 1, 1, True))
+
+
+def test_on_process_runs_everything_in_one_process_and_checks_the_index(single):
+    assert single.on_process(lambda: 1, process_index=5)() == 1 and single.on_last_process(lambda: 2)() == 2
+    with pytest.raises(ValueError, match="process_index must be a rank \\(an int >= 0\\); got None"):
+        single.on_process(lambda: 1)
+
+
+def _triggers(a):
+    seen = [a.check_trigger()]
+    if a.rank == 1:
+        a.set_trigger()
+    seen += [a.check_trigger(), a.check_trigger()]  # seen by every rank once, then lowered
+    return seen
+
+
+def test_a_trigger_set_on_one_rank_is_seen_by_every_rank_at_the_next_check(acc):
+    assert acc.distribute(_triggers, all_results=True)(acc) == [[False, True, False]] * 2
+
+
+def _rng(a):
+    torch.manual_seed(a.rank)
+    generator = torch.Generator().manual_seed(10 + a.rank)
+    a.synchronize_rng_states(["torch", "cuda", "generator"], generator)
+    return torch.rand(3).tolist(), torch.rand(3, generator=generator).tolist()
+
+
+def test_synchronize_rng_states_gives_every_rank_rank_0s_states(acc):
+    first, second = acc.distribute(_rng, all_results=True)(acc)
+    assert first == second
+    torch.manual_seed(0)
+    assert first[0] == torch.rand(3).tolist()
+    assert first[1] == torch.rand(3, generator=torch.Generator().manual_seed(10)).tolist()
+
+
+def test_synchronize_rng_states_names_what_it_takes(single):
+    with pytest.raises(ValueError, match="rng_types holds 'torch', 'cuda', 'generator'; got 'numpy'"):
+        single.synchronize_rng_states(["numpy"])
+    with pytest.raises(ValueError, match="rng_types 'generator' needs generator="):
+        single.synchronize_rng_states(["generator"])
