@@ -17,7 +17,7 @@ from qaccel.errors import warn_once
 from qaccel.launch import caller, in_place
 from qaccel.options import FSDP_MIN_PARAMS, Backend, DeviceType, MixedPrecision, Strategy
 from qaccel.train import batch, checkpoint, gradients, precision, prepare, progress, seeding, sharding, stopping
-from qaccel.train.registry import Registry
+from qaccel.train.registry import GradientState, Registry
 
 R = TypeVar("R")
 
@@ -41,6 +41,7 @@ class Accelerator:
         timeout: float | datetime.timedelta = 1800.0,
         start_method: str = "forkserver",
         gradient_accumulation_steps: int = 1,
+        sync_each_batch: bool = False,
         mixed_precision: str = "no",
         max_restarts: int = 0,
         strategy: str = "ddp",
@@ -458,7 +459,8 @@ class Accelerator:
         return self._own_registry
 
     def _new_registry(self, run: session.Run | None = None) -> Registry:
-        registry = Registry(self.gradient_accumulation_steps, precision.make_scaler(self.mixed_precision))
+        registry = Registry(self.gradient_accumulation_steps, precision.make_scaler(self.mixed_precision),
+                            self._config.sync_each_batch)
         if run is not None:
             run.closers.append(registry.release)
         return registry
@@ -476,6 +478,21 @@ class Accelerator:
     def sync_gradients(self) -> bool:
         """Whether this micro-step synchronises gradients and updates (False on accumulation steps)."""
         return self._registry().sync_gradients
+
+    @property
+    def gradient_state(self) -> GradientState:
+        """Accelerate's ``gradient_state``: ``sync_gradients``, ``end_of_dataloader``, ``remainder``,
+        ``in_dataloader``, ``num_steps``, ``sync_each_batch``."""
+        return GradientState(self._registry())
+
+    def no_sync(self, *models: torch.nn.Module) -> Any:
+        """Context: the block's backward passes keep gradients local (DDP ``no_sync``; FSDP: no reduce-scatter);
+        the first backward outside it synchronises what was accumulated."""
+        return gradients.no_sync(models)
+
+    def trigger_sync_in_backward(self, model: torch.nn.Module) -> Any:
+        """Context: inside ``no_sync()``, make the block's backward synchronise this DDP model's gradients anyway."""
+        return gradients.sync_in_backward(model)
 
     @property
     def batch_is_padding(self) -> bool:

@@ -99,6 +99,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("start_method", "forkserver", "`forkserver`, `spawn`", "how a plain launch starts ranks: forked from a "
            "server with torch imported (fast, CUDA-safe), or a fresh interpreter each"),
     Option("gradient_accumulation_steps", 1, "int ≥ 1", "micro-steps per optimizer update under `accumulate()`"),
+    Option("sync_each_batch", False, "`True`, `False`", "under `accumulate()`, synchronise (reduce) gradients on "
+           "every micro-step instead of holding them unreduced until the update: more communication, less memory "
+           "(FSDP keeps only gradient shards)"),
     Option("mixed_precision", "no", "`no`, `bf16`, `fp16`", "autocast of prepared models' forward; `bf16` on CPU "
            "and CUDA, `fp16` on CUDA with a gradient scaler"),
     Option("max_restarts", 0, "int ≥ 0", "in a plain launch, how many times to restart all ranks after a rank "
@@ -133,6 +136,7 @@ class Config:
     timeout: float
     start_method: StartMethod
     gradient_accumulation_steps: int = 1
+    sync_each_batch: bool = False
     mixed_precision: MixedPrecision = MixedPrecision.NO
     max_restarts: int = 0
     strategy: Strategy = Strategy.DDP
@@ -199,6 +203,7 @@ def make_config(env: Environment, **options: Any) -> Config:
         timeout=_timeout(values["timeout"]),
         start_method=_choice("start_method", values["start_method"], StartMethod),
         gradient_accumulation_steps=_count("gradient_accumulation_steps", values["gradient_accumulation_steps"], 1),
+        sync_each_batch=_flag("sync_each_batch", values["sync_each_batch"]),
         mixed_precision=mixed_precision,
         max_restarts=_count("max_restarts", values["max_restarts"], 0),
         strategy=strategy,

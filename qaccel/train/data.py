@@ -215,7 +215,8 @@ class PreparedDataLoader(DataLoader):
             batches = itertools.islice(batches, skip, None)
         position = self._position = [epoch, skip]
         shard, device, marks = self._shard, self._device, self._marks
-        outer = marks.remainder, marks.end_of_epoch, marks.padding  # of a loop this one runs inside (evaluation)
+        outer = marks.remainder, marks.end_of_epoch, marks.padding, marks.loader  # of a loop this one runs inside
+        marks.loader = self
         try:
             upcoming = next(batches, _END)
             step = 0
@@ -231,9 +232,17 @@ class PreparedDataLoader(DataLoader):
                     seen[0], seen[1] = registry.updates, True
                     registry.stopper.boundary()  # may save and raise Preempted
         finally:
-            marks.remainder, marks.end_of_epoch, marks.padding = outer
+            marks.remainder, marks.end_of_epoch, marks.padding, marks.loader = outer
             self._position = None
 
+
+    @property
+    def remainder(self) -> int:
+        """Accelerate's ``remainder``: the dataset's length modulo the batch of all ranks together; -1 with
+        ``drop_last`` or for a stream."""
+        if self._iterable or self.drop_last or self.batch_size is None:
+            return -1
+        return len(self.dataset) % (self.batch_size * self._world)
 
     def release(self) -> None:
         """At the session's end: stop the workers this loader still has (persistent ones, or those of an epoch left

@@ -117,6 +117,8 @@ def accumulate(models: tuple[torch.nn.Module, ...], registry: Registry) -> conte
     else:
         registry.micro_step += 1
         registry.sync_gradients = registry.micro_step % registry.accumulation_steps == 0
+    if registry.sync_each_batch:  # gradients reduced every micro-step; only the optimizers wait
+        return _NOTHING
     if registry.mesh is not None and registry.accumulating == registry.sync_gradients:  # FSDP2: a switch, not a context
         registry.accumulating = not registry.sync_gradients
         sharding.set_accumulating(registry.models, registry.accumulating)
@@ -125,16 +127,37 @@ def accumulate(models: tuple[torch.nn.Module, ...], registry: Registry) -> conte
     ddp = [model for model in models if isinstance(model, DistributedDataParallel)]
     if not ddp:
         return _NOTHING
-    return ddp[0].no_sync() if len(ddp) == 1 else _no_sync_all(ddp)
+    return ddp[0].no_sync() if len(ddp) == 1 else no_sync(ddp)
 
 
 @contextlib.contextmanager
-def _no_sync_all(models: list[DistributedDataParallel]) -> Iterator[None]:
-    """``no_sync()`` of several DDP models at once."""
+def no_sync(models: Iterable[torch.nn.Module]) -> Iterator[None]:
+    """Keep the gradients of the block's backward passes local: DDP's ``no_sync()``; for an FSDP2 model, no
+    reduce-scatter until the block ends; a no-op for other models."""
     with contextlib.ExitStack() as stack:
         for model in models:
-            stack.enter_context(model.no_sync())
+            if isinstance(model, DistributedDataParallel):
+                stack.enter_context(model.no_sync())
+            elif sharding.is_sharded(model):
+                model.set_requires_gradient_sync(False)
+                stack.callback(model.set_requires_gradient_sync, True)
         yield
+
+
+@contextlib.contextmanager
+def sync_in_backward(model: torch.nn.Module) -> Iterator[None]:
+    """Make the block's backward synchronise a DDP model's gradients even inside ``no_sync()`` (DDP's own flags,
+    as Accelerate's ``trigger_sync_in_backward`` sets them); a no-op for other models."""
+    if not isinstance(model, DistributedDataParallel):
+        yield
+        return
+    before = model.require_backward_grad_sync, model.require_forward_param_sync
+    model.require_backward_grad_sync = model.require_forward_param_sync = True
+    model.reducer.prepare_for_backward([])
+    try:
+        yield
+    finally:
+        model.require_backward_grad_sync, model.require_forward_param_sync = before
 
 
 def clip(

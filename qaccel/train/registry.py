@@ -30,14 +30,16 @@ class LoopMarks:
     ``remainder``: real samples in this step's gathered batch when it is a padded last step, else None
     (gather_for_metrics keeps only that many leading rows).
     ``padding``: this rank's batch is a repeat of the epoch's first samples, evening out the padded last step.
+    ``loader``: the loop's loader (None outside any loop).
     """
 
-    __slots__ = ("end_of_epoch", "padding", "remainder")
+    __slots__ = ("end_of_epoch", "loader", "padding", "remainder")
 
     def __init__(self) -> None:
         self.end_of_epoch = False
         self.remainder: int | None = None
         self.padding = False
+        self.loader: PreparedDataLoader | None = None
 
 
 @dataclass
@@ -46,6 +48,7 @@ class Registry:
 
     accumulation_steps: int
     scaler: torch.amp.GradScaler | None
+    sync_each_batch: bool = False  # reduce gradients on every micro-step (the option of that name)
     micro_step: int = 0
     sync_gradients: bool = True
     optimizers: list[PreparedOptimizer] = field(default_factory=list)
@@ -73,3 +76,52 @@ class Registry:
             kept.clear()
         self.replaced.clear()
         self.stopper = self.mesh = self.checkpoints = None
+
+
+class GradientState:
+    """Accelerate's ``gradient_state``: where the training step is, for code written against it. Read-only; the
+    values are the session's at the moment they are read."""
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+
+    @property
+    def sync_gradients(self) -> bool:
+        """Whether this micro-step synchronises gradients and updates (False on accumulation steps)."""
+        return self._registry.sync_gradients
+
+    @property
+    def in_dataloader(self) -> bool:
+        """Whether a prepared DataLoader's loop is running."""
+        return self._registry.marks.loader is not None
+
+    @property
+    def end_of_dataloader(self) -> bool:
+        """Whether the loop's current batch is its epoch's last."""
+        return self.in_dataloader and self._registry.marks.end_of_epoch
+
+    @property
+    def remainder(self) -> int:
+        """Accelerate's count: the dataset's length modulo the batch of all ranks together (samples in a short last
+        step), -1 outside a loop, with ``drop_last`` or for a stream."""
+        loader = self._registry.marks.loader
+        return -1 if loader is None else loader.remainder
+
+    @property
+    def num_steps(self) -> int:
+        """Micro-steps per optimizer update (``gradient_accumulation_steps``)."""
+        return self._registry.accumulation_steps
+
+    @property
+    def sync_each_batch(self) -> bool:
+        """Whether gradients are reduced on every micro-step (the option of that name)."""
+        return self._registry.sync_each_batch
+
+    @property
+    def sync_with_dataloader(self) -> bool:
+        """Always True: an epoch's last batch always synchronises and updates."""
+        return True
+
+    def __repr__(self) -> str:
+        return (f"GradientState(sync_gradients={self.sync_gradients}, end_of_dataloader={self.end_of_dataloader}, "
+                f"remainder={self.remainder}, num_steps={self.num_steps}, sync_each_batch={self.sync_each_batch})")

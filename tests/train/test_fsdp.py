@@ -85,13 +85,17 @@ def _train(acc, batch_size, probe=False):
 @pytest.fixture(scope="module")
 def runs():
     """One 3-epoch run each: FSDP2 on 2 ranks (size policy: each Linear of 16+ parameters a unit, the head not),
-    1 process with the doubled batch, DDP on 2 ranks; all accumulate 2 micro-steps and clip."""
+    the same with sync_each_batch, 1 process with the doubled batch, DDP on 2 ranks; all accumulate 2 micro-steps
+    and clip."""
     fsdp = Accelerator(nprocs=2, compute_setup="cpu", timeout=60, strategy="fsdp", fsdp_min_params=16,
                        gradient_accumulation_steps=2)
     one = Accelerator(nprocs=1, compute_setup="cpu", gradient_accumulation_steps=2)
     ddp = Accelerator(nprocs=2, compute_setup="cpu", timeout=60, gradient_accumulation_steps=2)
+    each = Accelerator(nprocs=2, compute_setup="cpu", timeout=60, strategy="fsdp", fsdp_min_params=16,
+                       gradient_accumulation_steps=2, sync_each_batch=True)
     return {
         "fsdp": fsdp.distribute(_train, all_results=True)(fsdp, 3, True),
+        "fsdp sync_each_batch": each.distribute(_train)(each, 3),
         "one": one.distribute(_train)(one, 6),
         "ddp": ddp.distribute(_train)(ddp, 3),
     }
@@ -124,6 +128,13 @@ def test_fsdp_keeps_a_share_of_each_parameter_and_no_sharded_gradient_on_accumul
     assert seen["grads_on_sync"] == {"DTensor"}
     assert seen["predictions"] == other_seen["predictions"] == EPOCHS * 48, "gather_for_metrics: every sample once"
     assert state and other_state == {}, "the full state dict lands on the main process only"
+
+
+def test_sync_each_batch_reduces_every_micro_step_to_gradient_shards_and_the_same_result(runs):
+    state, seen = runs["fsdp sync_each_batch"]
+    assert seen["grads_on_accumulation"] == seen["grads_on_sync"] == {"DTensor"}, "sharded after every backward"
+    assert _max_diff(state, runs["one"][0]) < 1e-5
+    assert seen["norms"] == pytest.approx(runs["one"][1]["norms"], abs=2e-5)  # rounded to 5 places: 1e-5 apart
 
 
 def test_the_full_state_dict_loads_strictly_into_the_plain_model(runs):

@@ -83,6 +83,67 @@ def test_sync_every_k_micro_steps_and_on_the_last_batch_of_each_epoch():
         assert same == synced, f"micro-step {step}: DDP must sync exactly on update steps"
 
 
+def test_sync_each_batch_reduces_every_micro_step_and_updates_every_k():
+    acc = Accelerator(nprocs=2, compute_setup="cpu", gradient_accumulation_steps=3, sync_each_batch=True)
+    out = acc.distribute(_sync_pattern, all_results=True)(acc)
+    per_epoch = [False, False, True, False, False, True, True]
+    for pattern, updates, _ in out:
+        assert pattern == updates == per_epoch * 2, "the optimizer still waits for the k-th micro-step"
+    grads = out[0][2].reshape(2, 14, *out[0][2].shape[1:])
+    assert all(torch.allclose(grads[0, step], grads[1, step]) for step in range(14)), "in sync after every backward"
+    plain = _fit(Accelerator(compute_setup="cpu"), batch_size=16)
+    each = Accelerator(nprocs=2, compute_setup="cpu", gradient_accumulation_steps=2, sync_each_batch=True)
+    for params in each.distribute(_fit, all_results=True)(each, 4):
+        _assert_same(params, plain)
+
+
+def _gradient_state(acc):
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(_data(11), batch_size=2)  # 6 batches, 3 per rank; 11 % (2 * 2) = 3
+    model, optimizer, loader = acc.prepare(model, optimizer, loader)
+    state = acc.gradient_state
+    seen = [(state.in_dataloader, state.end_of_dataloader, state.remainder)]
+    for x, y in loader:
+        with acc.accumulate(model):
+            acc.backward(torch.nn.functional.mse_loss(model(x), y))
+            seen.append((state.sync_gradients, state.end_of_dataloader, state.remainder, state.in_dataloader))
+    seen.append((state.in_dataloader, state.end_of_dataloader, state.remainder))
+    return seen, (state.num_steps, state.sync_each_batch, state.sync_with_dataloader)
+
+
+def test_gradient_state_tells_where_the_step_is_as_accelerates_does():
+    acc = Accelerator(nprocs=2, compute_setup="cpu", gradient_accumulation_steps=2)
+    for seen, settings in acc.distribute(_gradient_state, all_results=True)(acc):
+        assert seen == [(False, False, -1), (False, False, 3, True), (True, False, 3, True), (True, True, 3, True),
+                        (False, False, -1)]
+        assert settings == (2, False, True)
+
+
+def _no_sync_by_hand(acc):
+    torch.manual_seed(0)
+    model = acc.prepare(torch.nn.Linear(4, 1))
+    x = torch.full((2, 4), float(acc.rank + 1))
+    synced = []
+    with acc.no_sync(model):
+        model(x).sum().backward()
+        synced.append(acc.gather(model.module.weight.grad.clone()))
+        loss = model(x).sum()
+        with acc.trigger_sync_in_backward(model):
+            loss.backward()
+        synced.append(acc.gather(model.module.weight.grad.clone()))
+    model.module.weight.grad = None
+    model(x).sum().backward()  # outside: DDP syncs again
+    synced.append(acc.gather(model.module.weight.grad.clone()))
+    return [bool(torch.equal(g[0], g[1])) for g in synced], model.require_backward_grad_sync
+
+
+def test_no_sync_keeps_gradients_local_and_trigger_sync_in_backward_syncs_one_backward_inside_it():
+    acc = Accelerator(nprocs=2, compute_setup="cpu")
+    for equal, restored in acc.distribute(_no_sync_by_hand, all_results=True)(acc):
+        assert equal == [False, True, True] and restored
+
+
 def _nested_evaluation(acc):
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
