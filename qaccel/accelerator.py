@@ -48,11 +48,13 @@ class Accelerator:
         fsdp_modules: Sequence[type | str] | None = None,
         fsdp_min_params: int = FSDP_MIN_PARAMS,
         debug: bool | None = None,
+        project_dir: str | os.PathLike | None = None,
         rank_prefix: bool = False,
+        **accelerate_arguments: Any,
     ) -> None:
         env = detect()
         chosen = {name: value for name, value in locals().items() if name in options.NAMES}
-        self._config = options.make_config(env, **chosen)
+        self._config = options.make_config(env, **options.from_accelerate(accelerate_arguments, chosen))
         self._own_registry: Registry | None = None
         if env.kind.started_by_launcher and nprocs > 1 and nprocs != env.world_size and env.rank == 0:
             _warn_world_mismatch(nprocs, env)  # once per job, not once per rank
@@ -341,14 +343,13 @@ class Accelerator:
         every rank.
 
         ``keep=K`` makes ``directory`` a folder of checkpoints named by step (``checkpoint_<step>``) of which the
-        K newest stay. Without a directory, it saves into the folder given to resume(), keeping as many as it said.
+        K newest stay. Without a directory, it saves into the folder given to resume(), keeping as many as it said,
+        or else numbered into ``<project_dir>/checkpoints``.
         """
         registry = self._registry()
         numbered = keep is not None
         if directory is None:
-            if registry.checkpoints is None:
-                raise ValueError("save_state() needs a directory, or a resume(directory) call before it")
-            directory, resume_keep = registry.checkpoints
+            directory, resume_keep = self._checkpoints("save_state()")
             keep, numbered = resume_keep if keep is None else keep, True
         return checkpoint.save_state(directory, registry, self._ctx(), _keep(keep), numbered)
 
@@ -362,18 +363,29 @@ class Accelerator:
         """
         registry = self._registry()
         if directory is None:
-            if registry.checkpoints is None:
-                raise ValueError("load_state() needs a directory, or a resume(directory) call before it")
-            directory = registry.checkpoints[0]
+            directory = self._checkpoints("load_state()")[0]
         return checkpoint.load_state(directory, registry, self._ctx(), missing_ok)
 
+    def _checkpoints(self, caller: str) -> tuple[str, int | None]:
+        """Where save_state() and load_state() without a folder go: resume()'s folder and keep, else the project's
+        checkpoints folder (all kept)."""
+        registry = self._registry()
+        if registry.checkpoints is not None:
+            return registry.checkpoints
+        if self._config.project_dir is not None:
+            return os.path.join(self._config.project_dir, "checkpoints"), None
+        raise ValueError(f"{caller} needs a directory, a resume(directory) call before it, or "
+                         "Accelerator(project_dir=...)")
+
     def resume(
-        self, directory: str | os.PathLike, keep: int | None = 3, *, requeue_signal: int | str | None = "SIGUSR1"
+        self, directory: str | os.PathLike | None = None, keep: int | None = 3, *,
+        requeue_signal: int | str | None = "SIGUSR1",
     ) -> str | None:
         """Make ``directory`` this run's checkpoint folder, continue from its newest intact checkpoint if there is
         one, and stop cleanly on a signal. Returns the checkpoint loaded (None on a first start).
 
         Damaged checkpoints are skipped, with a warning naming them; if every one is damaged, CheckpointError.
+        Without a directory: ``<project_dir>/checkpoints``.
 
         Afterwards save_state() with no argument saves into ``directory`` as ``checkpoint_<step>``, keeping the
         ``keep`` newest (None: all). On SIGTERM, Ctrl-C (a second one stops at once) or ``requeue_signal`` every rank
@@ -383,6 +395,10 @@ class Accelerator:
         """
         self._inside_ranks("resume()")
         keep = _keep(keep)
+        if directory is None:
+            if self._config.project_dir is None:
+                raise ValueError("resume() needs a directory, or Accelerator(project_dir=...)")
+            directory = os.path.join(self._config.project_dir, "checkpoints")
         requeue = None if requeue_signal is None else stopping.as_signal(requeue_signal, "requeue_signal")
         registry, ctx = self._registry(), self._ctx()
         registry.checkpoints = (os.fspath(directory), keep)

@@ -117,6 +117,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("debug", None, "`None`, `True`, `False`", "before each qaccel collective, check that every rank calls "
            "the same one with the same shapes, and fail on every rank naming each rank's call site if not; `None`: "
            "the `QACCEL_DEBUG` variable (`1`/`0`; unset: off)"),
+    Option("project_dir", None, "a folder, or `None`", "where `save_state()`, `load_state()` and `resume()` "
+           "without a folder keep checkpoints: `<project_dir>/checkpoints/checkpoint_<step>`"),
     Option("rank_prefix", False, "`True`, `False`", "in a plain launch, start each line the ranks print with "
            "`[rank N] ` (under torchrun or srun ask the launcher: `--tee` with "
            "`TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`, `srun --label`)"),
@@ -143,6 +145,7 @@ class Config:
     fsdp_modules: tuple[str, ...] = ()  # class names (MRO-matched), not classes: picklable, and __main__-proof
     fsdp_min_params: int = FSDP_MIN_PARAMS
     debug: bool = False
+    project_dir: str | None = None
     rank_prefix: bool = False
 
 
@@ -211,6 +214,7 @@ def make_config(env: Environment, **options: Any) -> Config:
                                        backend),
         fsdp_min_params=values["fsdp_min_params"],
         debug=_debug_choice(values["debug"]),
+        project_dir=_folder("project_dir", values["project_dir"]),
         rank_prefix=_flag("rank_prefix", values["rank_prefix"]),
     )
 
@@ -228,6 +232,57 @@ def _count(name: str, value: object, least: int) -> int:
         kind = "a positive int" if least == 1 else "a non-negative int"
         raise ValueError(f"{name} must be {kind}; got {value!r}")
     return value
+
+
+def _folder(name: str, value: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        raise TypeError(f"{name} must be a folder (a str or path) or None; got {value!r}")
+    return os.path.abspath(os.fspath(value))  # ranks may start elsewhere (torchrun --chdir, a SLURM job)
+
+
+# Arguments of Accelerate's Accelerator that qaccel does not take, and the qaccel way to get what they do.
+ACCELERATE_ONLY = {
+    "device_placement": "prepare() always places models, and prepared loaders place batches (prepare_batch() "
+                        "does it by hand)",
+    "dataloader_config": "qaccel's prepared loaders shard global batches r, r+N, ... and pad the last step; see "
+                         "the Accelerate guide in the docs",
+    "deepspeed_plugin": "qaccel has no DeepSpeed; strategy='fsdp' shards parameters, gradients and optimizer state",
+    "deepspeed_plugins": "qaccel has no DeepSpeed; strategy='fsdp' shards parameters, gradients and optimizer state",
+    "fsdp_plugin": "strategy='fsdp' with fsdp_modules=... or fsdp_min_params=...",
+    "torch_tp_plugin": "qaccel has no tensor parallelism",
+    "megatron_lm_plugin": "qaccel has no Megatron-LM",
+    "parallelism_config": "qaccel has data parallelism (strategy='ddp') and FSDP (strategy='fsdp')",
+    "rng_types": "prepared loaders need no RNG synchronisation (their order depends only on the seed and the "
+                 "epoch); synchronize_rng_states() syncs generators by hand",
+    "log_with": "the Trainer tracks metrics (TrainConfig(tracking_tool=...)); with distribute(), log on rank 0",
+    "project_config": "project_dir=...",
+    "gradient_accumulation_plugin": "gradient_accumulation_steps=... and sync_each_batch=...",
+    "step_scheduler_with_optimizer": "qaccel never steps a scheduler for you: step it after optimizer.step() when "
+                                     "sync_gradients",
+    "kwargs_handlers": "DDP and process-group settings are qaccel's (timeout=... sets the collective timeout)",
+    "dynamo_backend": "torch.compile(model) before prepare()",
+    "dynamo_plugin": "torch.compile(model) before prepare()",
+}
+
+
+def from_accelerate(arguments: dict[str, Any], chosen: dict[str, Any]) -> dict[str, Any]:
+    """``chosen`` with the Accelerate arguments qaccel understands translated (``cpu=True``: compute_setup="cpu");
+    any other refused with the qaccel way to do what it does."""
+    chosen = dict(chosen)
+    for name, value in arguments.items():
+        if name == "cpu":
+            if _flag("cpu", value):
+                if chosen.get("compute_setup", "auto") not in ("auto", "cpu"):
+                    raise ValueError(f"cpu=True contradicts compute_setup={chosen['compute_setup']!r}")
+                chosen["compute_setup"] = "cpu"
+        elif name in ACCELERATE_ONLY:
+            raise TypeError(f"Accelerator({name}=...) is Accelerate's; in qaccel: {ACCELERATE_ONLY[name]}")
+        else:
+            raise TypeError(f"Accelerator() got an unexpected argument {name!r}; the options are "
+                            f"{', '.join(NAMES)} (and Accelerate's cpu=True)")
+    return chosen
 
 
 def _flag(name: str, value: object) -> bool:

@@ -13,7 +13,8 @@ from qaccel.environment import detect
 
 
 def test_the_signature_is_the_declaration():
-    parameters = list(inspect.signature(Accelerator.__init__).parameters.values())[1:]
+    *parameters, accelerate = list(inspect.signature(Accelerator.__init__).parameters.values())[1:]
+    assert accelerate.kind is inspect.Parameter.VAR_KEYWORD, "Accelerate's arguments, translated or refused"
     assert [p.name for p in parameters] == [o.name for o in options.OPTIONS]
     for parameter, option in zip(parameters, options.OPTIONS):
         assert parameter.default == option.default, option.name
@@ -49,3 +50,17 @@ def test_closed_sets_resolve_to_enums_that_still_compare_as_strings():
     assert config.start_method is options.StartMethod.FORKSERVER
     assert acc.backend == "gloo" and acc.mixed_precision == "bf16" and acc.strategy == "ddp"
     assert repr(acc).endswith("backend='gloo', dtype=None)")
+
+
+def test_accelerates_cpu_is_understood_and_its_other_arguments_name_the_qaccel_way():
+    assert Accelerator(cpu=True).device.type == "cpu"
+    with pytest.raises(ValueError, match="cpu=True contradicts compute_setup='gpu'"):
+        Accelerator(cpu=True, compute_setup="gpu")
+    with pytest.raises(TypeError, match=r"Accelerator\(fsdp_plugin=...\) is Accelerate's; in qaccel: "
+                                        r"strategy='fsdp' with fsdp_modules"):
+        Accelerator(fsdp_plugin=object())
+    with pytest.raises(TypeError, match="unexpected argument 'nproc'; the options are nprocs, compute_setup"):
+        Accelerator(nproc=2)
+    for name in options.ACCELERATE_ONLY:
+        with pytest.raises(TypeError, match=f"Accelerator\\({name}=...\\) is Accelerate's; in qaccel: "):
+            Accelerator(**{name: None})

@@ -106,6 +106,7 @@ class TrainConfig:
     fsdp_modules: Sequence[type | str] | None = None
     fsdp_min_params: int = options.FSDP_MIN_PARAMS
     debug: bool | None = None
+    project_dir: str | None = None
     rank_prefix: bool = False
 
     def __post_init__(self) -> None:

@@ -156,3 +156,31 @@ def _skipped(acc):
 def test_skip_first_batches_applies_to_the_next_epoch_only(acc):
     first, again = acc.distribute(_skipped)(acc)
     assert first == [16, 17, 18, 19, 24, 25, 26, 27] and again[:4] == [0, 1, 2, 3]
+
+
+def _in_the_project(a, epochs_before):
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = a.prepare(model, optimizer)
+    resumed = a.resume()  # <project_dir>/checkpoints
+    saved = []
+    for _ in range(epochs_before):
+        a.backward(model(torch.ones(2, 3)).sum())
+        optimizer.step()
+        optimizer.zero_grad()
+        saved.append(a.save_state())
+    return resumed, saved, a.load_state(), a.step
+
+
+def test_project_dir_holds_the_checkpoints_that_save_load_and_resume_without_a_folder_use(tmp_path):
+    acc = Accelerator(nprocs=2, compute_setup="cpu", project_dir=tmp_path / "project")
+    folder = tmp_path / "project" / "checkpoints"
+    resumed, saved, loaded, step = acc.distribute(_in_the_project)(acc, 2)
+    assert resumed is None and saved == [str(folder / "checkpoint_00000001"), str(folder / "checkpoint_00000002")]
+    assert loaded == saved[-1] and step == 2
+    resumed, saved, loaded, step = acc.distribute(_in_the_project)(acc, 1)  # a second run continues the project
+    assert resumed == str(folder / "checkpoint_00000002") and saved == [str(folder / "checkpoint_00000003")]
+    assert step == 3
+    with pytest.raises(ValueError, match=r"needs a directory, a resume\(directory\) call before it, or "
+                                         r"Accelerator\(project_dir=...\)"):
+        Accelerator(compute_setup="cpu").save_state()
