@@ -43,6 +43,7 @@ class Accelerator:
         gradient_accumulation_steps: int = 1,
         sync_each_batch: bool = False,
         mixed_precision: str = "no",
+        split_batches: bool = False,
         max_restarts: int = 0,
         strategy: str = "ddp",
         fsdp_modules: Sequence[type | str] | None = None,
@@ -511,10 +512,11 @@ class Accelerator:
         return gradients.sync_in_backward(model)
 
     @property
-    def batch_is_padding(self) -> bool:
-        """Whether this rank's current batch of a prepared DataLoader is padding: a repeat of the epoch's first
-        samples that gives every rank a batch in the last step. It trains like any batch; leave it out of what
-        counts samples (evaluation sums; gather_for_metrics does so itself)."""
+    def padding_in_batch(self) -> int:
+        """How many samples at the end of this rank's current batch of a prepared DataLoader are padding: repeats
+        of the epoch's first samples that give every rank a full batch in the last step (0 for every other
+        batch). They train like any sample; leave them out of what counts samples (evaluation sums;
+        gather_for_metrics does so itself)."""
         return self._registry().marks.padding
 
     @property

@@ -104,6 +104,9 @@ OPTIONS: tuple[Option, ...] = (
            "(FSDP keeps only gradient shards)"),
     Option("mixed_precision", "no", "`no`, `bf16`, `fp16`", "autocast of prepared models' forward; `bf16` on CPU "
            "and CUDA, `fp16` on CUDA with a gradient scaler"),
+    Option("split_batches", False, "`True`, `False`", "prepared DataLoaders' batch size is the batch of all ranks "
+           "together, of which each rank takes its slice (Accelerate's `split_batches`); it must divide by the "
+           "world size"),
     Option("max_restarts", 0, "int ≥ 0", "in a plain launch, how many times to restart all ranks after a rank "
            "fails (with `resume()` they continue from the newest checkpoint); under torchrun and srun the "
            "launcher's own restarts and requeues apply instead"),
@@ -140,6 +143,7 @@ class Config:
     gradient_accumulation_steps: int = 1
     sync_each_batch: bool = False
     mixed_precision: MixedPrecision = MixedPrecision.NO
+    split_batches: bool = False
     max_restarts: int = 0
     strategy: Strategy = Strategy.DDP
     fsdp_modules: tuple[str, ...] = ()  # class names (MRO-matched), not classes: picklable, and __main__-proof
@@ -208,6 +212,7 @@ def make_config(env: Environment, **options: Any) -> Config:
         gradient_accumulation_steps=_count("gradient_accumulation_steps", values["gradient_accumulation_steps"], 1),
         sync_each_batch=_flag("sync_each_batch", values["sync_each_batch"]),
         mixed_precision=mixed_precision,
+        split_batches=_flag("split_batches", values["split_batches"]),
         max_restarts=_count("max_restarts", values["max_restarts"], 0),
         strategy=strategy,
         fsdp_modules=_sharding_choices(strategy, values["fsdp_modules"], values["fsdp_min_params"], mixed_precision,
@@ -246,8 +251,8 @@ def _folder(name: str, value: object) -> str | None:
 ACCELERATE_ONLY = {
     "device_placement": "prepare() always places models, and prepared loaders place batches (prepare_batch() "
                         "does it by hand)",
-    "dataloader_config": "qaccel's prepared loaders shard global batches r, r+N, ... and pad the last step; see "
-                         "the Accelerate guide in the docs",
+    "dataloader_config": "split_batches=... is an option of its own; qaccel's prepared loaders always pad the last "
+                         "step so that every rank takes the same number",
     "deepspeed_plugin": "qaccel has no DeepSpeed; strategy='fsdp' shards parameters, gradients and optimizer state",
     "deepspeed_plugins": "qaccel has no DeepSpeed; strategy='fsdp' shards parameters, gradients and optimizer state",
     "fsdp_plugin": "strategy='fsdp' with fsdp_modules=... or fsdp_min_params=...",

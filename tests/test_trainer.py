@@ -154,6 +154,18 @@ def test_validation_and_test_are_exact_means_over_every_sample_of_an_uneven_set(
     assert len(kept) == 2 and kept[-1].endswith("12"), f"the 2 newest of 3 stay: {kept}"
 
 
+def test_test_with_split_batches_counts_the_real_part_of_a_partly_padded_batch(tmp_path):
+    # 34 samples in batches of 8 split over 2 ranks: the last batch holds 2, so rank 0's last slice is 2 real
+    # samples and 2 of padding, and rank 1's is all padding
+    trainer = _trainer(_config(tmp_path, nprocs=2, max_iter=1, split_batches=True), batch_size=16)
+    trainer.fit()
+    metrics = trainer.test(DataLoader(_data(34), batch_size=8))
+    with torch.no_grad():
+        x, y = _data(34).tensors
+        expected = torch.nn.functional.mse_loss(trainer.model(x), y).item()
+    assert metrics["test_loss"] == pytest.approx(expected, rel=1e-6)
+
+
 @pytest.mark.parametrize("fields, exc, message", [
     ({"max_iter": 0}, ValueError, "TrainConfig.max_iter must be an int >= 1; got 0"),
     ({"val_every": -1}, ValueError, "TrainConfig.val_every must be an int >= 0; got -1"),

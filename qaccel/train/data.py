@@ -35,24 +35,40 @@ _END = object()  # marks an exhausted iterator (a batch may be None)
 
 
 class BatchShard:
-    """A batch sampler: this rank's share of the user's batch sampler, the same number of batches on every rank."""
+    """A batch sampler: this rank's share of the user's batch sampler, the same number of batches on every rank.
 
-    def __init__(self, batch_sampler: Any, rank: int, world_size: int, drop_last: bool) -> None:
+    By default rank r takes the user's batches r, r+N, ...; with ``split`` each of the user's batches is the step's
+    batch of all ranks together, and rank r takes its r-th slice (Accelerate's ``split_batches``). A short last
+    step is padded with the epoch's first samples, so that every rank takes the same number of full batches.
+    """
+
+    def __init__(self, batch_sampler: Any, rank: int, world_size: int, drop_last: bool, split: bool = False) -> None:
         self.batch_sampler = batch_sampler
         self.rank = rank
         self.world_size = world_size
         self.drop_last = drop_last
-        self.padded: dict[int, int] = {}  # step -> real samples in that gathered step (padded rounds only)
-        self.padding_step: int | None = None  # the step at which this rank's batch is a repeat, evening out
+        self.split = split
+        if split:
+            size = getattr(batch_sampler, "batch_size", None)
+            if not isinstance(size, int) or size % world_size:
+                raise ValueError(f"split_batches=True takes a DataLoader whose batch_size (the batch of all ranks "
+                                 f"together) divides by the world size {world_size}; got batch_size={size!r}")
+        self.padded: dict[int, int] = {}  # step -> real samples in that gathered step (padded steps only)
+        self.padding: dict[int, int] = {}  # step -> samples at the end of this rank's batch that are padding
         self.skip = 0  # own batches to pass over at the start of the next epoch (resuming mid-epoch)
 
     def __len__(self) -> int:
         batches = len(self.batch_sampler)
+        if self.split:
+            return batches
         return batches // self.world_size if self.drop_last else math.ceil(batches / self.world_size)
 
     def __iter__(self) -> Iterator[list]:
-        self.padded, self.padding_step = {}, None
+        self.padded, self.padding = {}, {}
         skip, self.skip = self.skip, 0
+        if self.split:
+            yield from self._slices(skip)
+            return
         first: list = []
         round_: list = []
         step = 0
@@ -66,10 +82,31 @@ class BatchShard:
                 round_, step = [], step + 1
         if round_ and not self.drop_last and step >= skip:
             self.padded[step - skip] = sum(len(b) for b in round_)
-            if self.rank >= len(round_):
-                self.padding_step = step - skip
             filler = [first[i % len(first)] for i in range(self.world_size - len(round_))]
-            yield (round_ + filler)[self.rank]
+            own = (round_ + filler)[self.rank]
+            if self.rank >= len(round_):
+                self.padding[step - skip] = len(own)
+            yield own
+
+    def _slices(self, skip: int) -> Iterator[list]:
+        """Rank r's slice of each of the user's batches; a short last batch filled up with the epoch's first."""
+        size = self.batch_sampler.batch_size
+        share = size // self.world_size
+        start = self.rank * share
+        first: list = []
+        for step, whole in enumerate(self._global_batches()):
+            if not first:
+                first = list(whole)
+            if len(whole) < size:
+                real = len(whole)
+                whole = list(whole) + [first[i % len(first)] for i in range(size - real)]
+                if step >= skip:
+                    self.padded[step - skip] = real
+                    own_real = min(max(real - start, 0), share)
+                    if own_real < share:
+                        self.padding[step - skip] = share - own_real
+            if step >= skip:
+                yield whole[start:start + share]
 
     def _global_batches(self) -> Iterable[list]:
         """The user's batch sampler's batches, in its order.
@@ -102,7 +139,8 @@ class PreparedDataLoader(DataLoader):
     IterableDataset is sharded by batch: each rank reads the stream and keeps every N-th batch.
     """
 
-    def __init__(self, loader: DataLoader, ctx: RankContext, seed: int, registry: Registry) -> None:
+    def __init__(self, loader: DataLoader, ctx: RankContext, seed: int, registry: Registry,
+                 split_batches: bool = False) -> None:
         kwargs = {name: getattr(loader, name) for name in _CARRIED}
         dataset = loader.dataset
         self._registry = registry  # the session's: loop marks, optimizer updates, the stopper
@@ -124,6 +162,11 @@ class PreparedDataLoader(DataLoader):
         # assignment on a DataLoader goes through its Python __setattr__ (~0.4 us per batch)
         self._position: list[int] | None = None
         self._with_workers: weakref.WeakSet = weakref.WeakSet()  # iterators that started worker processes
+        self._split = split_batches
+        if split_batches and (isinstance(dataset, IterableDataset) or isinstance(loader.sampler, DistributedSampler)):
+            what = "an IterableDataset" if isinstance(dataset, IterableDataset) else "a DistributedSampler of yours"
+            raise ValueError(f"split_batches=True slices the batches of a map-style dataset; this DataLoader has "
+                             f"{what}: leave split_batches off for it")
         if isinstance(dataset, IterableDataset):
             super().__init__(dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **kwargs)
             self._iterable = True
@@ -138,7 +181,7 @@ class PreparedDataLoader(DataLoader):
             return
         batch_sampler = _with_generator(loader.batch_sampler, self._generator)
         drop_last = bool(getattr(batch_sampler, "drop_last", loader.drop_last))
-        self._shard = BatchShard(batch_sampler, ctx.rank, ctx.world_size, drop_last)
+        self._shard = BatchShard(batch_sampler, ctx.rank, ctx.world_size, drop_last, split_batches)
         super().__init__(dataset, batch_sampler=self._shard, **kwargs)
         # Report the user's settings, not the placeholders DataLoader sets when given a batch_sampler.
         object.__setattr__(self, "batch_size", loader.batch_size)
@@ -223,7 +266,7 @@ class PreparedDataLoader(DataLoader):
             while upcoming is not _END:
                 item, upcoming = upcoming, next(batches, _END)  # one batch ahead, to know which batch ends the epoch
                 marks.remainder = shard.padded.get(step) if shard is not None else None
-                marks.padding = shard is not None and shard.padding_step == step
+                marks.padding = shard.padding.get(step, 0) if shard is not None else 0
                 marks.end_of_epoch = upcoming is _END
                 step += 1
                 position[1] = skip + step
@@ -242,7 +285,7 @@ class PreparedDataLoader(DataLoader):
         ``drop_last`` or for a stream."""
         if self._iterable or self.drop_last or self.batch_size is None:
             return -1
-        return len(self.dataset) % (self.batch_size * self._world)
+        return len(self.dataset) % (self.batch_size * (1 if self._split else self._world))
 
     def release(self) -> None:
         """At the session's end: stop the workers this loader still has (persistent ones, or those of an epoch left

@@ -29,7 +29,8 @@ class LoopMarks:
     ``end_of_epoch``: the loop body runs on the last batch of an epoch (accumulation syncs there).
     ``remainder``: real samples in this step's gathered batch when it is a padded last step, else None
     (gather_for_metrics keeps only that many leading rows).
-    ``padding``: this rank's batch is a repeat of the epoch's first samples, evening out the padded last step.
+    ``padding``: how many samples at the end of this rank's batch repeat the epoch's first ones, evening out the
+    padded last step (0 for every other batch).
     ``loader``: the loop's loader (None outside any loop).
     """
 
@@ -38,7 +39,7 @@ class LoopMarks:
     def __init__(self) -> None:
         self.end_of_epoch = False
         self.remainder: int | None = None
-        self.padding = False
+        self.padding = 0
         self.loader: PreparedDataLoader | None = None
 
 

@@ -101,6 +101,7 @@ class TrainConfig:
     gradient_accumulation_steps: int = 1
     sync_each_batch: bool = False
     mixed_precision: str = "no"
+    split_batches: bool = False
     max_restarts: int = 0
     strategy: str = "ddp"
     fsdp_modules: Sequence[type | str] | None = None

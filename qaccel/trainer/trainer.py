@@ -20,6 +20,7 @@ import torch
 
 from qaccel.accelerator import Accelerator
 from qaccel.environment import detect
+from qaccel.nested import map_leaves
 from qaccel.options import Strategy
 from qaccel.train import sharding
 from qaccel.trainer import plots
@@ -339,9 +340,13 @@ class Trainer:
                     self.opt_result.batch = number
                     self._stage(start)
                     batch = acc.prepare_batch(batch)
+                    size, padding = _batch_size(batch), acc.padding_in_batch
+                    if 0 < padding < size:  # the real samples only (all padding: run it, as a sharded model needs)
+                        batch, size = map_leaves(batch, lambda t: t[:size - padding]), size - padding
+                    elif padding:
+                        size = 0  # counts for nothing, but every rank keeps every name
                     loss, metrics = self.loss_fn(model, batch)
                     values = _detached(phase, loss, metrics)
-                    size = 0 if acc.batch_is_padding else _batch_size(batch)  # every rank keeps every name
                     for name, value in values.items():
                         sums[name] = sums.get(name, 0.0) + value * size
                     samples += size

@@ -81,6 +81,16 @@ def test_resume_mid_epoch(acc, tmp_path):
         _assert_bitwise(resumed[rank], straight[rank])
 
 
+def test_resume_mid_epoch_with_split_batches(tmp_path):
+    split = Accelerator(nprocs=2, compute_setup="cpu", split_batches=True)  # the loader's 4: 2 per rank
+    straight = split.distribute(_run, all_results=True)(split, str(tmp_path / "a"), 2)
+    split.distribute(_run)(split, str(tmp_path / "b"), 2, stop_after=15)  # 12 steps per epoch: 3 into epoch 2
+    resumed = split.distribute(_run, all_results=True)(split, str(tmp_path / "b"), 1, resume=True, save=False)
+    for rank in range(2):
+        _assert_bitwise(resumed[rank], straight[rank])
+    assert straight[0][2] == 24, "every rank takes a slice of each of the loader's 12 batches an epoch"
+
+
 def _save_then_fail(acc, ckpt):
     model = torch.nn.Linear(2, 1)
     torch.nn.init.constant_(model.weight, 7.0)

@@ -199,7 +199,7 @@ def _eval_counts(a, size):
     seen, own = [], []
     for (ids,) in loader:
         seen.append(a.gather_for_metrics(ids))
-        own += [] if a.batch_is_padding else ids.tolist()
+        own += ids[:len(ids) - a.padding_in_batch].tolist()
     return torch.cat(seen).tolist(), len(loader), own
 
 
@@ -209,6 +209,57 @@ def test_gather_for_metrics_counts_are_exact_and_padding_batches_are_marked(acc,
     assert sorted(everything) == list(range(size))
     assert steps == math.ceil(math.ceil(size / 16) / 2)
     assert sorted(own0 + own1) == list(range(size)), "the batches not marked as padding hold every sample once"
+
+
+# Accelerate's expected shards for split_batches=True (tests/test_data_loader.py): BatchSampler(range(N),
+# batch_size=4, drop_last), 2 ranks; rank 0's batches, then rank 1's.
+SPLIT_SHARDS = {
+    (24, False): ([[0, 1], [4, 5], [8, 9], [12, 13], [16, 17], [20, 21]],
+                  [[2, 3], [6, 7], [10, 11], [14, 15], [18, 19], [22, 23]]),
+    (24, True): ([[0, 1], [4, 5], [8, 9], [12, 13], [16, 17], [20, 21]],
+                 [[2, 3], [6, 7], [10, 11], [14, 15], [18, 19], [22, 23]]),
+    (22, False): ([[0, 1], [4, 5], [8, 9], [12, 13], [16, 17], [20, 21]],
+                  [[2, 3], [6, 7], [10, 11], [14, 15], [18, 19], [0, 1]]),
+    (22, True): ([[0, 1], [4, 5], [8, 9], [12, 13], [16, 17]], [[2, 3], [6, 7], [10, 11], [14, 15], [18, 19]]),
+    (21, True): ([[0, 1], [4, 5], [8, 9], [12, 13], [16, 17]], [[2, 3], [6, 7], [10, 11], [14, 15], [18, 19]]),
+    (21, False): ([[0, 1], [4, 5], [8, 9], [12, 13], [16, 17], [20, 0]],
+                  [[2, 3], [6, 7], [10, 11], [14, 15], [18, 19], [1, 2]]),
+    (20, False): ([[0, 1], [4, 5], [8, 9], [12, 13], [16, 17]], [[2, 3], [6, 7], [10, 11], [14, 15], [18, 19]]),
+    (2, False): ([[0, 1]], [[0, 1]]),
+    (2, True): ([], []),
+}
+
+
+@pytest.mark.parametrize("size, drop_last", list(SPLIT_SHARDS))
+def test_split_batches_shards_as_accelerate_does(size, drop_last):
+    batches = BatchSampler(range(size), batch_size=4, drop_last=drop_last)
+    shards = tuple(BatchShard(batches, rank, 2, drop_last, split=True) for rank in range(2))
+    assert tuple(list(shard) for shard in shards) == SPLIT_SHARDS[size, drop_last]
+    assert [len(shard) for shard in shards] == [len(SPLIT_SHARDS[size, drop_last][0])] * 2
+
+
+def test_split_batches_needs_a_batch_size_that_divides_by_the_world():
+    with pytest.raises(ValueError, match="batch_size .* divides by the world size 2; got batch_size=3"):
+        BatchShard(BatchSampler(range(8), batch_size=3, drop_last=False), 0, 2, False, split=True)
+
+
+def _split_counts(a, size):
+    loader = a.prepare(DataLoader(TensorDataset(torch.arange(size)), batch_size=16))
+    seen, own = [], []
+    for (ids,) in loader:
+        seen.append(a.gather_for_metrics(ids))
+        own += ids[:len(ids) - a.padding_in_batch].tolist()
+    return torch.cat(seen).tolist(), len(loader), own, loader.batch_size
+
+
+@pytest.mark.parametrize("size", [82, 99, 7])
+def test_split_batches_gathers_every_sample_once_and_marks_the_padding(size):
+    split = Accelerator(nprocs=2, compute_setup="cpu", split_batches=True)
+    (everything, steps, own0, batch_size), (_, _, own1, _) = split.distribute(_split_counts, all_results=True)(
+        split, size)
+    assert everything == list(range(size)), "each step's gathered rows are the loader's batch, in order"
+    assert steps == math.ceil(size / 16) and batch_size == 16
+    assert sorted(own0 + own1) == list(range(size))
 
 
 def _labels(a):

@@ -101,7 +101,7 @@ def test_a_first_start_finds_nothing_to_load(single, tmp_path):
 
 def test_bad_arguments_are_named(single, tmp_path):
     _setup(single)
-    with pytest.raises(ValueError, match="save_state\\(\\) needs a directory, or a resume\\(directory\\)"):
+    with pytest.raises(ValueError, match="save_state\\(\\) needs a directory, a resume\\(directory\\) call"):
         single.save_state()
     with pytest.raises(ValueError, match="load_state\\(\\) needs a directory"):
         single.load_state()

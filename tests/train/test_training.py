@@ -51,6 +51,15 @@ def test_two_ranks_accumulating_equal_one_process_with_the_whole_batch():
         _assert_same(params, plain)
 
 
+def test_split_batches_on_two_ranks_equal_one_process_with_the_loaders_batch():
+    plain = _fit(Accelerator(compute_setup="cpu"), batch_size=16)
+    split = Accelerator(nprocs=2, compute_setup="cpu", split_batches=True)
+    for params in split.distribute(_fit, all_results=True)(split, 16):
+        _assert_same(params, plain)
+    assert not torch.equal(Accelerator(nprocs=2, compute_setup="cpu").distribute(_fit)(
+        Accelerator(nprocs=2, compute_setup="cpu"), 16)[0], plain[0]), "without it, the global batch is 32"
+
+
 def _sync_pattern(acc):
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
