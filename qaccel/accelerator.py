@@ -15,6 +15,7 @@ from qaccel.comm import collectives, ranks, session
 from qaccel.environment import Environment, detect
 from qaccel.errors import warn_once
 from qaccel.launch import caller, in_place
+from qaccel.nested import map_leaves
 from qaccel.options import FSDP_MIN_PARAMS, Backend, DeviceType, MixedPrecision, Strategy
 from qaccel.train import batch, checkpoint, gradients, precision, prepare, progress, seeding, sharding, stopping
 from qaccel.train.registry import GradientState, Registry
@@ -78,6 +79,18 @@ class Accelerator:
 
     def _ctx(self) -> session.RankContext:
         return session.current() or session.plan(self._config, detect())
+
+    def _live(self) -> session.RankContext:
+        """This rank's context for what needs the ranks' group. Under torchrun or srun, code that uses the
+        Accelerator outside distribute() (a script written for Accelerate) is run as this process's rank: the
+        first such call joins the ranks for the rest of the process."""
+        running = session.current()
+        if running is not None:
+            return running
+        env = detect()
+        if env.kind.started_by_launcher and env.world_size > 1:
+            return in_place.ambient(self._config, env)
+        return session.plan(self._config, env)
 
     @property
     def rank(self) -> int:
@@ -227,11 +240,11 @@ class Accelerator:
 
     def all_reduce_dict(self, values: Mapping[str, Any], op: str = "mean") -> dict[str, Any]:
         """Reduce metrics over ranks: "mean", "sum", "max" or "min"; one collective per dtype."""
-        return collectives.all_reduce_dict(values, op, self._ctx(), self.log_device)
+        return collectives.all_reduce_dict(values, op, self._live(), self.log_device)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Every rank gets rank ``src``'s object."""
-        return collectives.broadcast(obj, src, self._ctx())
+        return collectives.broadcast(obj, src, self._live())
 
     def gather_object(self, obj: Any) -> list[Any]:
         """Every rank gets the ranks' lists (or other iterables) concatenated in rank order, as in Accelerate:
@@ -239,11 +252,11 @@ class Accelerator:
         if isinstance(obj, (str, bytes)) or not isinstance(obj, Iterable):
             raise TypeError(f"gather_object() concatenates the ranks' lists, as Accelerate's does; got a "
                             f"{type(obj).__name__}: gather_object([obj]) gives one entry per rank")
-        return [item for part in collectives.gather_object(obj, self._ctx()) for item in part]
+        return [item for part in collectives.gather_object(obj, self._live()) for item in part]
 
     def wait_for_everyone(self) -> None:
         """Barrier: block until every rank gets here."""
-        collectives.wait_for_everyone(self._ctx())
+        collectives.wait_for_everyone(self._live())
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on the main process only."""
@@ -256,19 +269,21 @@ class Accelerator:
 
     def gather(self, data: Any) -> Any:
         """All ranks' tensors concatenated on dim 0 (sizes may differ by rank); nested structures too."""
-        return collectives.gather(data, self._ctx())
+        return collectives.gather(data, self._live())
 
     def gather_for_metrics(self, data: Any) -> Any:
         """Like gather, minus the samples duplicated to even out the last batches: exact counts."""
-        return collectives.gather_for_metrics(data, self._ctx(), self._registry().marks.remainder)
+        return collectives.gather_for_metrics(data, self._live(), self._registry().marks.remainder)
 
     def pad_across_processes(self, data: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
         """Pad tensors along ``dim`` to the largest size any rank has."""
-        return collectives.pad_across_processes(data, self._ctx(), dim, pad_index, pad_first)
+        return collectives.pad_across_processes(data, self._live(), dim, pad_index, pad_first)
 
-    def reduce(self, data: Any, op: str = "sum") -> Any:
-        """All-reduce tensors: "sum", "mean", "max" or "min"; returns new tensors."""
-        return collectives.reduce(data, op, self._ctx())
+    def reduce(self, data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        """All-reduce tensors (Accelerate's signature): ``reduction`` "sum", "mean", "max" or "min", the results
+        multiplied by ``scale``; returns new tensors."""
+        reduced = collectives.reduce(data, reduction, self._live())
+        return reduced if scale == 1.0 else map_leaves(reduced, lambda tensor: tensor * scale)
 
     # ---- rank coordination, seeds, saving ----
 
@@ -278,16 +293,16 @@ class Accelerator:
 
     def main_process_first(self) -> Any:
         """Context: the main process runs the block first (e.g. to download or cache), then the others."""
-        return ranks.main_process_first(self._ctx(), local=False)
+        return ranks.main_process_first(self._live(), local=False)
 
     def local_main_process_first(self) -> Any:
         """Context: each node's local main process runs the block first, then that node's others."""
-        return ranks.main_process_first(self._ctx(), local=True)
+        return ranks.main_process_first(self._live(), local=True)
 
     def split_between_processes(self, obj: Any, apply_padding: bool = False) -> Any:
         """Context yielding this rank's contiguous share of a list, tuple or tensor (dim 0), or of every value of
         a dict; ``apply_padding`` repeats the last item so that every share has the longest share's length."""
-        return ranks.split_between_processes(obj, self._ctx(), apply_padding)
+        return ranks.split_between_processes(obj, self._live(), apply_padding)
 
     def on_main_process(self, fn: Callable[..., R]) -> Callable[..., R | None]:
         """Decorator: run ``fn`` on the main process only (elsewhere a call returns None)."""
@@ -323,7 +338,7 @@ class Accelerator:
         """Whether any rank called set_trigger() since the last check that saw one; every rank gets the same answer
         (one all-reduce: every rank must call it) and the flags are lowered when it is True."""
         registry = self._registry()
-        if not ranks.any_rank(registry.trigger, self._ctx()):
+        if not ranks.any_rank(registry.trigger, self._live()):
             return False
         registry.trigger = False
         return True
@@ -332,11 +347,11 @@ class Accelerator:
                                generator: torch.Generator | None = None) -> None:
         """Give every rank rank 0's state of the generators in ``rng_types``: ``"torch"`` (the global CPU one),
         ``"cuda"`` (this rank's device; skipped on CPU), ``"generator"`` (``generator``)."""
-        seeding.synchronize_rng_states(rng_types, generator, self._ctx())
+        seeding.synchronize_rng_states(rng_types, generator, self._live())
 
     def save(self, obj: Any, path: str | os.PathLike) -> None:
         """``torch.save`` on the main process only, atomically (a crash never leaves a half-written file)."""
-        checkpoint.save(obj, path, self._ctx())
+        checkpoint.save(obj, path, self._live())
 
     def save_state(self, directory: str | os.PathLike | None = None, *, keep: int | None = None) -> str:
         """Checkpoint prepared models, optimizers, LR schedulers and loaders, the fp16 scaler, every rank's RNG
@@ -352,7 +367,7 @@ class Accelerator:
         if directory is None:
             directory, resume_keep = self._checkpoints("save_state()")
             keep, numbered = resume_keep if keep is None else keep, True
-        return checkpoint.save_state(directory, registry, self._ctx(), _keep(keep), numbered)
+        return checkpoint.save_state(directory, registry, self._live(), _keep(keep), numbered)
 
     def load_state(self, directory: str | os.PathLike | None = None, *, missing_ok: bool = False) -> str | None:
         """Restore a save_state() checkpoint into the objects prepared (and registered) in this run, in order.
@@ -365,7 +380,7 @@ class Accelerator:
         registry = self._registry()
         if directory is None:
             directory = self._checkpoints("load_state()")[0]
-        return checkpoint.load_state(directory, registry, self._ctx(), missing_ok)
+        return checkpoint.load_state(directory, registry, self._live(), missing_ok)
 
     def _checkpoints(self, caller: str) -> tuple[str, int | None]:
         """Where save_state() and load_state() without a folder go: resume()'s folder and keep, else the project's
@@ -401,7 +416,7 @@ class Accelerator:
                 raise ValueError("resume() needs a directory, or Accelerator(project_dir=...)")
             directory = os.path.join(self._config.project_dir, "checkpoints")
         requeue = None if requeue_signal is None else stopping.as_signal(requeue_signal, "requeue_signal")
-        registry, ctx = self._registry(), self._ctx()
+        registry, ctx = self._registry(), self._live()
         registry.checkpoints = (os.fspath(directory), keep)
         loaded = checkpoint.load_state(directory, registry, ctx, missing_ok=True, fall_back=True)
         if registry.stopper is None:
@@ -428,8 +443,10 @@ class Accelerator:
         return dataloader
 
     def end_training(self) -> None:
-        """Wait for every rank to finish; the launcher then tears the process group down."""
+        """Wait for every rank to finish. Outside distribute() under torchrun or srun, also end the ranks'
+        session (the process group), as Accelerate's does; in distribute() the session ends with fn."""
         self.wait_for_everyone()
+        in_place.end_ambient()
 
     def get_state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
         """The model's state dict without DDP's ``module.`` prefixes, loadable into the plain model. Under
@@ -439,7 +456,7 @@ class Accelerator:
     def save_model(self, model: torch.nn.Module, directory: str | os.PathLike) -> None:
         """Write ``get_state_dict(model)`` to ``directory/model.pt`` from the main process, atomically (call it on
         every rank under strategy="fsdp": the shards are gathered first)."""
-        checkpoint.save_model(model, directory, self._ctx())
+        checkpoint.save_model(model, directory, self._live())
 
     # ---- preparation ----
 
@@ -451,7 +468,7 @@ class Accelerator:
         LR schedulers come back as they are: step them as before, once per optimizer step.
         """
         self._inside_ranks("prepare()")
-        ctx = self._ctx()
+        ctx = self._live()
         registry = self._registry()
         out = tuple(prepare.prepare_one(obj, ctx, self._config, registry) for obj in objs)
         return out[0] if len(out) == 1 else out
@@ -468,6 +485,7 @@ class Accelerator:
 
     def _registry(self) -> Registry:
         """This Accelerator's step state in the running session (its own outside any session)."""
+        self._live()
         run = session.current_run()
         if run is not None:
             return run.state_for(self, lambda: self._new_registry(run))

@@ -6,7 +6,10 @@ The launcher's counterpart: here no process is started, only the process group i
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
+import sys
 import time
 from typing import Any, Callable
 
@@ -18,7 +21,7 @@ from qaccel.environment import Environment, rank_variables
 from qaccel.errors import raised_note, type_name
 from qaccel.launch import launcher_report
 from qaccel.launch.running import run_as_rank
-from qaccel.options import Config
+from qaccel.options import Config, Strategy
 from qaccel.train import prepare
 
 
@@ -41,6 +44,42 @@ def run(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, env: 
         return collectives.gather_object(result, ctx) if all_results else result
 
     return run_as_rank(ctx, config, body, _LauncherReport(ctx), store, where_to_log=env.kind.started_by_launcher)
+
+
+def ambient(config: Config, env: Environment) -> RankContext:
+    """Join the ranks for the rest of the process, outside any distribute(): under torchrun or srun, a script
+    written for Accelerate uses the Accelerator at its top level. The session lasts until the process exits (or
+    end_training()); after an uncaught exception it ends without waiting for the other ranks, which their launcher
+    then stops."""
+    global _ambient
+    ctx = session.plan(config, env)
+    if env.kind.exports_rank_variables:
+        _export_rank_variables(env)
+    stack = contextlib.ExitStack()
+    stack.enter_context(session.session(
+        ctx, config.timeout, store=lambda number: session.env_store(ctx, config.timeout, number),
+        group_of_one=config.strategy is Strategy.FSDP, debug=config.debug, where_to_log=True))
+    if _ambient is None:
+        atexit.register(end_ambient)
+    _ambient = stack
+    return ctx
+
+
+def end_ambient() -> None:
+    """End the session ambient() opened, if any: after the other ranks finish it, or at once after an uncaught
+    exception."""
+    global _ambient
+    stack, _ambient = _ambient, None
+    if stack is None:
+        return
+    failed = getattr(sys, "last_value", None)  # set by the interpreter when an exception went uncaught
+    if failed is None:
+        stack.close()
+    else:
+        stack.__exit__(type(failed), failed, failed.__traceback__)
+
+
+_ambient: contextlib.ExitStack | None = None
 
 
 class _LauncherReport:

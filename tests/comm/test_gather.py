@@ -158,6 +158,7 @@ def test_single_process_identities():
     nested = single.gather({"p": Pair(x, [x])})
     assert type(nested["p"]) is Pair and nested["p"].second[0] is x
     assert single.pad_across_processes(x, dim=1) is x
+    assert single.reduce(x, reduction="mean", scale=0.5).tolist() == (x * 0.5).tolist(), "Accelerate's signature"
     summed = single.reduce(x, "sum")
     assert torch.equal(summed, x) and summed is not x
     summed.add_(1)

@@ -127,7 +127,9 @@ LATER_WANT = {"returned": ["Sequential", "Adam"], "left_after_first": 0, "counts
 
 
 def _check_later_sessions(returncodes, stdout, stderr):
-    assert returncodes == [0] * len(returncodes), stderr[-6000:]
+    # the ranks' tracebacks come before torchrun's long summary: show the lines that name errors, then the tail
+    errors = "\n".join(line for line in stderr.splitlines() if "Error" in line or "raised on rank" in line)
+    assert returncodes == [0] * len(returncodes), errors[-6000:] + "\n---\n" + stderr[-3000:]
     results = sorted(result_lines(stdout), key=lambda r: r["rank"])
     assert results == [{"rank": r, **LATER_WANT} for r in (0, 1)], stderr[-6000:]
     assert "Segmentation fault" not in stderr and "exited unexpectedly" not in stderr

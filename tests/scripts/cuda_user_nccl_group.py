@@ -15,7 +15,7 @@ if __name__ == "__main__":
         assert g.tolist() == [0, 1, 2] and g.device == acc.device
         assert acc.broadcast({"k": 1}) == {"k": 1}
         assert acc.gather_object(["x"]) == ["x"]
-        assert acc.reduce(torch.ones(2, device=acc.device), op="mean").tolist() == [1.0, 1.0]
+        assert acc.reduce(torch.ones(2, device=acc.device), reduction="mean").tolist() == [1.0, 1.0]
         return acc.backend
     print("OUT", acc.distribute(work)(), dist.is_initialized(), flush=True)
     dist.destroy_process_group()

@@ -1,0 +1,44 @@
+"""A script written as Accelerate's guides write one, with only its import changed, run the ways its users run it:
+under torchrun (main() on every rank, the Accelerator used outside any distribute()), under srun, and from
+``python`` through distribute(main). Every way trains the same model and evaluates every sample once."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from support.procs import result_lines, run_script, run_torchrun, script_file, slurm_env
+
+pytestmark = pytest.mark.timeout(240)
+SCRIPT = script_file("accelerate_guide.py")
+
+
+def _result(proc, out):
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [result] = result_lines(proc.stdout)
+    assert result["seen"] == 300, "gather_for_metrics gathers every rank's predictions: each sample once"
+    assert result["accuracy"] > 0.9
+    assert sorted(p.name for p in out.iterdir()) == ["epoch_0", "epoch_1", "epoch_2", "model.pt"]
+    return result
+
+
+def test_torchrun_runs_the_script_unchanged_and_python_through_distribute_to_the_same_model(tmp_path):
+    torchrun = _result(run_torchrun(SCRIPT, str(tmp_path / "torchrun"), cwd=tmp_path, timeout=200),
+                       tmp_path / "torchrun")
+    plain = _result(run_script(SCRIPT, str(tmp_path / "plain"), "--distribute", cwd=tmp_path, timeout=200),
+                    tmp_path / "plain")
+    assert plain == torchrun, "the same data order and the same DDP training under both"
+
+
+@pytest.mark.slurm
+def test_srun_runs_the_script_unchanged(tmp_path, slurm_cluster):
+    proc = slurm_cluster.srun(["-N1", "-n2", "python", str(SCRIPT), str(tmp_path / "srun")], timeout=200,
+                              env=slurm_env(slurm_cluster), cwd=tmp_path)
+    _result(proc, tmp_path / "srun")
+
+
+def test_a_rank_raising_outside_distribute_ends_the_torchrun_job_with_its_error(tmp_path):
+    started = time.monotonic()
+    proc = run_torchrun(script_file("accelerate_raises.py"), cwd=tmp_path, timeout=120)
+    assert proc.returncode != 0 and "ValueError: failing on purpose on rank 1" in proc.stderr, proc.stderr
+    assert time.monotonic() - started < 60, "torchrun stopped the waiting rank"
