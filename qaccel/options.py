@@ -251,8 +251,6 @@ def _folder(name: str, value: object) -> str | None:
 ACCELERATE_ONLY = {
     "device_placement": "prepare() always places models, and prepared loaders place batches (prepare_batch() "
                         "does it by hand)",
-    "dataloader_config": "split_batches=... is an option of its own; qaccel's prepared loaders always pad the last "
-                         "step so that every rank takes the same number",
     "deepspeed_plugin": "qaccel has no DeepSpeed; strategy='fsdp' shards parameters, gradients and optimizer state",
     "deepspeed_plugins": "qaccel has no DeepSpeed; strategy='fsdp' shards parameters, gradients and optimizer state",
     "fsdp_plugin": "strategy='fsdp' with fsdp_modules=... or fsdp_min_params=...",
@@ -282,12 +280,35 @@ def from_accelerate(arguments: dict[str, Any], chosen: dict[str, Any]) -> dict[s
                 if chosen.get("compute_setup", "auto") not in ("auto", "cpu"):
                     raise ValueError(f"cpu=True contradicts compute_setup={chosen['compute_setup']!r}")
                 chosen["compute_setup"] = "cpu"
+        elif name == "dataloader_config":
+            chosen = _dataloader_config(value, chosen)
         elif name in ACCELERATE_ONLY:
             raise TypeError(f"Accelerator({name}=...) is Accelerate's; in qaccel: {ACCELERATE_ONLY[name]}")
         else:
             raise TypeError(f"Accelerator() got an unexpected argument {name!r}; the options are "
-                            f"{', '.join(NAMES)} (and Accelerate's cpu=True)")
+                            f"{', '.join(NAMES)} (and Accelerate's cpu=True and dataloader_config=...)")
     return chosen
+
+
+# DataLoaderConfiguration fields and the values that describe qaccel's prepared loaders (other values are refused).
+_LOADER_VALUES = {"even_batches": (True,), "dispatch_batches": (None, False), "data_seed": (None,),
+                  "use_stateful_dataloader": (False,)}
+
+
+def _dataloader_config(config: Any, chosen: dict[str, Any]) -> dict[str, Any]:
+    """An Accelerate DataLoaderConfiguration (any object with its fields): ``split_batches`` is the option of that
+    name; ``use_seedable_sampler`` and ``non_blocking`` are what prepared loaders do anyway; the others must keep
+    the values qaccel's loaders have."""
+    if config is None:
+        return chosen
+    for field, allowed in _LOADER_VALUES.items():
+        value = getattr(config, field, allowed[0])
+        if not any(value is a for a in allowed):
+            raise ValueError(f"DataLoaderConfiguration({field}={value!r}) is not in qaccel: prepared loaders pad the "
+                             f"last step so that every rank takes the same number of batches, each rank reading its "
+                             f"own; leave {field} at {allowed[0]!r}")
+    split = _flag("DataLoaderConfiguration.split_batches", getattr(config, "split_batches", False))
+    return {**chosen, "split_batches": split or chosen.get("split_batches", False)}
 
 
 def _flag(name: str, value: object) -> bool:
