@@ -58,6 +58,7 @@ class Accelerator:
         chosen = {name: value for name, value in locals().items() if name in options.NAMES}
         self._config = options.make_config(env, **options.from_accelerate(accelerate_arguments, chosen))
         self._own_registry: Registry | None = None
+        self._launched: bool | None = None  # under torchrun or srun with several ranks (see _join_launched_ranks)
         if env.kind.started_by_launcher and nprocs > 1 and nprocs != env.world_size and env.rank == 0:
             _warn_world_mismatch(nprocs, env)  # once per job, not once per rank
         if env.kind.started_by_launcher and max_restarts and env.rank == 0:
@@ -84,13 +85,18 @@ class Accelerator:
         """This rank's context for what needs the ranks' group. Under torchrun or srun, code that uses the
         Accelerator outside distribute() (a script written for Accelerate) is run as this process's rank: the
         first such call joins the ranks for the rest of the process."""
+        return self._join_launched_ranks() or session.plan(self._config, detect())
+
+    def _join_launched_ranks(self) -> session.RankContext | None:
+        """The running session's context, after joining the launcher's ranks if need be; None in a single process
+        or a plain launch's caller (decided once: the environment does not change)."""
         running = session.current()
         if running is not None:
             return running
-        env = detect()
-        if env.kind.started_by_launcher and env.world_size > 1:
-            return in_place.ambient(self._config, env)
-        return session.plan(self._config, env)
+        if self._launched is None:
+            env = detect()
+            self._launched = env.kind.started_by_launcher and env.world_size > 1
+        return in_place.ambient(self._config, detect()) if self._launched else None
 
     @property
     def rank(self) -> int:
@@ -204,7 +210,7 @@ class Accelerator:
         return self._registry().updates
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_own_registry": None}  # step state (scaler, counters) belongs to one process
+        return {**self.__dict__, "_own_registry": None, "_launched": None}  # step state (scaler, counters) belongs to one process
 
     def __repr__(self) -> str:
         ctx = self._ctx()
@@ -485,7 +491,7 @@ class Accelerator:
 
     def _registry(self) -> Registry:
         """This Accelerator's step state in the running session (its own outside any session)."""
-        self._live()
+        self._join_launched_ranks()
         run = session.current_run()
         if run is not None:
             return run.state_for(self, lambda: self._new_registry(run))
