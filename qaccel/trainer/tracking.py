@@ -128,13 +128,23 @@ def _param(value: Any) -> bool | int | float | str:
 
 
 class _Opened:
-    """What every tracker does alike: the step last written, and the check that open() came first."""
+    """What every tracker does alike: the step last written, the check that open() came first, and the files of a
+    tracker whose run is its folder (one per axis), closed by close()."""
 
     def __init__(self) -> None:
         self._opened = False
         self._closed = False
         self._step = 0
         self._written: set[str] = set()  # metric names this session wrote
+        self._files: dict[Axis, Any] = {}  # axis -> an open file with close()
+
+    def state(self) -> dict[str, Any]:
+        return {}  # the run is the folder: nothing to carry over
+
+    def close(self) -> None:
+        for file in self._files.values():
+            file.close()
+        self._closed = True
 
     def _check_open(self) -> None:
         if not self._opened or self._closed:
@@ -167,7 +177,6 @@ class TensorBoardTracker(_Opened):
     def __init__(self) -> None:
         super().__init__()
         self._folder = Path()
-        self._files: dict[Axis, _EventFile] = {}
         self._start_batch = 0
 
     def open(self, folder: Path, run_name: str, resume: dict[str, Any] | None, start_step: int,
@@ -206,14 +215,6 @@ class TensorBoardTracker(_Opened):
         width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")  # the IHDR chunk
         image = Summary.Image(height=height, width=width, colorspace=4, encoded_image_string=png)
         self._files[Axis.EPOCH].write(step, Summary(value=[Summary.Value(tag=name, image=image)]))
-
-    def state(self) -> dict[str, Any]:
-        return {}
-
-    def close(self) -> None:
-        for file in self._files.values():
-            file.close()
-        self._closed = True
 
 
 _FILE_NUMBERS = itertools.count()  # as TensorBoard numbers a process's event files
@@ -431,7 +432,6 @@ class CsvTracker(_Opened):
     def __init__(self) -> None:
         super().__init__()
         self._folder = Path()
-        self._files: dict[Axis, _CsvFile] = {}
 
     def open(self, folder: Path, run_name: str, resume: dict[str, Any] | None, start_step: int,
              start_batch: int = 0) -> None:
@@ -459,14 +459,6 @@ class CsvTracker(_Opened):
         path = self._folder / "plots" / f"{name}_{step:08d}.png"
         path.parent.mkdir(parents=True, exist_ok=True)
         write_bytes(_png(figure), path, durable=False)
-
-    def state(self) -> dict[str, Any]:
-        return {}
-
-    def close(self) -> None:
-        for file in self._files.values():
-            file.close()
-        self._closed = True
 
 
 class _CsvFile:
