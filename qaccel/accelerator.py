@@ -210,7 +210,8 @@ class Accelerator:
         return self._registry().updates
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_own_registry": None, "_launched": None}  # step state (scaler, counters) belongs to one process
+        # step state (scaler, counters) and the launcher check belong to one process
+        return {**self.__dict__, "_own_registry": None, "_launched": None}
 
     def __repr__(self) -> str:
         ctx = self._ctx()
@@ -532,7 +533,8 @@ class Accelerator:
         return gradients.no_sync(models)
 
     def trigger_sync_in_backward(self, model: torch.nn.Module) -> Any:
-        """Context: inside ``no_sync()``, make the block's backward synchronise this DDP model's gradients anyway."""
+        """Context: inside ``no_sync()``, make the block's backward synchronise this DDP model's gradients
+        anyway."""
         return gradients.sync_in_backward(model)
 
     @property

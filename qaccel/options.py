@@ -251,8 +251,10 @@ def _folder(name: str, value: object) -> str | None:
 ACCELERATE_ONLY = {
     "device_placement": "prepare() always places models, and prepared loaders place batches (prepare_batch() "
                         "does it by hand)",
-    "deepspeed_plugin": "qaccel has no DeepSpeed; strategy='fsdp' shards parameters, gradients and optimizer state",
-    "deepspeed_plugins": "qaccel has no DeepSpeed; strategy='fsdp' shards parameters, gradients and optimizer state",
+    "deepspeed_plugin": "qaccel has no DeepSpeed; strategy='fsdp' shards parameters, gradients and optimizer "
+                        "state",
+    "deepspeed_plugins": "qaccel has no DeepSpeed; strategy='fsdp' shards parameters, gradients and optimizer "
+                         "state",
     "fsdp_plugin": "strategy='fsdp' with fsdp_modules=... or fsdp_min_params=...",
     "torch_tp_plugin": "qaccel has no tensor parallelism",
     "megatron_lm_plugin": "qaccel has no Megatron-LM",
@@ -304,9 +306,9 @@ def _dataloader_config(config: Any, chosen: dict[str, Any]) -> dict[str, Any]:
     for field, allowed in _LOADER_VALUES.items():
         value = getattr(config, field, allowed[0])
         if not any(value is a for a in allowed):
-            raise ValueError(f"DataLoaderConfiguration({field}={value!r}) is not in qaccel: prepared loaders pad the "
-                             f"last step so that every rank takes the same number of batches, each rank reading its "
-                             f"own; leave {field} at {allowed[0]!r}")
+            raise ValueError(f"DataLoaderConfiguration({field}={value!r}) is not in qaccel: prepared loaders pad "
+                             f"the last step so that every rank takes the same number of batches, each rank reading "
+                             f"its own; leave {field} at {allowed[0]!r}")
     split = _flag("DataLoaderConfiguration.split_batches", getattr(config, "split_batches", False))
     return {**chosen, "split_batches": split or chosen.get("split_batches", False)}
 

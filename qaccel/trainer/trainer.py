@@ -62,8 +62,8 @@ LOSSES: dict[str, LossFunction] = {"mse": mse_loss, "cross_entropy": cross_entro
 
 class _State:
     """What the Trainer adds to a checkpoint: the epochs and batches done, their metrics, the best validation, the
-    running sums of an epoch in progress, the tracker's run and the callbacks' own state. Registered for checkpointing, so a
-    resumed fit (mid-epoch included, after a stop on a signal too) continues exactly."""
+    running sums of an epoch in progress, the tracker's run and the callbacks' own state. Registered for
+    checkpointing, so a resumed fit (mid-epoch included, after a stop on a signal too) continues exactly."""
 
     def __init__(self, callbacks: list[Callback]) -> None:
         self.epochs_done = 0

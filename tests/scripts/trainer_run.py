@@ -1,6 +1,7 @@
 """A Trainer script as a user writes one: logging set up at the top, a Dataset class of its own, DataLoader workers,
-TensorBoard tracking (every epoch, and every batch's loss) and a checkpoint every epoch. Prints the trained parameters' hash on stdout as
-``RESULT {"hash": ...}`` (rank 0 under torchrun), and ``epoch N done`` on stderr as each epoch ends.
+TensorBoard tracking (every epoch, and every batch's loss) and a checkpoint every epoch. Prints the trained
+parameters' hash on stdout as ``RESULT {"hash": ...}`` (rank 0 under torchrun), and ``epoch N done`` on stderr as
+each epoch ends.
 
 Arguments: LOG_FOLDER EPOCHS [STEP_SLEEP [FAIL_AT]]: the run's folder (``root=DIR``: qadence's default, a new
 subfolder of DIR per run), the epochs, seconds slept per training batch (so that a signal lands mid-run), and a
