@@ -278,9 +278,14 @@ class Accelerator:
         """All ranks' tensors concatenated on dim 0 (sizes may differ by rank); nested structures too."""
         return collectives.gather(data, self._live())
 
-    def gather_for_metrics(self, data: Any) -> Any:
-        """Like gather, minus the samples duplicated to even out the last batches: exact counts."""
-        return collectives.gather_for_metrics(data, self._live(), self._registry().marks.remainder)
+    def gather_for_metrics(self, data: Any, use_gather_object: bool = False) -> Any:
+        """Like gather, minus the samples duplicated to even out the last batches: exact counts. A list of other
+        objects than tensors (or ``use_gather_object=True``) goes through gather_object, as in Accelerate."""
+        remainder = self._registry().marks.remainder
+        if use_gather_object or (isinstance(data, list) and not all(isinstance(x, torch.Tensor) for x in data)):
+            gathered = self.gather_object(data)
+            return gathered if remainder is None else gathered[:remainder]
+        return collectives.gather_for_metrics(data, self._live(), remainder)
 
     def pad_across_processes(self, data: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
         """Pad tensors along ``dim`` to the largest size any rank has."""

@@ -144,9 +144,9 @@ def all_reduce_dict(
     return {key: out[key] for key in values}
 
 
-def _check_op(op: str) -> None:
+def _check_op(op: str, name: str = "op") -> None:
     if op not in REDUCE_OPS:
-        raise ValueError(f"op must be one of {', '.join(map(repr, REDUCE_OPS))}; got {op!r}")
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, REDUCE_OPS))}; got {op!r}")
 
 
 def _reduce_flat(tensors: list[torch.Tensor], op: str, ctx: RankContext) -> list[torch.Tensor]:
@@ -291,7 +291,7 @@ def reduce(data: Any, op: str, ctx: RankContext) -> Any:
     tensor is floating point; max/min of a bool tensor stay bool. All ranks must pass the same structure and
     shapes. In a single process it returns copies.
     """
-    _check_op(op)
+    _check_op(op, "reduction")
     return _with_leaves(data, _reduce_flat(_tensor_leaves(data, "reduce"), op, ctx))
 
 

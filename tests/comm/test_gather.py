@@ -174,7 +174,7 @@ def test_bad_arguments():
             call({"x": torch.ones(1), "name": "x"})
     with pytest.raises(TypeError, match="reduce\\(\\) takes tensors .* got a float"):
         single.reduce([1.0], "sum")
-    with pytest.raises(ValueError, match="op must be one of 'mean', 'sum', 'max', 'min'; got 'avg'"):
+    with pytest.raises(ValueError, match="reduction must be one of 'mean', 'sum', 'max', 'min'; got 'avg'"):
         single.reduce(torch.ones(1), "avg")
     with pytest.raises(IndexError, match=r"dim 2 is out of range for a tensor of shape \(3, 2\)"):
         single.pad_across_processes(torch.ones(3, 2), dim=2)

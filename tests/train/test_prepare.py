@@ -243,6 +243,18 @@ def test_split_batches_needs_a_batch_size_that_divides_by_the_world():
         BatchShard(BatchSampler(range(8), batch_size=3, drop_last=False), 0, 2, False, split=True)
 
 
+def _object_counts(a, size):
+    loader = a.prepare(DataLoader(TensorDataset(torch.arange(size)), batch_size=16))
+    names = [a.gather_for_metrics([f"sample {i}" for i in ids.tolist()]) for (ids,) in loader]
+    objects = [a.gather_for_metrics(ids.tolist(), use_gather_object=True) for (ids,) in loader]
+    return [name for step in names for name in step], [i for step in objects for i in step]
+
+
+def test_gather_for_metrics_of_other_objects_goes_through_gather_object_with_exact_counts(acc):
+    for names, ids in acc.distribute(_object_counts, all_results=True)(acc, 99):  # 7 batches: the last step padded
+        assert sorted(ids) == list(range(99)) and sorted(names) == sorted(f"sample {i}" for i in range(99))
+
+
 def _split_counts(a, size):
     loader = a.prepare(DataLoader(TensorDataset(torch.arange(size)), batch_size=16))
     seen, own = [], []
