@@ -20,8 +20,8 @@ from qaccel.comm.session import RankContext
 from qaccel.environment import Environment, rank_variables
 from qaccel.errors import raised_note, type_name
 from qaccel.launch import launcher_report
-from qaccel.launch.running import run_as_rank
-from qaccel.options import Config, Strategy
+from qaccel.launch.running import rank_session, run_as_rank
+from qaccel.options import Config
 from qaccel.train import prepare
 
 
@@ -31,13 +31,7 @@ def run(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, env: 
     if running is not None:  # a distribute() inside a distributed fn: already a rank of a live group
         result = fn(*args, **kwargs)
         return collectives.gather_object(result, running) if all_results else result
-    ctx = session.plan(config, env)
-    if env.kind.exports_rank_variables:
-        _export_rank_variables(env)
-    needs_store = env.kind.started_by_launcher and ctx.world_size > 1
-
-    def store(session_number: int) -> dist.Store | None:
-        return session.env_store(ctx, config.timeout, session_number) if needs_store else None
+    ctx, store = _this_rank(config, env)
 
     def body() -> Any:
         result = prepare.plain_result(fn(*args, **kwargs))  # before the session's end frees what it prepared
@@ -46,19 +40,29 @@ def run(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, env: 
     return run_as_rank(ctx, config, body, _LauncherReport(ctx), store, where_to_log=env.kind.started_by_launcher)
 
 
+def _this_rank(config: Config, env: Environment) -> tuple[RankContext, Callable[[int], dist.Store | None]]:
+    """This process's rank, its launcher's variables exported, and how its sessions open their rendezvous store
+    (the launcher's, numbered by session; none in a single process, whose group finds its own)."""
+    ctx = session.plan(config, env)
+    if env.kind.exports_rank_variables:
+        _export_rank_variables(env)
+    needs_store = env.kind.started_by_launcher and ctx.world_size > 1
+
+    def store(session_number: int) -> dist.Store | None:
+        return session.env_store(ctx, config.timeout, session_number) if needs_store else None
+
+    return ctx, store
+
+
 def ambient(config: Config, env: Environment) -> RankContext:
     """Join the ranks for the rest of the process, outside any distribute(): under torchrun or srun, a script
     written for Accelerate uses the Accelerator at its top level. The session lasts until the process exits (or
     end_training()); after an uncaught exception it ends without waiting for the other ranks, which their launcher
     then stops."""
     global _ambient
-    ctx = session.plan(config, env)
-    if env.kind.exports_rank_variables:
-        _export_rank_variables(env)
+    ctx, store = _this_rank(config, env)
     stack = contextlib.ExitStack()
-    stack.enter_context(session.session(
-        ctx, config.timeout, store=lambda number: session.env_store(ctx, config.timeout, number),
-        group_of_one=config.strategy is Strategy.FSDP, debug=config.debug, where_to_log=True))
+    stack.enter_context(rank_session(ctx, config, store, where_to_log=True))
     if _ambient is None:
         atexit.register(end_ambient)
     _ambient = stack

@@ -3,6 +3,7 @@ set up and torn down around it, and a failure handed to the launcher's side exac
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Protocol, TypeVar
 
 import torch.distributed as dist
@@ -26,14 +27,21 @@ class FailureReport(Protocol):
         the closing barrier, a peer's loss seen there)."""
 
 
+def rank_session(ctx: RankContext, config: Config, store: Callable[[int], dist.Store | None],
+                 **options: bool) -> contextlib.AbstractContextManager[RankContext]:
+    """The session of rank ``ctx`` as ``config`` sets it up (FSDP's group of one, debug); ``options``: more of
+    ``session.session``'s switches."""
+    return session.session(ctx, config.timeout, store=store, group_of_one=config.strategy is Strategy.FSDP,
+                           debug=config.debug, **options)
+
+
 def run_as_rank(ctx: RankContext, config: Config, body: Callable[[], R], report: FailureReport,
                 store: Callable[[int], dist.Store | None], **options: bool) -> R:
     """``body()`` in a session of rank ``ctx``; ``store(session_number)`` opens the rendezvous store (inside, so that
     its failure is reported too); ``options``: more of ``session.session``'s switches."""
     early = 0  # id() of the exception reported early: not the exception, whose traceback holds this frame
     try:
-        with session.session(ctx, config.timeout, store=store, group_of_one=config.strategy is Strategy.FSDP,
-                             debug=config.debug, **options):
+        with rank_session(ctx, config, store, **options):
             try:
                 return body()
             except BaseException as exc:
