@@ -18,6 +18,7 @@ from qaccel.launch import caller, in_place
 from qaccel.nested import map_leaves
 from qaccel.options import FSDP_MIN_PARAMS, Backend, DeviceType, MixedPrecision, Strategy
 from qaccel.train import batch, checkpoint, gradients, precision, prepare, progress, seeding, sharding, stopping
+from qaccel.train.batch_size import release_memory
 from qaccel.train.registry import GradientState, Registry
 
 R = TypeVar("R")
@@ -459,6 +460,21 @@ class Accelerator:
         session (the process group), as Accelerate's does; in distribute() the session ends with fn."""
         self.wait_for_everyone()
         in_place.end_ambient()
+
+    def free_memory(self, *objects: Any) -> list[None]:
+        """Forget what this Accelerator prepared in the session (its step count restarts), collect garbage and give
+        the GPU's cached memory back; returns one None per object, to rebind the caller's names (Accelerate's).
+        Call it before preparing anew, e.g. in a function retried by find_executable_batch_size."""
+        run = session.current_run()
+        if run is not None:
+            run.forget(self)
+        elif self._own_registry is not None:
+            self._own_registry.release()
+            self._own_registry = None
+        release_memory()
+        return [None] * len(objects)
+
+    clear = free_memory
 
     def get_state_dict(self, model: torch.nn.Module) -> dict[str, Any]:
         """The model's state dict without DDP's ``module.`` prefixes, loadable into the plain model. Under

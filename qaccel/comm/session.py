@@ -53,6 +53,7 @@ class Run:
     # before the group goes, and signal handlers are given back.
     closers: list[Callable[[bool], None]] = field(default_factory=list)
     debug: bool = False  # check each qaccel collective's agreement across ranks first (collectives.tracked)
+    timeout: float = 1800.0  # seconds a collective of the session's group waits
     watch: hangs.Watch | None = None  # says where this rank is when asked; None in a world of one
     # What holds this session's process group (prepared DDP and FSDP models): see release().
     bound: weakref.WeakSet = field(default_factory=weakref.WeakSet)
@@ -75,6 +76,14 @@ class Run:
         if len(self.bound):
             gc.collect()
         _outliving.update(self.bound)
+
+    def forget(self, owner: Any = None) -> None:
+        """Release and drop ``owner``'s state (every owner's by default): it is made anew on next use."""
+        owners = list(self._states) if owner is None else [id(owner)]
+        for key in owners:
+            entry = self._states.pop(key, None)
+            if entry is not None and callable(getattr(entry[1], "release", None)):
+                entry[1].release()
 
     def state_for(self, owner: Any, make: Callable[[], Any]) -> Any:
         """``owner``'s state in this run, made on first use (the owner is kept alive, so its id stays unique)."""
@@ -201,7 +210,7 @@ def session(
     process exits after the session (a rank qaccel started), so no later session can meet what this one leaves.
     """
     owns_group = False
-    run = Run(ctx, next(_numbers), debug=debug)
+    run = Run(ctx, next(_numbers), debug=debug, timeout=timeout)
     token = _RUN.set(run)
     try:
         opened = store(run.number) if store is not None else None
@@ -221,7 +230,7 @@ def session(
             if getattr(hook, "__name__", "") == "_distributed_excepthook":
                 sys.excepthook = hook  # torch wraps it at each init: one "[rankN]: " prefix, not one per session
         if ctx.world_size > 1 and dist.is_initialized():
-            run.watch = hangs.Watch(ctx.rank, ctx.world_size, timeout, _default_store(), where_to_log, run.number)
+            run.watch = hangs.Watch(ctx.rank, ctx.world_size, timeout, default_store(), where_to_log, run.number)
         yield ctx
         run.close(finished=True)
         if owns_group:
@@ -237,7 +246,31 @@ def session(
             dist.destroy_process_group()
 
 
-def _default_store() -> dist.Store | None:
+def leave_group(ctx: RankContext) -> None:
+    """Leave the default group at once, so that the peers' collectives fail instead of waiting for this rank:
+    gloo closes its connections; NCCL's communicators are aborted (a destroyed one would leave them waiting)."""
+    if not dist.is_initialized():
+        return
+    if ctx.backend is Backend.NCCL:
+        dist.distributed_c10d._abort_process_group()
+    else:
+        dist.destroy_process_group()
+
+
+def renew_group(run: Run, store: dist.Store) -> None:
+    """Replace the default group by a new one of the same ranks over ``store`` (after a rank left it).
+
+    What the session prepared is bound to the old group: it is dropped (Run.forget), so that a retried training
+    function prepares anew.
+    """
+    run.forget()
+    run.release()
+    leave_group(run.ctx)
+    dist.init_process_group(run.ctx.backend, store=store, rank=run.ctx.rank, world_size=run.ctx.world_size,
+                            timeout=datetime.timedelta(seconds=run.timeout))
+
+
+def default_store() -> dist.Store | None:
     """The default group's rendezvous store; None for a group made without one (MPI)."""
     try:
         return dist.distributed_c10d._get_default_store()
