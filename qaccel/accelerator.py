@@ -20,6 +20,7 @@ from qaccel.options import FSDP_MIN_PARAMS, Backend, DeviceType, MixedPrecision,
 from qaccel.train import batch, checkpoint, gradients, precision, prepare, progress, seeding, sharding, stopping
 from qaccel.train.batch_size import release_memory
 from qaccel.train.registry import GradientState, Registry
+from qaccel.train.uneven import overridden as uneven_batches
 
 R = TypeVar("R")
 
@@ -46,6 +47,7 @@ class Accelerator:
         sync_each_batch: bool = False,
         mixed_precision: str = "no",
         split_batches: bool = False,
+        even_batches: bool = True,
         max_restarts: int = 0,
         strategy: str = "ddp",
         fsdp_modules: Sequence[type | str] | None = None,
@@ -180,6 +182,16 @@ class Accelerator:
         return self._config.gradient_accumulation_steps
 
     @property
+    def split_batches(self) -> bool:
+        """Whether a prepared DataLoader's batch is the batch of all ranks together, sliced per rank."""
+        return self._config.split_batches
+
+    @property
+    def even_batches(self) -> bool:
+        """Whether prepared DataLoaders pad the last step so that every rank takes the same number of batches."""
+        return self._config.even_batches
+
+    @property
     def mixed_precision(self) -> MixedPrecision:
         """``no``, ``bf16`` or ``fp16``."""
         return self._config.mixed_precision
@@ -281,8 +293,15 @@ class Accelerator:
 
     def gather_for_metrics(self, data: Any, use_gather_object: bool = False) -> Any:
         """Like gather, minus the samples duplicated to even out the last batches: exact counts. A list of other
-        objects than tensors (or ``use_gather_object=True``) goes through gather_object, as in Accelerate."""
-        remainder = self._registry().marks.remainder
+        objects than tensors (or ``use_gather_object=True``) goes through gather_object, as in Accelerate.
+        Not in the loop of a loader whose ranks take different numbers of steps (even_batches=False)."""
+        marks = self._registry().marks
+        if marks.steps is not None:
+            raise RuntimeError(f"gather_for_metrics() needs every rank in every step of the loop; with "
+                               f"even_batches=False this epoch's ranks take {marks.steps} steps: collect per rank "
+                               "and gather_object() after the loop, or keep even_batches=True (its padding is "
+                               "left out of gather_for_metrics)")
+        remainder = marks.remainder
         if use_gather_object or (isinstance(data, list) and not all(isinstance(x, torch.Tensor) for x in data)):
             gathered = self.gather_object(data)
             return gathered if remainder is None else gathered[:remainder]
@@ -547,6 +566,13 @@ class Accelerator:
         """Accelerate's ``gradient_state``: ``sync_gradients``, ``end_of_dataloader``, ``remainder``,
         ``in_dataloader``, ``num_steps``, ``sync_each_batch``."""
         return GradientState(self._registry())
+
+    def join_uneven_inputs(self, joinables: Iterable[Any] = (), even_batches: bool | None = None) -> Any:
+        """Accelerate's: inside the block, prepared DataLoaders take ``even_batches`` (default False: no padding,
+        ranks may take different numbers of steps). Their steps are made safe as the option ``even_batches=False``
+        makes them, the prepared DDP models joined for you, so ``joinables`` is not needed."""
+        return uneven_batches(self._registry(), self._config,
+                              self._config.even_batches if even_batches is None else even_batches)
 
     def no_sync(self, *models: torch.nn.Module) -> Any:
         """Context: the block's backward passes keep gradients local (DDP ``no_sync``; FSDP: no reduce-scatter);

@@ -107,6 +107,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("split_batches", False, "`True`, `False`", "prepared DataLoaders' batch size is the batch of all ranks "
            "together, of which each rank takes its slice (Accelerate's `split_batches`); it must divide by the "
            "world size"),
+    Option("even_batches", True, "`True`, `False`", "`True`: a prepared DataLoader's last step is padded with the "
+           "epoch's first samples, so that every rank takes the same number of full batches; `False`: no padding, "
+           "ranks may take different numbers of steps (Accelerate's `even_batches`; DDP only, and with gradient "
+           "accumulation only with `sync_each_batch`)"),
     Option("max_restarts", 0, "int ≥ 0", "in a plain launch, how many times to restart all ranks after a rank "
            "fails (with `resume()` they continue from the newest checkpoint); under torchrun and srun the "
            "launcher's own restarts and requeues apply instead"),
@@ -144,6 +148,7 @@ class Config:
     sync_each_batch: bool = False
     mixed_precision: MixedPrecision = MixedPrecision.NO
     split_batches: bool = False
+    even_batches: bool = True
     max_restarts: int = 0
     strategy: Strategy = Strategy.DDP
     fsdp_modules: tuple[str, ...] = ()  # class names (MRO-matched), not classes: picklable, and __main__-proof
@@ -213,6 +218,7 @@ def make_config(env: Environment, **options: Any) -> Config:
         sync_each_batch=_flag("sync_each_batch", values["sync_each_batch"]),
         mixed_precision=mixed_precision,
         split_batches=_flag("split_batches", values["split_batches"]),
+        even_batches=_even_batches(values, strategy),
         max_restarts=_count("max_restarts", values["max_restarts"], 0),
         strategy=strategy,
         fsdp_modules=_sharding_choices(strategy, values["fsdp_modules"], values["fsdp_min_params"], mixed_precision,
@@ -293,7 +299,7 @@ def from_accelerate(arguments: dict[str, Any], chosen: dict[str, Any]) -> dict[s
 
 
 # DataLoaderConfiguration fields and the values that describe qaccel's prepared loaders (other values are refused).
-_LOADER_VALUES = {"even_batches": (True,), "dispatch_batches": (None, False), "data_seed": (None,),
+_LOADER_VALUES = {"dispatch_batches": (None, False), "data_seed": (None,),
                   "use_stateful_dataloader": (False,)}
 
 
@@ -310,7 +316,27 @@ def _dataloader_config(config: Any, chosen: dict[str, Any]) -> dict[str, Any]:
                              f"the last step so that every rank takes the same number of batches, each rank reading "
                              f"its own; leave {field} at {allowed[0]!r}")
     split = _flag("DataLoaderConfiguration.split_batches", getattr(config, "split_batches", False))
-    return {**chosen, "split_batches": split or chosen.get("split_batches", False)}
+    even = _flag("DataLoaderConfiguration.even_batches", getattr(config, "even_batches", True))
+    return {**chosen, "split_batches": split or chosen.get("split_batches", False),
+            "even_batches": even and chosen.get("even_batches", True)}
+
+
+def _even_batches(values: dict[str, Any], strategy: Strategy) -> bool:
+    even = _flag("even_batches", values["even_batches"])
+    if not even:
+        check_uneven(strategy, values["gradient_accumulation_steps"], values["sync_each_batch"] is True)
+    return even
+
+
+def check_uneven(strategy: Strategy, accumulation_steps: int, sync_each_batch: bool) -> None:
+    """even_batches=False lets ranks take different numbers of steps: DDP shadows the missing ones (torch's Join),
+    which FSDP cannot do, and a rank's unsynchronised accumulated gradients would be lost on the steps it misses."""
+    if strategy is Strategy.FSDP:
+        raise ValueError("even_batches=False needs strategy='ddp': FSDP cannot let ranks take different numbers of "
+                         "steps; keep even_batches=True (the last step is padded)")
+    if accumulation_steps != 1 and not sync_each_batch:
+        raise ValueError("even_batches=False with gradient_accumulation_steps > 1 needs sync_each_batch=True: a rank "
+                         "that runs out of batches first would otherwise drop the gradients it holds unreduced")
 
 
 def _flag(name: str, value: object) -> bool:

@@ -33,6 +33,8 @@ def tracked(name: str, describe: Callable[..., str] | None = None) -> Callable[[
         def call(*args: Any, **kwargs: Any) -> Any:
             run = session.current_run()
             watch = None if run is None else run.watch
+            if run is not None and run.alone is not None:
+                raise RuntimeError(f"{name} cannot run here: {run.alone}")
             if watch is None or watch.calls.current is not None:
                 return fn(*args, **kwargs)
             if run.debug:

@@ -54,6 +54,8 @@ class Run:
     closers: list[Callable[[bool], None]] = field(default_factory=list)
     debug: bool = False  # check each qaccel collective's agreement across ranks first (collectives.tracked)
     timeout: float = 1800.0  # seconds a collective of the session's group waits
+    # Why a collective now would wait forever (a loop step only some ranks take, even_batches=False); None: fine.
+    alone: str | None = None
     watch: hangs.Watch | None = None  # says where this rank is when asked; None in a world of one
     # What holds this session's process group (prepared DDP and FSDP models): see release().
     bound: weakref.WeakSet = field(default_factory=weakref.WeakSet)

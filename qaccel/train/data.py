@@ -10,6 +10,7 @@ takes the same number of registry, as DDP requires.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import math
@@ -23,7 +24,7 @@ from qaccel.comm.session import RankContext
 
 if TYPE_CHECKING:
     from qaccel.train.registry import Registry
-from qaccel.train import batch, stopping
+from qaccel.train import batch, stopping, uneven
 
 # DataLoader arguments carried over as they are; batch_size, shuffle, sampler and drop_last live in the batch sampler.
 _CARRIED = (
@@ -39,15 +40,18 @@ class BatchShard:
 
     By default rank r takes the user's batches r, r+N, ...; with ``split`` each of the user's batches is the step's
     batch of all ranks together, and rank r takes its r-th slice (Accelerate's ``split_batches``). A short last
-    step is padded with the epoch's first samples, so that every rank takes the same number of full batches.
+    step is padded with the epoch's first samples, so that every rank takes the same number of full batches;
+    with ``even=False`` it is not: ranks past its end take one step fewer (Accelerate's ``even_batches``).
     """
 
-    def __init__(self, batch_sampler: Any, rank: int, world_size: int, drop_last: bool, split: bool = False) -> None:
+    def __init__(self, batch_sampler: Any, rank: int, world_size: int, drop_last: bool, split: bool = False,
+                 even: bool = True) -> None:
         self.batch_sampler = batch_sampler
         self.rank = rank
         self.world_size = world_size
         self.drop_last = drop_last
         self.split = split
+        self.even = even
         if split:
             size = getattr(batch_sampler, "batch_size", None)
             if not isinstance(size, int) or size % world_size:
@@ -58,10 +62,27 @@ class BatchShard:
         self.skip = 0  # own batches to pass over at the start of the next epoch (resuming mid-epoch)
 
     def __len__(self) -> int:
+        return self.steps(self.rank)
+
+    def steps(self, rank: int) -> int:
+        """How many batches rank ``rank`` takes in an epoch."""
         batches = len(self.batch_sampler)
         if self.split:
-            return batches
-        return batches // self.world_size if self.drop_last else math.ceil(batches / self.world_size)
+            return batches - (not self.even and self._last_size() <= rank * self.batch_sampler.batch_size
+                              // self.world_size)
+        if self.drop_last:
+            return batches // self.world_size
+        if self.even:
+            return math.ceil(batches / self.world_size)
+        return batches // self.world_size + (rank < batches % self.world_size)
+
+    def _last_size(self) -> int:
+        """Samples in the user's last batch when it is short (split mode), else the full batch size."""
+        size = self.batch_sampler.batch_size
+        sampler = getattr(self.batch_sampler, "sampler", None)
+        if self.drop_last or sampler is None or not hasattr(sampler, "__len__"):
+            return size
+        return len(sampler) % size or size
 
     def __iter__(self) -> Iterator[list]:
         self.padded, self.padding = {}, {}
@@ -80,7 +101,10 @@ class BatchShard:
                 if step >= skip:
                     yield round_[self.rank]
                 round_, step = [], step + 1
-        if round_ and not self.drop_last and step >= skip:
+        if round_ and not self.drop_last and step >= skip and not self.even:
+            if self.rank < len(round_):
+                yield round_[self.rank]
+        elif round_ and not self.drop_last and step >= skip:
             self.padded[step - skip] = sum(len(b) for b in round_)
             filler = [first[i % len(first)] for i in range(self.world_size - len(round_))]
             own = (round_ + filler)[self.rank]
@@ -97,6 +121,10 @@ class BatchShard:
         for step, whole in enumerate(self._global_batches()):
             if not first:
                 first = list(whole)
+            if len(whole) < size and not self.even:
+                if step >= skip and len(whole) > start:
+                    yield list(whole[start:start + share])
+                continue
             if len(whole) < size:
                 real = len(whole)
                 whole = list(whole) + [first[i % len(first)] for i in range(size - real)]
@@ -140,7 +168,7 @@ class PreparedDataLoader(DataLoader):
     """
 
     def __init__(self, loader: DataLoader, ctx: RankContext, seed: int, registry: Registry,
-                 split_batches: bool = False) -> None:
+                 split_batches: bool = False, even_batches: bool = True) -> None:
         kwargs = {name: getattr(loader, name) for name in _CARRIED}
         dataset = loader.dataset
         self._registry = registry  # the session's: loop marks, optimizer updates, the stopper
@@ -150,6 +178,7 @@ class PreparedDataLoader(DataLoader):
         # and may run on rank 0 alone, so they must not take part in the ranks' agreement).
         self._seen = [0, False]
         self._device = ctx.device
+        self._ctx = ctx
         self._rank, self._world = ctx.rank, ctx.world_size
         self._epoch = 0
         self._seed = seed
@@ -181,7 +210,7 @@ class PreparedDataLoader(DataLoader):
             return
         batch_sampler = _with_generator(loader.batch_sampler, self._generator)
         drop_last = bool(getattr(batch_sampler, "drop_last", loader.drop_last))
-        self._shard = BatchShard(batch_sampler, ctx.rank, ctx.world_size, drop_last, split_batches)
+        self._shard = BatchShard(batch_sampler, ctx.rank, ctx.world_size, drop_last, split_batches, even_batches)
         super().__init__(dataset, batch_sampler=self._shard, **kwargs)
         # Report the user's settings, not the placeholders DataLoader sets when given a batch_sampler.
         object.__setattr__(self, "batch_size", loader.batch_size)
@@ -258,26 +287,29 @@ class PreparedDataLoader(DataLoader):
             batches = itertools.islice(batches, skip, None)
         position = self._position = [epoch, skip]
         shard, device, marks = self._shard, self._device, self._marks
-        outer = marks.remainder, marks.end_of_epoch, marks.padding, marks.loader  # of a loop this one runs inside
-        marks.loader = self
+        ragged = uneven.Epoch.of(shard, registry, self._ctx)
+        outer = marks.remainder, marks.end_of_epoch, marks.padding, marks.loader, marks.steps  # of an outer loop
+        marks.loader, marks.steps = self, None if ragged is None else ragged.steps
         try:
-            upcoming = next(batches, _END)
-            step = 0
-            while upcoming is not _END:
-                item, upcoming = upcoming, next(batches, _END)  # one batch ahead, to know which batch ends the epoch
-                marks.remainder = shard.padded.get(step) if shard is not None else None
-                marks.padding = shard.padding.get(step, 0) if shard is not None else 0
-                marks.end_of_epoch = upcoming is _END
-                step += 1
-                position[1] = skip + step
-                yield batch.prepare_batch(item, device, None)
-                if registry.stopper is not None and registry.updates != seen[0]:  # the step's body is done
-                    seen[0], seen[1] = registry.updates, True
-                    registry.stopper.boundary()  # may save and raise Preempted
+            with contextlib.nullcontext() if ragged is None else ragged.joined():
+                upcoming = next(batches, _END)
+                step = 0
+                while upcoming is not _END:
+                    item, upcoming = upcoming, next(batches, _END)  # one batch ahead: which batch ends the epoch
+                    marks.remainder = shard.padded.get(step) if shard is not None else None
+                    marks.padding = shard.padding.get(step, 0) if shard is not None else 0
+                    marks.end_of_epoch = upcoming is _END
+                    lone = ragged is not None and ragged.mark(skip + step)
+                    step += 1
+                    position[1] = skip + step
+                    yield batch.prepare_batch(item, device, None)
+                    # the step's body is done: a stop agreed by every rank may save and raise Preempted here
+                    if registry.stopper is not None and registry.updates != seen[0] and not lone:
+                        seen[0], seen[1] = registry.updates, True
+                        registry.stopper.boundary()
         finally:
-            marks.remainder, marks.end_of_epoch, marks.padding, marks.loader = outer
+            marks.remainder, marks.end_of_epoch, marks.padding, marks.loader, marks.steps = outer
             self._position = None
-
 
     @property
     def remainder(self) -> int:

@@ -32,11 +32,13 @@ class LoopMarks:
     ``padding``: how many samples at the end of this rank's batch repeat the epoch's first ones, evening out the
     padded last step (0 for every other batch).
     ``loader``: the loop's loader (None outside any loop).
+    ``steps``: every rank's number of steps this epoch when they differ (even_batches=False), else None.
     """
 
-    __slots__ = ("end_of_epoch", "loader", "padding", "remainder")
+    __slots__ = ("end_of_epoch", "loader", "padding", "remainder", "steps")
 
     def __init__(self) -> None:
+        self.steps: list[int] | None = None
         self.end_of_epoch = False
         self.remainder: int | None = None
         self.padding = 0

@@ -102,6 +102,7 @@ class TrainConfig:
     sync_each_batch: bool = False
     mixed_precision: str = "no"
     split_batches: bool = False
+    even_batches: bool = True
     max_restarts: int = 0
     strategy: str = "ddp"
     fsdp_modules: Sequence[type | str] | None = None

@@ -238,6 +238,39 @@ def test_split_batches_shards_as_accelerate_does(size, drop_last):
     assert [len(shard) for shard in shards] == [len(SPLIT_SHARDS[size, drop_last][0])] * 2
 
 
+# Accelerate's expected shards for even_batches=False (tests/test_data_loader.py), 2 ranks: BatchSampler(range(N),
+# batch_size=3, drop_last) by batch, and batch_size=4 with split_batches; rank 0's batches, then rank 1's.
+_FULL_3 = ([[0, 1, 2], [6, 7, 8], [12, 13, 14], [18, 19, 20]], [[3, 4, 5], [9, 10, 11], [15, 16, 17], [21, 22, 23]])
+_THREE_ROUNDS = ([[0, 1, 2], [6, 7, 8], [12, 13, 14]], [[3, 4, 5], [9, 10, 11], [15, 16, 17]])
+UNEVEN_SHARDS = {
+    (24, False): _FULL_3, (24, True): _FULL_3,
+    (21, False): (_FULL_3[0], _THREE_ROUNDS[1]),
+    (22, False): (_FULL_3[0], _THREE_ROUNDS[1] + [[21]]),
+    (20, False): (_THREE_ROUNDS[0] + [[18, 19]], _THREE_ROUNDS[1]),
+    (21, True): _THREE_ROUNDS, (22, True): _THREE_ROUNDS, (20, True): _THREE_ROUNDS,
+    (2, False): ([[0, 1]], []), (2, True): ([], []),
+}
+_FIVE_SLICES = ([[0, 1], [4, 5], [8, 9], [12, 13], [16, 17]], [[2, 3], [6, 7], [10, 11], [14, 15], [18, 19]])
+UNEVEN_SPLIT_SHARDS = {
+    (24, False): SPLIT_SHARDS[24, False], (24, True): SPLIT_SHARDS[24, True],
+    (22, False): (_FIVE_SLICES[0] + [[20, 21]], _FIVE_SLICES[1]),
+    (22, True): _FIVE_SLICES, (21, True): _FIVE_SLICES,
+    (21, False): (_FIVE_SLICES[0] + [[20]], _FIVE_SLICES[1]),
+    (2, False): ([[0, 1]], []), (2, True): ([], []),
+}
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_uneven_batches_shard_as_accelerate_does_and_each_rank_knows_every_ranks_length(split):
+    table = UNEVEN_SPLIT_SHARDS if split else UNEVEN_SHARDS
+    for (size, drop_last), expected in table.items():
+        batches = BatchSampler(range(size), batch_size=4 if split else 3, drop_last=drop_last)
+        shards = [BatchShard(batches, rank, 2, drop_last, split=split, even=False) for rank in range(2)]
+        assert [list(shard) for shard in shards] == list(expected), (size, drop_last)
+        assert [len(shard) for shard in shards] == [len(e) for e in expected], (size, drop_last)
+        assert [shards[0].steps(rank) for rank in range(2)] == [len(e) for e in expected], (size, drop_last)
+
+
 def test_split_batches_needs_a_batch_size_that_divides_by_the_world():
     with pytest.raises(ValueError, match="batch_size .* divides by the world size 2; got batch_size=3"):
         BatchShard(BatchSampler(range(8), batch_size=3, drop_last=False), 0, 2, False, split=True)
