@@ -48,6 +48,7 @@ class Accelerator:
         mixed_precision: str = "no",
         split_batches: bool = False,
         even_batches: bool = True,
+        dispatch_batches: bool | None = None,
         max_restarts: int = 0,
         strategy: str = "ddp",
         fsdp_modules: Sequence[type | str] | None = None,
@@ -190,6 +191,11 @@ class Accelerator:
     def even_batches(self) -> bool:
         """Whether prepared DataLoaders pad the last step so that every rank takes the same number of batches."""
         return self._config.even_batches
+
+    @property
+    def dispatch_batches(self) -> bool:
+        """Whether only rank 0 reads prepared DataLoaders and sends every rank its batch."""
+        return self._config.dispatch_batches
 
     @property
     def mixed_precision(self) -> MixedPrecision:

@@ -111,6 +111,9 @@ OPTIONS: tuple[Option, ...] = (
            "epoch's first samples, so that every rank takes the same number of full batches; `False`: no padding, "
            "ranks may take different numbers of steps (Accelerate's `even_batches`; DDP only, and with gradient "
            "accumulation only with `sync_each_batch`)"),
+    Option("dispatch_batches", None, "`None`, `True`, `False`", "`True`: only rank 0 reads a prepared DataLoader "
+           "(its dataset, sampler and workers) and sends every rank its batch, the same batch it would have read "
+           "itself; `None`/`False`: each rank reads its own (Accelerate's `None` dispatches an `IterableDataset`)"),
     Option("max_restarts", 0, "int ≥ 0", "in a plain launch, how many times to restart all ranks after a rank "
            "fails (with `resume()` they continue from the newest checkpoint); under torchrun and srun the "
            "launcher's own restarts and requeues apply instead"),
@@ -149,6 +152,7 @@ class Config:
     mixed_precision: MixedPrecision = MixedPrecision.NO
     split_batches: bool = False
     even_batches: bool = True
+    dispatch_batches: bool = False
     max_restarts: int = 0
     strategy: Strategy = Strategy.DDP
     fsdp_modules: tuple[str, ...] = ()  # class names (MRO-matched), not classes: picklable, and __main__-proof
@@ -219,6 +223,8 @@ def make_config(env: Environment, **options: Any) -> Config:
         mixed_precision=mixed_precision,
         split_batches=_flag("split_batches", values["split_batches"]),
         even_batches=_even_batches(values, strategy),
+        dispatch_batches=values["dispatch_batches"] is not None and _flag("dispatch_batches",
+                                                                          values["dispatch_batches"]),
         max_restarts=_count("max_restarts", values["max_restarts"], 0),
         strategy=strategy,
         fsdp_modules=_sharding_choices(strategy, values["fsdp_modules"], values["fsdp_min_params"], mixed_precision,
@@ -299,26 +305,36 @@ def from_accelerate(arguments: dict[str, Any], chosen: dict[str, Any]) -> dict[s
 
 
 # DataLoaderConfiguration fields and the values that describe qaccel's prepared loaders (other values are refused).
-_LOADER_VALUES = {"dispatch_batches": (None, False), "data_seed": (None,),
-                  "use_stateful_dataloader": (False,)}
+_LOADER_VALUES = {"data_seed": (None,), "use_stateful_dataloader": (False,)}
+
+
+_LOADER_WAYS = {
+    "data_seed": "a prepared loader's shuffling seed comes from its own generator (or torch's global RNG), drawn on "
+                 "rank 0",
+    "use_stateful_dataloader": "save_state() records where every prepared loader is, and load_state() continues "
+                               "there, mid-epoch included",
+}
 
 
 def _dataloader_config(config: Any, chosen: dict[str, Any]) -> dict[str, Any]:
-    """An Accelerate DataLoaderConfiguration (any object with its fields): ``split_batches`` is the option of that
-    name; ``use_seedable_sampler`` and ``non_blocking`` are what prepared loaders do anyway; the others must keep
-    the values qaccel's loaders have."""
+    """An Accelerate DataLoaderConfiguration (any object with its fields): ``split_batches``, ``even_batches`` and
+    ``dispatch_batches`` are the options of those names; ``use_seedable_sampler`` and ``non_blocking`` are what
+    prepared loaders do anyway; the others must keep their defaults."""
     if config is None:
         return chosen
     for field, allowed in _LOADER_VALUES.items():
         value = getattr(config, field, allowed[0])
         if not any(value is a for a in allowed):
-            raise ValueError(f"DataLoaderConfiguration({field}={value!r}) is not in qaccel: prepared loaders pad "
-                             f"the last step so that every rank takes the same number of batches, each rank reading "
-                             f"its own; leave {field} at {allowed[0]!r}")
+            raise ValueError(f"DataLoaderConfiguration({field}={value!r}) is not in qaccel: {_LOADER_WAYS[field]}; "
+                             f"leave {field} at {allowed[0]!r}")
     split = _flag("DataLoaderConfiguration.split_batches", getattr(config, "split_batches", False))
     even = _flag("DataLoaderConfiguration.even_batches", getattr(config, "even_batches", True))
+    dispatch = getattr(config, "dispatch_batches", None)
+    if dispatch is not None:
+        _flag("DataLoaderConfiguration.dispatch_batches", dispatch)
     return {**chosen, "split_batches": split or chosen.get("split_batches", False),
-            "even_batches": even and chosen.get("even_batches", True)}
+            "even_batches": even and chosen.get("even_batches", True),
+            "dispatch_batches": dispatch if dispatch is not None else chosen.get("dispatch_batches")}
 
 
 def _even_batches(values: dict[str, Any], strategy: Strategy) -> bool:

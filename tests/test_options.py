@@ -66,7 +66,7 @@ def test_accelerates_cpu_is_understood_and_its_other_arguments_name_the_qaccel_w
             Accelerator(**{name: None})
 
 
-def test_accelerates_dataloader_configuration_sets_split_and_even_batches_and_refuses_what_qaccel_lacks():
+def test_accelerates_dataloader_configuration_sets_the_loader_options_and_refuses_what_qaccel_lacks():
     from types import SimpleNamespace as DataLoaderConfiguration  # its fields, without installing Accelerate
 
     config = DataLoaderConfiguration(split_batches=True, even_batches=True, dispatch_batches=False,
@@ -77,5 +77,7 @@ def test_accelerates_dataloader_configuration_sets_split_and_even_batches_and_re
     assert (uneven.even_batches, uneven.split_batches) == (False, False)
     with pytest.raises(TypeError, match=r"DataLoaderConfiguration.even_batches must be True or False"):
         Accelerator(dataloader_config=DataLoaderConfiguration(even_batches=None))
-    with pytest.raises(ValueError, match=r"DataLoaderConfiguration\(dispatch_batches=True\) is not in qaccel"):
-        Accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=True))
+    assert Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=True)).dispatch_batches
+    with pytest.raises(ValueError, match=r"DataLoaderConfiguration\(data_seed=3\) is not in qaccel: a prepared "
+                                         r"loader's shuffling seed comes from its own generator"):
+        Accelerator(dataloader_config=DataLoaderConfiguration(data_seed=3))

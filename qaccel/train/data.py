@@ -24,7 +24,7 @@ from qaccel.comm.session import RankContext
 
 if TYPE_CHECKING:
     from qaccel.train.registry import Registry
-from qaccel.train import batch, stopping, uneven
+from qaccel.train import batch, dispatch, stopping, uneven
 
 # DataLoader arguments carried over as they are; batch_size, shuffle, sampler and drop_last live in the batch sampler.
 _CARRIED = (
@@ -85,56 +85,65 @@ class BatchShard:
         return len(sampler) % size or size
 
     def __iter__(self) -> Iterator[list]:
+        for batches in self.rounds():
+            if batches[self.rank] is not None:
+                yield batches[self.rank]
+
+    def rounds(self) -> Iterator[list[list | None]]:
+        """Every rank's batch for each step of the epoch after the steps to skip (None for a rank that takes none),
+        marking the padded steps (``padded``) and this rank's padding in them (``padding``)."""
         self.padded, self.padding = {}, {}
         skip, self.skip = self.skip, 0
-        if self.split:
-            yield from self._slices(skip)
-            return
+        source = self._slices() if self.split else self._batches()
+        for step, (batches, real, padding) in enumerate(source):  # skipped steps are drawn: later ones stay the same
+            if step < skip:
+                continue
+            if real is not None:
+                self.padded[step - skip] = real
+                if padding[self.rank]:
+                    self.padding[step - skip] = padding[self.rank]
+            yield batches
+
+    def _batches(self) -> Iterator[tuple[list, int | None, list[int] | None]]:
+        """Rank r's batch is the user's batch r of each round of N; a short last round is completed with the
+        epoch's first batches (the real samples and every rank's padding are given with it), or left short."""
+        n = self.world_size
         first: list = []
         round_: list = []
-        step = 0
-        for global_batch in self._global_batches():  # skipped batches are drawn too: later ones stay the same
-            if len(first) < self.world_size:
+        for global_batch in self._global_batches():
+            if len(first) < n:
                 first.append(global_batch)
             round_.append(global_batch)
-            if len(round_) == self.world_size:
-                if step >= skip:
-                    yield round_[self.rank]
-                round_, step = [], step + 1
-        if round_ and not self.drop_last and step >= skip and not self.even:
-            if self.rank < len(round_):
-                yield round_[self.rank]
-        elif round_ and not self.drop_last and step >= skip:
-            self.padded[step - skip] = sum(len(b) for b in round_)
-            filler = [first[i % len(first)] for i in range(self.world_size - len(round_))]
-            own = (round_ + filler)[self.rank]
-            if self.rank >= len(round_):
-                self.padding[step - skip] = len(own)
-            yield own
+            if len(round_) == n:
+                yield round_, None, None
+                round_ = []
+        if not round_ or self.drop_last:
+            return
+        if not self.even:
+            yield round_ + [None] * (n - len(round_)), None, None
+            return
+        filler = [first[i % len(first)] for i in range(n - len(round_))]
+        yield round_ + filler, sum(len(b) for b in round_), [0] * len(round_) + [len(b) for b in filler]
 
-    def _slices(self, skip: int) -> Iterator[list]:
-        """Rank r's slice of each of the user's batches; a short last batch filled up with the epoch's first."""
+    def _slices(self) -> Iterator[tuple[list, int | None, list[int] | None]]:
+        """Rank r's batch is the r-th slice of each of the user's batches; a short last batch is filled up with the
+        epoch's first samples, or its slices left short (and none for ranks past its end)."""
         size = self.batch_sampler.batch_size
         share = size // self.world_size
-        start = self.rank * share
+        starts = range(0, size, share)
         first: list = []
-        for step, whole in enumerate(self._global_batches()):
+        for whole in self._global_batches():
             if not first:
                 first = list(whole)
-            if len(whole) < size and not self.even:
-                if step >= skip and len(whole) > start:
-                    yield list(whole[start:start + share])
-                continue
-            if len(whole) < size:
+            if len(whole) == size:
+                yield [whole[start:start + share] for start in starts], None, None
+            elif not self.even:
+                yield [list(whole[start:start + share]) or None for start in starts], None, None
+            else:
                 real = len(whole)
                 whole = list(whole) + [first[i % len(first)] for i in range(size - real)]
-                if step >= skip:
-                    self.padded[step - skip] = real
-                    own_real = min(max(real - start, 0), share)
-                    if own_real < share:
-                        self.padding[step - skip] = share - own_real
-            if step >= skip:
-                yield whole[start:start + share]
+                padding = [share - min(max(real - start, 0), share) for start in starts]
+                yield [whole[start:start + share] for start in starts], real, padding
 
     def _global_batches(self) -> Iterable[list]:
         """The user's batch sampler's batches, in its order.
@@ -168,7 +177,7 @@ class PreparedDataLoader(DataLoader):
     """
 
     def __init__(self, loader: DataLoader, ctx: RankContext, seed: int, registry: Registry,
-                 split_batches: bool = False, even_batches: bool = True) -> None:
+                 split_batches: bool = False, even_batches: bool = True, dispatch_batches: bool = False) -> None:
         kwargs = {name: getattr(loader, name) for name in _CARRIED}
         dataset = loader.dataset
         self._registry = registry  # the session's: loop marks, optimizer updates, the stopper
@@ -192,6 +201,12 @@ class PreparedDataLoader(DataLoader):
         self._position: list[int] | None = None
         self._with_workers: weakref.WeakSet = weakref.WeakSet()  # iterators that started worker processes
         self._split = split_batches
+        # dispatch.py: rank 0 reads for every rank (a world of one reads for itself)
+        self._dispatch = dispatch_batches and ctx.world_size > 1
+        self._all_ranks: dispatch.AllRanks | None = None
+        if self._dispatch and isinstance(loader.sampler, DistributedSampler):
+            raise ValueError("dispatch_batches=True shares batches out itself; this DataLoader has a "
+                             "DistributedSampler of yours: leave the sampler out, or dispatch_batches off")
         if split_batches and (isinstance(dataset, IterableDataset) or isinstance(loader.sampler, DistributedSampler)):
             what = "an IterableDataset" if isinstance(dataset, IterableDataset) else "a DistributedSampler of yours"
             raise ValueError(f"split_batches=True slices the batches of a map-style dataset; this DataLoader has "
@@ -211,7 +226,10 @@ class PreparedDataLoader(DataLoader):
         batch_sampler = _with_generator(loader.batch_sampler, self._generator)
         drop_last = bool(getattr(batch_sampler, "drop_last", loader.drop_last))
         self._shard = BatchShard(batch_sampler, ctx.rank, ctx.world_size, drop_last, split_batches, even_batches)
-        super().__init__(dataset, batch_sampler=self._shard, **kwargs)
+        if self._dispatch and ctx.rank == 0:
+            self._all_ranks = dispatch.AllRanks(self._shard)
+            kwargs["in_order"] = True  # each step's batches are dealt out in the order they were drawn
+        super().__init__(dataset, batch_sampler=self._all_ranks or self._shard, **kwargs)
         # Report the user's settings, not the placeholders DataLoader sets when given a batch_sampler.
         object.__setattr__(self, "batch_size", loader.batch_size)
         object.__setattr__(self, "drop_last", drop_last)
@@ -251,10 +269,15 @@ class PreparedDataLoader(DataLoader):
         self.set_epoch(int(state["epoch"]))
         self.skip_first_batches(int(state["batches"]))
 
+    @property
+    def shard(self) -> BatchShard | None:
+        """This rank's share of the user's batch sampler (None for a stream or a DistributedSampler of the user's)."""
+        return self._shard
+
     def __len__(self) -> int:
         if self._iterable:
             return super().__len__() // self._world
-        return super().__len__()
+        return super().__len__() if self._shard is None else len(self._shard)
 
     def __iter__(self) -> Iterator[Any]:
         registry, seen = self._registry, self._seen
@@ -273,18 +296,11 @@ class PreparedDataLoader(DataLoader):
         if self._shard is not None:
             self._shard.skip = skip
         rng = torch.get_rng_state() if skip else None
-        with stopping.held():  # workers start with the armed signals held until they ignore them
-            batches = super().__iter__()
-        if hasattr(batches, "_shutdown_workers"):
-            self._with_workers.add(batches)
+        batches = self._batches(skip)
         if rng is not None:
             # Creating the iterator draws a seed from the global RNG. The interrupted run drew it when this epoch
             # began, before the RNG states were saved, so a resumed epoch must not draw again.
             torch.set_rng_state(rng)
-        if self._iterable:
-            batches = _every_nth(batches, self._rank, self._world)
-        if self._shard is None and skip:
-            batches = itertools.islice(batches, skip, None)
         position = self._position = [epoch, skip]
         shard, device, marks = self._shard, self._device, self._marks
         ragged = uneven.Epoch.of(shard, registry, self._ctx)
@@ -310,6 +326,26 @@ class PreparedDataLoader(DataLoader):
         finally:
             marks.remainder, marks.end_of_epoch, marks.padding, marks.loader, marks.steps = outer
             self._position = None
+
+    def _batches(self, skip: int) -> Iterator[Any]:
+        """This rank's batches of the epoch: read here, or received from rank 0 (dispatch_batches)."""
+        if self._dispatch and self._rank > 0:
+            # what creating a DataLoader iterator draws, so that every rank's RNG goes on as without dispatching
+            torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+            return dispatch.receive_stream() if self._iterable else dispatch.receive(iter(self._shard))
+        with stopping.held():  # workers start with the armed signals held until they ignore them
+            batches = super().__iter__()
+        if hasattr(batches, "_shutdown_workers"):
+            self._with_workers.add(batches)
+        if self._all_ranks is not None:
+            return dispatch.deal(batches, self._all_ranks)
+        if self._iterable:
+            if self._dispatch:
+                return dispatch.deal_stream(batches, self._ctx, skip)
+            batches = _every_nth(batches, self._rank, self._world)
+        if self._shard is None and skip:
+            batches = itertools.islice(batches, skip, None)
+        return batches
 
     @property
     def remainder(self) -> int:

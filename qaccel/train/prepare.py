@@ -38,7 +38,8 @@ def prepare_one(obj: Any, ctx: RankContext, config: Config, registry: Registry) 
         return prepared
     if isinstance(obj, DataLoader) and not isinstance(obj, data.PreparedDataLoader):
         seed = collectives.broadcast(data.shared_seed(obj), 0, ctx)
-        loader = data.PreparedDataLoader(obj, ctx, seed, registry, config.split_batches, config.even_batches)
+        loader = data.PreparedDataLoader(obj, ctx, seed, registry, config.split_batches, config.even_batches,
+                                         config.dispatch_batches)
         registry.loaders.append(loader)
         if registry.stopper is not None:  # prepared after resume()
             stopping.shield_workers(loader)

@@ -37,7 +37,7 @@ def overridden(registry: Registry, config: Config, even: bool) -> Iterator[None]
         raise TypeError(f"even_batches must be True, False or None; got {even!r}")
     if not even:
         check_uneven(config.strategy, config.gradient_accumulation_steps, config.sync_each_batch)
-    shards = [loader.batch_sampler for loader in registry.loaders if hasattr(loader.batch_sampler, "even")]
+    shards = [loader.shard for loader in registry.loaders if loader.shard is not None]
     before = [shard.even for shard in shards]
     for shard in shards:
         shard.even = even

@@ -103,6 +103,7 @@ class TrainConfig:
     mixed_precision: str = "no"
     split_batches: bool = False
     even_batches: bool = True
+    dispatch_batches: bool | None = None
     max_restarts: int = 0
     strategy: str = "ddp"
     fsdp_modules: Sequence[type | str] | None = None
