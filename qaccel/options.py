@@ -304,6 +304,22 @@ def from_accelerate(arguments: dict[str, Any], chosen: dict[str, Any]) -> dict[s
     return chosen
 
 
+@dataclass(frozen=True)
+class DataLoaderConfiguration:
+    """Accelerate's grouping of the prepared loaders' options, for scripts that pass one: ``split_batches``,
+    ``even_batches`` and ``dispatch_batches`` are qaccel's options of those names; ``use_seedable_sampler`` and
+    ``non_blocking`` are what prepared loaders do anyway; ``data_seed`` and ``use_stateful_dataloader`` are
+    refused (qaccel's ways are named then)."""
+
+    split_batches: bool = False
+    dispatch_batches: bool | None = None
+    even_batches: bool = True
+    use_seedable_sampler: bool = False
+    data_seed: int | None = None
+    non_blocking: bool = False
+    use_stateful_dataloader: bool = False
+
+
 # DataLoaderConfiguration fields and the values that describe qaccel's prepared loaders (other values are refused).
 _LOADER_VALUES = {"data_seed": (None,), "use_stateful_dataloader": (False,)}
 

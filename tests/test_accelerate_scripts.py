@@ -37,6 +37,15 @@ def test_srun_runs_the_script_unchanged(tmp_path, slurm_cluster):
     _result(proc, tmp_path / "srun")
 
 
+def test_accelerates_own_even_batches_checks_pass_under_torchrun_and_distribute(tmp_path):
+    script = script_file("accelerate_data_loop.py")
+    for proc in (run_torchrun(script, cwd=tmp_path, timeout=150),
+                 run_script(script, "--distribute", cwd=tmp_path, timeout=150)):
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        [result] = result_lines(proc.stdout)
+        assert len(result["passed"]) == 6
+
+
 def test_a_rank_raising_outside_distribute_ends_the_torchrun_job_with_its_error(tmp_path):
     started = time.monotonic()
     proc = run_torchrun(script_file("accelerate_raises.py"), cwd=tmp_path, timeout=120)

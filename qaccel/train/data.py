@@ -61,6 +61,11 @@ class BatchShard:
         self.padding: dict[int, int] = {}  # step -> samples at the end of this rank's batch that are padding
         self.skip = 0  # own batches to pass over at the start of the next epoch (resuming mid-epoch)
 
+    @property
+    def even_batches(self) -> bool:
+        """Accelerate's name for ``even``."""
+        return self.even
+
     def __len__(self) -> int:
         return self.steps(self.rank)
 
@@ -105,25 +110,54 @@ class BatchShard:
             yield batches
 
     def _batches(self) -> Iterator[tuple[list, int | None, list[int] | None]]:
-        """Rank r's batch is the user's batch r of each round of N; a short last round is completed with the
-        epoch's first batches (the real samples and every rank's padding are given with it), or left short."""
+        """Rank r's batch is the user's batch r of each round of N. An incomplete last round, or one ending in a
+        short batch, is completed (Accelerate's way) with the epoch's first samples, or left as it is."""
         n = self.world_size
         first: list = []
         round_: list = []
+        held = None  # a complete round, yielded once a later batch shows it is not the epoch's last
         for global_batch in self._global_batches():
+            if held is not None:
+                yield held, None, None
+                held = None
             if len(first) < n:
                 first.append(global_batch)
             round_.append(global_batch)
             if len(round_) == n:
-                yield round_, None, None
-                round_ = []
-        if not round_ or self.drop_last:
+                held, round_ = round_, []
+        last = held if held is not None else round_
+        if not last:
             return
-        if not self.even:
-            yield round_ + [None] * (n - len(round_)), None, None
+        size = getattr(self.batch_sampler, "batch_size", None)
+        complete = len(last) == n and (size is None or len(last[-1]) >= size or n == 1)  # one process: nothing to even
+        if self.drop_last or not self.even or complete:
+            if held is not None:
+                yield held, None, None
+            elif not self.drop_last and not self.even:
+                yield last + [None] * (n - len(last)), None, None
             return
-        filler = [first[i % len(first)] for i in range(n - len(round_))]
-        yield round_ + filler, sum(len(b) for b in round_), [0] * len(round_) + [len(b) for b in filler]
+        yield self._completed(last, first, size)
+
+    def _completed(self, last: list, first: list, size: int | None) -> tuple[list, int, list[int]]:
+        """The last round filled up: a short last batch first, then whole batches for the ranks without one, from
+        the epoch's first samples repeated (whole first batches when batches have no fixed size)."""
+        n = self.world_size
+        real = sum(len(b) for b in last)
+        if size is None:
+            filler = [first[i % len(first)] for i in range(n - len(last))]
+            return last + filler, real, [0] * len(last) + [len(b) for b in filler]
+        initial = [i for b in first for i in b]
+        while len(initial) < n * size:
+            initial += initial
+        batches, padding = list(last), [0] * n
+        used = size - len(last[-1])
+        batches[-1] = list(last[-1]) + initial[:used]
+        padding[len(last) - 1] = used
+        for rank in range(len(last), n):
+            batches.append(initial[used:used + size])
+            padding[rank] = size
+            used += size
+        return batches, real, padding
 
     def _slices(self) -> Iterator[tuple[list, int | None, list[int] | None]]:
         """Rank r's batch is the r-th slice of each of the user's batches; a short last batch is filled up with the

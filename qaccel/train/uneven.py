@@ -14,6 +14,7 @@ Any other collective in a lone step would wait forever for the ranks that ran ou
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import TYPE_CHECKING, Iterator
 
 import torch
@@ -38,6 +39,10 @@ def overridden(registry: Registry, config: Config, even: bool) -> Iterator[None]
     if not even:
         check_uneven(config.strategy, config.gradient_accumulation_steps, config.sync_each_batch)
     shards = [loader.shard for loader in registry.loaders if loader.shard is not None]
+    if len(shards) < len(registry.loaders) and not even:
+        warnings.warn("join_uneven_inputs(even_batches=False) is only supported for map-style datasets: prepared "
+                      "DataLoaders of a stream (or with a DistributedSampler of yours) keep their own ending",
+                      stacklevel=3)
     before = [shard.even for shard in shards]
     for shard in shards:
         shard.even = even

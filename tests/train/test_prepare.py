@@ -238,6 +238,33 @@ def test_split_batches_shards_as_accelerate_does(size, drop_last):
     assert [len(shard) for shard in shards] == [len(SPLIT_SHARDS[size, drop_last][0])] * 2
 
 
+# Accelerate's expected shards by default (tests/test_data_loader.py): BatchSampler(range(N), batch_size=3, drop_last),
+# 2 ranks; an incomplete last round, or a short last batch, is filled up with the epoch's first samples.
+_FIRST_3_ROUNDS = ([[0, 1, 2], [6, 7, 8], [12, 13, 14]], [[3, 4, 5], [9, 10, 11], [15, 16, 17]])
+PADDED_SHARDS = {
+    (24, False): ([[0, 1, 2], [6, 7, 8], [12, 13, 14], [18, 19, 20]], [[3, 4, 5], [9, 10, 11], [15, 16, 17],
+                                                                       [21, 22, 23]]),
+    (21, False): (_FIRST_3_ROUNDS[0] + [[18, 19, 20]], _FIRST_3_ROUNDS[1] + [[0, 1, 2]]),
+    (22, False): (_FIRST_3_ROUNDS[0] + [[18, 19, 20]], _FIRST_3_ROUNDS[1] + [[21, 0, 1]]),
+    (20, False): (_FIRST_3_ROUNDS[0] + [[18, 19, 0]], _FIRST_3_ROUNDS[1] + [[1, 2, 3]]),
+    (21, True): _FIRST_3_ROUNDS, (22, True): _FIRST_3_ROUNDS, (20, True): _FIRST_3_ROUNDS,
+    (2, False): ([[0, 1, 0]], [[1, 0, 1]]), (2, True): ([], []),
+}
+
+
+@pytest.mark.parametrize("size, drop_last", list(PADDED_SHARDS))
+def test_padded_shards_are_accelerates_and_mark_the_padding(size, drop_last):
+    batches = BatchSampler(range(size), batch_size=3, drop_last=drop_last)
+    shards = [BatchShard(batches, rank, 2, drop_last) for rank in range(2)]
+    got = [list(shard) for shard in shards]
+    assert got == list(PADDED_SHARDS[size, drop_last])
+    if shards[0].padded:  # the padded step's real samples come first, each once, and the marks count the rest
+        step = len(got[0]) - 1
+        last = got[0][step] + got[1][step]
+        assert sorted(last[:shards[0].padded[step]]) == list(range(size - size % 6, size))
+        assert sum(shard.padding.get(step, 0) for shard in shards) == 6 - shards[0].padded[step]
+
+
 # Accelerate's expected shards for even_batches=False (tests/test_data_loader.py), 2 ranks: BatchSampler(range(N),
 # batch_size=3, drop_last) by batch, and batch_size=4 with split_batches; rank 0's batches, then rank 1's.
 _FULL_3 = ([[0, 1, 2], [6, 7, 8], [12, 13, 14], [18, 19, 20]], [[3, 4, 5], [9, 10, 11], [15, 16, 17], [21, 22, 23]])
