@@ -14,14 +14,14 @@ __version__ = "0.1.0"
 
 from qaccel.accelerator import Accelerator
 from qaccel.errors import CheckpointError, CollectiveMismatchError, Preempted, QaccelError, RankError, RankKilledError
-from qaccel.options import DataLoaderConfiguration
+from qaccel.options import DataLoaderConfiguration, GradientAccumulationPlugin
 from qaccel.train.batch_size import find_executable_batch_size, should_reduce_batch_size
 from qaccel.train.checkpoint import consolidate
 from qaccel.trainer.config import TrainConfig
 from qaccel.trainer.trainer import Trainer
 
 __all__ = [
-    "Accelerator", "DataLoaderConfiguration", "Preempted", "consolidate", "CheckpointError", "CollectiveMismatchError",
+    "Accelerator", "DataLoaderConfiguration", "GradientAccumulationPlugin", "Preempted", "consolidate", "CheckpointError", "CollectiveMismatchError",
     "QaccelError", "RankError", "RankKilledError", "TrainConfig", "Trainer", "__version__",
     "find_executable_batch_size", "should_reduce_batch_size",
 ]

@@ -49,6 +49,7 @@ class Accelerator:
         split_batches: bool = False,
         even_batches: bool = True,
         dispatch_batches: bool | None = None,
+        step_scheduler_with_optimizer: bool = False,
         max_restarts: int = 0,
         strategy: str = "ddp",
         fsdp_modules: Sequence[type | str] | None = None,
@@ -518,7 +519,8 @@ class Accelerator:
         alongside, DataLoaders sharded; one in, one out.
 
         Several objects come back as a tuple in the same order; anything else passes through unchanged.
-        LR schedulers come back as they are: step them as before, once per optimizer step.
+        LR schedulers come back as they are: step them as before, once per optimizer step (with
+        ``step_scheduler_with_optimizer=True``, wrapped to step as Accelerate's do).
         """
         self._inside_ranks("prepare()")
         ctx = self._live()

@@ -114,6 +114,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("dispatch_batches", None, "`None`, `True`, `False`", "`True`: only rank 0 reads a prepared DataLoader "
            "(its dataset, sampler and workers) and sends every rank its batch, the same batch it would have read "
            "itself; `None`/`False`: each rank reads its own (Accelerate's `None` dispatches an `IterableDataset`)"),
+    Option("step_scheduler_with_optimizer", False, "`True`, `False`", "`True`: a prepared LR scheduler's `step()` "
+           "does nothing on accumulation micro-steps or when fp16 skipped the update, and steps once per rank on an "
+           "update (once with `split_batches`), as Accelerate's does by default: for a schedule sized on the "
+           "unprepared DataLoader's length; `False`: prepared schedulers are yours, step them once per update"),
     Option("max_restarts", 0, "int ≥ 0", "in a plain launch, how many times to restart all ranks after a rank "
            "fails (with `resume()` they continue from the newest checkpoint); under torchrun and srun the "
            "launcher's own restarts and requeues apply instead"),
@@ -153,6 +157,7 @@ class Config:
     split_batches: bool = False
     even_batches: bool = True
     dispatch_batches: bool = False
+    step_scheduler_with_optimizer: bool = False
     max_restarts: int = 0
     strategy: Strategy = Strategy.DDP
     fsdp_modules: tuple[str, ...] = ()  # class names (MRO-matched), not classes: picklable, and __main__-proof
@@ -225,6 +230,7 @@ def make_config(env: Environment, **options: Any) -> Config:
         even_batches=_even_batches(values, strategy),
         dispatch_batches=values["dispatch_batches"] is not None and _flag("dispatch_batches",
                                                                           values["dispatch_batches"]),
+        step_scheduler_with_optimizer=_flag("step_scheduler_with_optimizer", values["step_scheduler_with_optimizer"]),
         max_restarts=_count("max_restarts", values["max_restarts"], 0),
         strategy=strategy,
         fsdp_modules=_sharding_choices(strategy, values["fsdp_modules"], values["fsdp_min_params"], mixed_precision,
@@ -275,9 +281,6 @@ ACCELERATE_ONLY = {
                  "epoch); synchronize_rng_states() syncs generators by hand",
     "log_with": "the Trainer tracks metrics (TrainConfig(tracking_tool=...)); with distribute(), log on rank 0",
     "project_config": "project_dir=...",
-    "gradient_accumulation_plugin": "gradient_accumulation_steps=... and sync_each_batch=...",
-    "step_scheduler_with_optimizer": "qaccel never steps a scheduler for you: step it after optimizer.step() when "
-                                     "sync_gradients",
     "kwargs_handlers": "DDP and process-group settings are qaccel's (timeout=... sets the collective timeout)",
     "dynamo_backend": "torch.compile(model) before prepare()",
     "dynamo_plugin": "torch.compile(model) before prepare()",
@@ -296,11 +299,14 @@ def from_accelerate(arguments: dict[str, Any], chosen: dict[str, Any]) -> dict[s
                 chosen["compute_setup"] = "cpu"
         elif name == "dataloader_config":
             chosen = _dataloader_config(value, chosen)
+        elif name == "gradient_accumulation_plugin":
+            chosen = _accumulation_plugin(value, chosen)
         elif name in ACCELERATE_ONLY:
             raise TypeError(f"Accelerator({name}=...) is Accelerate's; in qaccel: {ACCELERATE_ONLY[name]}")
         else:
             raise TypeError(f"Accelerator() got an unexpected argument {name!r}; the options are "
-                            f"{', '.join(NAMES)} (and Accelerate's cpu=True and dataloader_config=...)")
+                            f"{', '.join(NAMES)} (and Accelerate's cpu=True, dataloader_config=... and "
+                            "gradient_accumulation_plugin=...)")
     return chosen
 
 
@@ -318,6 +324,36 @@ class DataLoaderConfiguration:
     data_seed: int | None = None
     non_blocking: bool = False
     use_stateful_dataloader: bool = False
+
+
+@dataclass(frozen=True)
+class GradientAccumulationPlugin:
+    """Accelerate's grouping of the accumulation options, for scripts that pass one: ``num_steps`` is
+    ``gradient_accumulation_steps``, ``sync_each_batch`` the option of that name; an epoch's last batch always
+    synchronises (``sync_with_dataloader``), and ``adjust_scheduler`` is what step_scheduler_with_optimizer does."""
+
+    num_steps: int | None = None
+    adjust_scheduler: bool = True
+    sync_with_dataloader: bool = True
+    sync_each_batch: bool = False
+
+
+def _accumulation_plugin(plugin: Any, chosen: dict[str, Any]) -> dict[str, Any]:
+    """An Accelerate GradientAccumulationPlugin (any object with its fields) as qaccel's options."""
+    if plugin is None:
+        return chosen
+    if getattr(plugin, "sync_with_dataloader", True) is not True:
+        raise ValueError("GradientAccumulationPlugin(sync_with_dataloader=False) is not in qaccel: an epoch's last "
+                         "batch always synchronises and updates")
+    steps = getattr(plugin, "num_steps", None)
+    each = _flag("GradientAccumulationPlugin.sync_each_batch", getattr(plugin, "sync_each_batch", False))
+    chosen = {**chosen, "sync_each_batch": each or chosen.get("sync_each_batch", False)}
+    if steps is not None:
+        if chosen.get("gradient_accumulation_steps", 1) not in (1, steps):
+            raise ValueError(f"GradientAccumulationPlugin(num_steps={steps}) contradicts "
+                             f"gradient_accumulation_steps={chosen['gradient_accumulation_steps']}")
+        chosen["gradient_accumulation_steps"] = steps
+    return chosen
 
 
 # DataLoaderConfiguration fields and the values that describe qaccel's prepared loaders (other values are refused).

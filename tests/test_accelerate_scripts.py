@@ -46,6 +46,13 @@ def test_accelerates_own_even_batches_checks_pass_under_torchrun_and_distribute(
         assert len(result["passed"]) == 6
 
 
+def test_accelerates_own_accumulation_checks_pass_for_every_split_dispatch_and_sync_each_batch(tmp_path):
+    proc = run_script(script_file("accelerate_sync.py"), cwd=tmp_path, timeout=200)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    [result] = result_lines(proc.stdout)
+    assert result["ranks"] == [17, 17]
+
+
 def test_a_rank_raising_outside_distribute_ends_the_torchrun_job_with_its_error(tmp_path):
     started = time.monotonic()
     proc = run_torchrun(script_file("accelerate_raises.py"), cwd=tmp_path, timeout=120)

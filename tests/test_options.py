@@ -81,3 +81,15 @@ def test_accelerates_dataloader_configuration_sets_the_loader_options_and_refuse
     with pytest.raises(ValueError, match=r"DataLoaderConfiguration\(data_seed=3\) is not in qaccel: a prepared "
                                          r"loader's shuffling seed comes from its own generator"):
         Accelerator(dataloader_config=DataLoaderConfiguration(data_seed=3))
+
+
+def test_accelerates_accumulation_plugin_sets_the_accumulation_options():
+    from qaccel import GradientAccumulationPlugin
+
+    acc = Accelerator(cpu=True, gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=4, sync_each_batch=True))
+    assert (acc.gradient_accumulation_steps, acc._config.sync_each_batch) == (4, True)
+    with pytest.raises(ValueError, match=r"num_steps=4\) contradicts gradient_accumulation_steps=2"):
+        Accelerator(gradient_accumulation_steps=2, gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=4))
+    with pytest.raises(ValueError, match="sync_with_dataloader=False. is not in qaccel"):
+        Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(sync_with_dataloader=False))
+

@@ -15,6 +15,7 @@ from qaccel.options import Config, MixedPrecision, Strategy
 from qaccel.train import data, precision, sharding, stopping
 from qaccel.train.gradients import PreparedOptimizer
 from qaccel.train.registry import Registry
+from qaccel.train.schedulers import PreparedScheduler
 
 
 def prepare_one(obj: Any, ctx: RankContext, config: Config, registry: Registry) -> Any:
@@ -44,8 +45,12 @@ def prepare_one(obj: Any, ctx: RankContext, config: Config, registry: Registry) 
         if registry.stopper is not None:  # prepared after resume()
             stopping.shield_workers(loader)
         return loader
+    if isinstance(obj, PreparedScheduler):
+        return obj
     if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and not any(obj is s for s in registry.schedulers):
         registry.schedulers.append(obj)
+        if config.step_scheduler_with_optimizer:
+            return PreparedScheduler(obj, registry, 1 if config.split_batches else ctx.world_size)
     return obj
 
 

@@ -99,6 +99,11 @@ class GradientState:
         return self._registry.marks.loader is not None
 
     @property
+    def active_dataloader(self) -> PreparedDataLoader | None:
+        """The prepared DataLoader whose loop is running (the innermost), or None."""
+        return self._registry.marks.loader
+
+    @property
     def end_of_dataloader(self) -> bool:
         """Whether the loop's current batch is its epoch's last."""
         return self.in_dataloader and self._registry.marks.end_of_epoch

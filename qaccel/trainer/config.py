@@ -104,6 +104,7 @@ class TrainConfig:
     split_batches: bool = False
     even_batches: bool = True
     dispatch_batches: bool | None = None
+    step_scheduler_with_optimizer: bool = False
     max_restarts: int = 0
     strategy: str = "ddp"
     fsdp_modules: Sequence[type | str] | None = None

@@ -1,0 +1,45 @@
+"""step_scheduler_with_optimizer=True: prepared LR schedulers stepped as Accelerate steps them.
+
+Accelerate sizes a schedule on the unprepared DataLoader's length, the batches of all ranks together, and makes up
+for it in the scheduler: a prepared scheduler's ``step()`` does nothing on accumulation micro-steps or when fp16
+skipped the update, and steps N times on an update of N ranks (once with split_batches, where the loader's batch
+is already the batch of all ranks). Without the option, a prepared scheduler is returned as it is.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from qaccel.train.registry import Registry
+
+
+class PreparedScheduler:
+    """A scheduler whose ``step()`` follows the prepared optimizers' updates; everything else is the scheduler's."""
+
+    def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler, registry: Registry,
+                 steps_per_update: int) -> None:
+        self.scheduler = scheduler
+        self._registry = registry
+        self._steps_per_update = steps_per_update
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        registry = self._registry
+        if not registry.sync_gradients or any(o.step_was_skipped for o in registry.optimizers):
+            return
+        total = getattr(self.scheduler, "total_steps", None)  # OneCycleLR raises past its end
+        for _ in range(self._steps_per_update):
+            if total is not None and self.scheduler._step_count > total:
+                return
+            self.scheduler.step(*args, **kwargs)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state)
+
+    def __getattr__(self, name: str) -> Any:  # get_last_lr, last_epoch, optimizer, ...
+        return getattr(self.scheduler, name)
