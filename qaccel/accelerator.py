@@ -519,8 +519,8 @@ class Accelerator:
         alongside, DataLoaders sharded; one in, one out.
 
         Several objects come back as a tuple in the same order; anything else passes through unchanged.
-        LR schedulers come back as they are: step them as before, once per optimizer step (with
-        ``step_scheduler_with_optimizer=True``, wrapped to step as Accelerate's do).
+        LR schedulers come back as they are: step them as before, once per optimizer step. Accelerate steps
+        prepared schedulers for you instead; ``step_scheduler_with_optimizer=True`` wraps them to do the same.
         """
         self._inside_ranks("prepare()")
         ctx = self._live()

@@ -1,11 +1,13 @@
 """A training script as Accelerate's guides write one (a classifier with an LR scheduler, evaluation through
-gather_for_metrics, save_state every epoch, the model saved by the main process), with only its import changed to
-qaccel. Logging is set up at the top, the Dataset class is the script's own and the loaders use 2 workers.
+gather_for_metrics, save_state every epoch, the model saved by the main process), with its import changed to
+qaccel and ``step_scheduler_with_optimizer=True`` (Accelerate's default; qaccel's leaves schedulers to you).
+Logging is set up at the top, the Dataset class is the script's own and the loaders use 2 workers.
 
     torchrun --nproc_per_node 2 accelerate_guide.py OUT     # as Accelerate's guides run it: main() on every rank
     python accelerate_guide.py OUT --distribute             # qaccel starts 2 ranks: distribute(main)
 
-Prints ``RESULT {"accuracy": ..., "seen": ..., "hash": ...}`` once (the main process)."""
+Prints ``RESULT {"accuracy": ..., "seen": ..., "hash": ..., "lr": ..., "steps": ...}`` once (the main
+process)."""
 
 import hashlib
 import json
@@ -39,7 +41,7 @@ class Digits(Dataset):
 
 def main():
     out = sys.argv[1]
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator(cpu=True, step_scheduler_with_optimizer=True)  # Accelerate's default
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(1, 8, 3), torch.nn.ReLU(), torch.nn.Flatten(),
                                 torch.nn.Linear(8 * 6 * 6, 10))
@@ -47,7 +49,8 @@ def main():
     train = DataLoader(Digits(512, 1), batch_size=16, shuffle=True, num_workers=2,
                        generator=torch.Generator().manual_seed(7))
     evaluation = DataLoader(Digits(300, 2), batch_size=32, num_workers=2)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=3 * len(train) // 2 + 3)
+    # sized on the unprepared loader, as Accelerate's guides size it: step_scheduler_with_optimizer=True below
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=3 * len(train))
     model, optimizer, train, evaluation, scheduler = accelerator.prepare(model, optimizer, train, evaluation,
                                                                          scheduler)
     for epoch in range(3):
@@ -73,12 +76,13 @@ def main():
         weights = accelerator.unwrap_model(model).state_dict()
         accelerator.save(weights, f"{out}/model.pt")
         digest = hashlib.sha256(b"".join(w.numpy().tobytes() for w in weights.values())).hexdigest()
-        print("RESULT " + json.dumps({"accuracy": correct / seen, "seen": seen, "hash": digest}), flush=True)
+        print("RESULT " + json.dumps({"accuracy": correct / seen, "seen": seen, "hash": digest,
+                                      "lr": scheduler.get_last_lr()[0], "steps": scheduler.last_epoch}), flush=True)
     accelerator.end_training()
 
 
 if __name__ == "__main__":
     if "--distribute" in sys.argv:
-        Accelerator(nprocs=2, cpu=True).distribute(main)()
+        Accelerator(nprocs=2, cpu=True, step_scheduler_with_optimizer=True).distribute(main)()
     else:
         main()
