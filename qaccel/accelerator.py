@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import functools
 import os
+import sys
 import warnings
 from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
@@ -458,6 +459,8 @@ class Accelerator:
         registry, ctx = self._registry(), self._live()
         registry.checkpoints = (os.fspath(directory), keep)
         loaded = checkpoint.load_state(directory, registry, ctx, missing_ok=True, fall_back=True)
+        if loaded is not None and ctx.rank == 0:
+            print(checkpoint.resumed_line(loaded, registry, ctx), file=sys.stderr, flush=True)
         if registry.stopper is None:
             registry.stopper = stopping.Stopper(ctx, self.save_state, requeue)
             for loader in registry.loaders:

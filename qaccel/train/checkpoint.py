@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import errno
 import glob
+import hashlib
 import json
 import os
 import random
@@ -447,9 +448,13 @@ def _check_fit(found: str, read: _Read, registry: Registry, ctx: RankContext) ->
                     f"checkpoint {found} was not written for this run's optimizer {j}: optimizer_{j}.pt has parameter "
                     f"groups of {saved_sizes} parameters, the prepared optimizer {sizes}; nothing was loaded",
                     found, os.path.join(found, f"optimizer_{j}.pt"))
-    if read.rng is None:
-        raise CheckpointError(f"checkpoint {found} has no RNG states for rank {ctx.rank}: it was saved by a world of "
-                              f"{read.marker.get('world_size', 'fewer')} ranks; nothing was loaded", found)
+    if read.rng is None and _world(read.marker, ctx) == ctx.world_size:
+        raise CheckpointError(f"checkpoint {found} has no RNG states for rank {ctx.rank}; nothing was loaded", found)
+
+
+def _world(marker: dict[str, Any], ctx: RankContext) -> int:
+    """The number of ranks that wrote a checkpoint."""
+    return int(marker.get("world_size", ctx.world_size))
 
 
 def _target(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
@@ -491,8 +496,34 @@ def _apply(found: str, read: _Read, registry: Registry, ctx: RankContext) -> Non
             obj.load_state_dict(saved)
     if registry.scaler is not None:
         registry.scaler.load_state_dict(read.parts["scaler"][0])
-    _set_rng_state(read.rng)
+    if _world(read.marker, ctx) == ctx.world_size:
+        _set_rng_state(read.rng)
+    else:  # one rank's states cannot stand for another's: every rank derives its own
+        seed = read.parts["loader"][0]["seed"] if read.parts["loader"] else 0
+        _seed_rng_states(seed, int(read.marker["step"]), ctx.rank)
     registry.updates = int(read.marker["step"])
+
+
+def resumed_line(found: str, registry: Registry, ctx: RankContext) -> str:
+    """What resume() did, in one line: the checkpoint, the world that wrote it and this one, where the first
+    prepared loader goes on, and what became of the batch of all ranks together."""
+    written = _world(_marker(found), ctx)
+    line = f"qaccel: resumed {os.path.basename(found)} (written by {written} rank{'s' * (written != 1)})"
+    line += f" on {ctx.world_size} rank{'s' * (ctx.world_size != 1)}"
+    if not registry.loaders:
+        return line
+    loader = registry.loaders[0]
+    try:
+        of = f" of {len(loader)}"
+    except TypeError:  # a stream without a length
+        of = ""
+    line += f" at epoch {loader.epoch}, batch {loader.batches_to_skip}{of}"
+    if written == ctx.world_size or loader.batch_size is None:
+        return line
+    if loader.shard is not None and loader.shard.split:
+        return line + f"; global batch {loader.batch_size} kept (split_batches)"
+    return (line + f"; batch per rank {loader.batch_size} kept, so the global batch changes from "
+            f"{loader.batch_size * written} to {loader.batch_size * ctx.world_size} (split_batches=True keeps it)")
 
 
 def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, model: int = 0) -> str:
@@ -536,6 +567,16 @@ def _rng_state() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
     }
+
+
+def _seed_rng_states(seed: int, step: int, rank: int) -> None:
+    """Seed every random generator from the run's shuffling seed, the step and the rank: deterministic, and
+    different on every rank (a resume on another number of ranks)."""
+    digest = hashlib.blake2b(f"{seed}/{step}/{rank}".encode(), digest_size=8).digest()
+    derived = int.from_bytes(digest, "big") % 2**63
+    random.seed(derived)
+    np.random.seed(derived % 2**32)
+    torch.manual_seed(derived)  # CUDA's generators too
 
 
 def _set_rng_state(saved: dict[str, Any]) -> None:

@@ -59,7 +59,9 @@ class BatchShard:
                                  f"together) divides by the world size {world_size}; got batch_size={size!r}")
         self.padded: dict[int, int] = {}  # step -> real samples in that gathered step (padded steps only)
         self.padding: dict[int, int] = {}  # step -> samples at the end of this rank's batch that are padding
-        self.skip = 0  # own batches to pass over at the start of the next epoch (resuming mid-epoch)
+        # the user's batches the next epoch passes over (resuming mid-epoch: the position in the epoch's global
+        # stream of batches, which any world continues)
+        self.start = 0
 
     @property
     def even_batches(self) -> bool:
@@ -69,9 +71,9 @@ class BatchShard:
     def __len__(self) -> int:
         return self.steps(self.rank)
 
-    def steps(self, rank: int) -> int:
-        """How many batches rank ``rank`` takes in an epoch."""
-        batches = len(self.batch_sampler)
+    def steps(self, rank: int, start: int = 0) -> int:
+        """How many batches rank ``rank`` takes in an epoch, or in its rest from the user's batch ``start`` on."""
+        batches = max(len(self.batch_sampler) - start, 0)
         if self.split:
             return batches - (not self.even and self._last_size() <= rank * self.batch_sampler.batch_size
                               // self.world_size)
@@ -95,33 +97,40 @@ class BatchShard:
                 yield batches[self.rank]
 
     def rounds(self) -> Iterator[list[list | None]]:
-        """Every rank's batch for each step of the epoch after the steps to skip (None for a rank that takes none),
-        marking the padded steps (``padded``) and this rank's padding in them (``padding``)."""
+        """Every rank's batch for each step of the epoch from ``start`` on (None for a rank that takes none),
+        marking the padded steps (``padded``) and this rank's padding in them (``padding``), counted from there."""
         self.padded, self.padding = {}, {}
-        skip, self.skip = self.skip, 0
-        source = self._slices() if self.split else self._batches()
-        for step, (batches, real, padding) in enumerate(source):  # skipped steps are drawn: later ones stay the same
-            if step < skip:
-                continue
+        start, self.start = self.start, 0
+        source = self._slices(start) if self.split else self._batches(start)
+        for step, (batches, real, padding) in enumerate(source):
             if real is not None:
-                self.padded[step - skip] = real
+                self.padded[step] = real
                 if padding[self.rank]:
-                    self.padding[step - skip] = padding[self.rank]
+                    self.padding[step] = padding[self.rank]
             yield batches
 
-    def _batches(self) -> Iterator[tuple[list, int | None, list[int] | None]]:
-        """Rank r's batch is the user's batch r of each round of N. An incomplete last round, or one ending in a
-        short batch, is completed (Accelerate's way) with the epoch's first samples, or left as it is."""
+    @property
+    def unit(self) -> int:
+        """The user's batches one step of all ranks takes."""
+        return 1 if self.split else self.world_size
+
+    def _batches(self, start: int = 0) -> Iterator[tuple[list, int | None, list[int] | None]]:
+        """Rank r's batch is the user's batch r of each round of N, from batch ``start`` on. An incomplete last
+        round, or one ending in a short batch, is completed (Accelerate's way) with the epoch's first samples, or
+        left as it is."""
         n = self.world_size
         first: list = []
         round_: list = []
         held = None  # a complete round, yielded once a later batch shows it is not the epoch's last
-        for global_batch in self._global_batches():
+        # batches passed over are drawn too, so that the later ones stay the same
+        for index, global_batch in enumerate(self._global_batches()):
+            if len(first) < n:
+                first.append(global_batch)
+            if index < start:
+                continue
             if held is not None:
                 yield held, None, None
                 held = None
-            if len(first) < n:
-                first.append(global_batch)
             round_.append(global_batch)
             if len(round_) == n:
                 held, round_ = round_, []
@@ -159,16 +168,19 @@ class BatchShard:
             used += size
         return batches, real, padding
 
-    def _slices(self) -> Iterator[tuple[list, int | None, list[int] | None]]:
-        """Rank r's batch is the r-th slice of each of the user's batches; a short last batch is filled up with the
-        epoch's first samples, or its slices left short (and none for ranks past its end)."""
+    def _slices(self, start: int = 0) -> Iterator[tuple[list, int | None, list[int] | None]]:
+        """Rank r's batch is the r-th slice of each of the user's batches from batch ``start`` on; a short last
+        batch is filled up with the epoch's first samples, or its slices left short (and none for ranks past its
+        end)."""
         size = self.batch_sampler.batch_size
         share = size // self.world_size
         starts = range(0, size, share)
         first: list = []
-        for whole in self._global_batches():
+        for index, whole in enumerate(self._global_batches()):
             if not first:
                 first = list(whole)
+            if index < start:
+                continue
             if len(whole) == size:
                 yield [whole[start:start + share] for start in starts], None, None
             elif not self.even:
@@ -229,7 +241,8 @@ class PreparedDataLoader(DataLoader):
         self._shard: BatchShard | None = None
         self._user_sampler: DistributedSampler | None = None
         self._auto_epoch = 0
-        self._skip = 0
+        # the user's batches (all ranks' together) the next epoch passes over: a position any world continues
+        self._start = 0
         # [epoch, batches done] while an epoch is in progress; a list updated in place, since every attribute
         # assignment on a DataLoader goes through its Python __setattr__ (~0.4 us per batch)
         self._position: list[int] | None = None
@@ -280,28 +293,52 @@ class PreparedDataLoader(DataLoader):
         self._epoch = epoch
 
     def skip_first_batches(self, num_batches: int) -> None:
-        """Pass over this rank's first ``num_batches`` of the next epoch without loading them (or, for a
-        stream or a user DistributedSampler, loading and dropping them)."""
+        """Pass over this rank's first ``num_batches`` of the next epoch (every rank's, as all ranks call it) without
+        loading them (or, for a stream or a user DistributedSampler, loading and dropping them)."""
         if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
             raise ValueError(f"num_batches must be a non-negative int; got {num_batches!r}")
-        self._skip = num_batches
+        self._start = num_batches * self._unit
+
+    @property
+    def _unit(self) -> int:
+        """The user's batches one step of all ranks takes (a DistributedSampler of the user's: this rank's own)."""
+        if self._shard is not None:
+            return self._shard.unit
+        return 1 if self._user_sampler is not None else self._world
 
     @property
     def batches_to_skip(self) -> int:
-        """Batches the next epoch passes over (skip_first_batches, load_state_dict); ``len()`` still counts them, so
-        a progress bar starts there."""
-        return self._skip
+        """This rank's batches the next epoch passes over (skip_first_batches, load_state_dict); ``len()`` still
+        counts them, so a progress bar starts there."""
+        return self._start // self._unit
 
     def state_dict(self) -> dict[str, int]:
-        """Where this loader is: its shuffling seed, and the epoch and batches done to resume at."""
-        epoch, done = self._position if self._position is not None else (self._epoch, 0)
-        return {"seed": self._seed, "epoch": epoch, "batches": done}
+        """Where this loader is: its shuffling seed, the epoch, and the batches done to resume at: this rank's
+        (``batches``) and, world-independent, the user's batches every rank's steps took together (``done``)."""
+        if self._position is None:
+            return {"seed": self._seed, "epoch": self._epoch, "batches": 0, "done": 0, "world_size": self._world}
+        epoch, start, steps = self._position
+        done = start + steps * self._unit
+        if self._shard is not None:
+            done = min(done, len(self._shard.batch_sampler))  # a padded last step takes fewer
+        return {"seed": self._seed, "epoch": epoch, "batches": start // self._unit + steps, "done": done,
+                "world_size": self._world}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume at a state_dict(): same seed, same epoch, its first batches skipped."""
+        """Resume at a state_dict(): same seed, same epoch, the batches done passed over; one saved by another
+        number of ranks continues where they stopped together (not with a DistributedSampler of yours, which
+        shards for the world it was made for)."""
         self._seed = int(state["seed"])
         self.set_epoch(int(state["epoch"]))
-        self.skip_first_batches(int(state["batches"]))
+        saved_world = int(state.get("world_size", self._world))
+        if "done" not in state:  # written before positions were recorded for any world
+            self._start = int(state["batches"]) * self._unit
+            return
+        if saved_world != self._world and self._user_sampler is not None:
+            raise ValueError(f"this DataLoader's DistributedSampler of yours shards for {self._world} ranks, and its "
+                             f"checkpoint was written by {saved_world}: it cannot continue the interrupted epoch; "
+                             "leave the sampler to prepare() to resume on another number of ranks")
+        self._start = int(state["done"])
 
     @property
     def shard(self) -> BatchShard | None:
@@ -326,18 +363,18 @@ class PreparedDataLoader(DataLoader):
         if sampler is not None and sampler.epoch == self._auto_epoch:
             sampler.set_epoch(epoch)
             self._auto_epoch = epoch
-        skip, self._skip = self._skip, 0
+        start, self._start = self._start, 0
         if self._shard is not None:
-            self._shard.skip = skip
-        rng = torch.get_rng_state() if skip else None
-        batches = self._batches(skip)
+            self._shard.start = start
+        rng = torch.get_rng_state() if start else None
+        batches = self._batches(start)
         if rng is not None:
             # Creating the iterator draws a seed from the global RNG. The interrupted run drew it when this epoch
             # began, before the RNG states were saved, so a resumed epoch must not draw again.
             torch.set_rng_state(rng)
-        position = self._position = [epoch, skip]
+        position = self._position = [epoch, start, 0]  # epoch, the user's batches passed over, steps since
         shard, device, marks = self._shard, self._device, self._marks
-        ragged = uneven.Epoch.of(shard, registry, self._ctx)
+        ragged = uneven.Epoch.of(shard, registry, self._ctx, start)
         outer = marks.remainder, marks.end_of_epoch, marks.padding, marks.loader, marks.steps  # of an outer loop
         marks.loader, marks.steps = self, None if ragged is None else ragged.steps
         try:
@@ -349,9 +386,9 @@ class PreparedDataLoader(DataLoader):
                     marks.remainder = shard.padded.get(step) if shard is not None else None
                     marks.padding = shard.padding.get(step, 0) if shard is not None else 0
                     marks.end_of_epoch = upcoming is _END
-                    lone = ragged is not None and ragged.mark(skip + step)
+                    lone = ragged is not None and ragged.mark(step)
                     step += 1
-                    position[1] = skip + step
+                    position[2] = step
                     yield batch.prepare_batch(item, device, None)
                     # the step's body is done: a stop agreed by every rank may save and raise Preempted here
                     if registry.stopper is not None and registry.updates != seen[0] and not lone:
@@ -361,7 +398,7 @@ class PreparedDataLoader(DataLoader):
             marks.remainder, marks.end_of_epoch, marks.padding, marks.loader, marks.steps = outer
             self._position = None
 
-    def _batches(self, skip: int) -> Iterator[Any]:
+    def _batches(self, start: int) -> Iterator[Any]:
         """This rank's batches of the epoch: read here, or received from rank 0 (dispatch_batches)."""
         if self._dispatch and self._rank > 0:
             # what creating a DataLoader iterator draws, so that every rank's RNG goes on as without dispatching
@@ -374,11 +411,12 @@ class PreparedDataLoader(DataLoader):
         if self._all_ranks is not None:
             return dispatch.deal(batches, self._all_ranks)
         if self._iterable:
+            batches = itertools.islice(batches, start, None)
             if self._dispatch:
-                return dispatch.deal_stream(batches, self._ctx, skip)
-            batches = _every_nth(batches, self._rank, self._world)
-        if self._shard is None and skip:
-            batches = itertools.islice(batches, skip, None)
+                return dispatch.deal_stream(batches, self._ctx)
+            return _every_nth(batches, self._rank, self._world)
+        if self._shard is None and start:  # a DistributedSampler of the user's: this rank's own batches
+            batches = itertools.islice(batches, start, None)
         return batches
 
     @property

@@ -58,20 +58,17 @@ def receive(indices: Iterator[list]) -> Iterator[Any]:
         yield _receive()[0]
 
 
-def deal_stream(loaded: Iterator[Any], ctx: RankContext, skip: int) -> Iterator[Any]:
-    """On rank 0: batch r of each round of N to rank r, the first ``skip`` rounds dropped; then the end, to all
-    (not when the loop is left early: every rank leaves it at the same step, having taken the same batches)."""
+def deal_stream(loaded: Iterator[Any], ctx: RankContext) -> Iterator[Any]:
+    """On rank 0: batch r of each round of N to rank r; then the end, to all (not when the loop is left early:
+    every rank leaves it at the same step, having taken the same batches)."""
     round_: list = []
     for item in loaded:
         round_.append(item)
         if len(round_) < ctx.world_size:
             continue
-        if skip:
-            skip -= 1
-        else:
-            for rank in range(1, ctx.world_size):
-                _send((round_[rank],), rank)
-            yield round_[0]
+        for rank in range(1, ctx.world_size):
+            _send((round_[rank],), rank)
+        yield round_[0]
         round_ = []
     for rank in range(1, ctx.world_size):
         _send((), rank)

@@ -56,24 +56,25 @@ def overridden(registry: Registry, config: Config, even: bool) -> Iterator[None]
 class Epoch:
     """One epoch of a loader whose ranks take different numbers of steps."""
 
-    def __init__(self, shard: BatchShard, registry: Registry, ctx: RankContext) -> None:
-        self.steps = [shard.steps(rank) for rank in range(ctx.world_size)]
-        self.first_lone = min(self.steps)  # the first step (from the epoch's start) some ranks do not take
+    def __init__(self, shard: BatchShard, registry: Registry, ctx: RankContext, start: int = 0) -> None:
+        self.steps = [shard.steps(rank, start) for rank in range(ctx.world_size)]
+        self.first_lone = min(self.steps)  # the first step (from ``start``) some ranks do not take
         self.registry = registry
         self.ctx = ctx
         self.updates_before = registry.updates  # rank 0's step count as the lone steps begin
         self.run = session.current_run()
 
     @staticmethod
-    def of(shard: BatchShard | None, registry: Registry, ctx: RankContext) -> Epoch | None:
-        """The epoch's bookkeeping when its ranks take different numbers of steps, else None."""
+    def of(shard: BatchShard | None, registry: Registry, ctx: RankContext, start: int = 0) -> Epoch | None:
+        """The epoch's bookkeeping (from the user's batch ``start`` on) when its ranks take different numbers of
+        steps, else None."""
         if shard is None or shard.even or ctx.world_size == 1:
             return None
-        epoch = Epoch(shard, registry, ctx)
+        epoch = Epoch(shard, registry, ctx, start)
         return epoch if epoch.first_lone < max(epoch.steps) else None
 
     def mark(self, step: int) -> bool:
-        """Enter step ``step`` (from the epoch's start): True when only some ranks take it."""
+        """Enter step ``step`` (counted as ``steps``): True when only some ranks take it."""
         lone = step >= self.first_lone
         if lone and self.run is not None and self.run.alone is None:
             self.updates_before = self.registry.updates

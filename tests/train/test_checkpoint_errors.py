@@ -215,19 +215,22 @@ def test_a_sharded_checkpoint_of_another_model_is_refused_on_every_rank(tmp_path
     assert ranks[0][0] == "CheckpointError" and "its '0.weight' has shape [8, 4], the model's [16, 4]" in ranks[0][1]
 
 
-def test_a_checkpoint_of_one_process_into_two_ranks_fails_on_both_without_hanging(single, tmp_path):
+def test_a_checkpoint_of_one_process_loads_into_two_ranks_with_rng_states_of_their_own(single, tmp_path):
     path = str(tmp_path / "ckpt")
-    _prepared(single)
+    model, _, _ = _prepared(single)
     single.save_state(path)
     acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=30)
 
     def load(acc):
-        _prepared(acc)
-        return _outcome(acc.load_state, path)
+        model, _, _ = _prepared(acc)
+        outcome = _outcome(acc.load_state, path)
+        return outcome, acc.unwrap_model(model).state_dict(), torch.rand(1).item()
 
-    ranks = acc.distribute(load, all_results=True)(acc)
-    assert ranks[0] == ranks[1] and ranks[0][0] == "CheckpointError"
-    assert "has no RNG states for rank 1: it was saved by a world of 1 ranks" in ranks[0][1]
+    (first, weights0, draw0), (second, weights1, draw1) = acc.distribute(load, all_results=True)(acc)
+    assert first == second and first[0] == "returned"
+    for name, value in single.unwrap_model(model).state_dict().items():
+        assert torch.equal(weights0[name], value) and torch.equal(weights1[name], value)
+    assert draw0 != draw1, "each rank derives RNG states of its own from the seed, the step and its rank"
 
 
 # ---- not a checkpoint ----

@@ -1,0 +1,102 @@
+"""Resuming on another number of ranks: the interrupted epoch goes on where all ranks had stopped together, so
+across the two worlds every sample of it is taken exactly once; with split_batches (the global batch kept) the
+resumed run ends where the uninterrupted one does, within 1e-5."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from qaccel import Accelerator
+
+pytestmark = pytest.mark.timeout(300)
+SIZE = 60  # 7 full batches of 8 and one of 4: the last step is padded
+
+
+class Curve(Dataset):
+    def __len__(self):
+        return SIZE
+
+    def __getitem__(self, i):
+        x = torch.tensor([i / SIZE, (i % 5) / 5.0])
+        return i, x, torch.sin(3 * x[:1]) + x[1:]
+
+
+def _run(acc, folder, batch_size, stop=None, epochs=3):
+    """Train ``epochs`` epochs from the newest checkpoint in ``folder``; at ``stop`` (epoch, step) save and return
+    None. Returns the ids of the real samples this rank trained on per epoch, and the parameters."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 5, 0.8)
+    loader = DataLoader(Curve(), batch_size=batch_size, shuffle=True, num_workers=2,
+                        generator=torch.Generator().manual_seed(4))
+    model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        acc.resume(folder)
+    ids = {"said": said.getvalue()}
+    for epoch in range(loader.epoch, epochs):
+        for step, (i, x, y) in enumerate(loader):
+            ids.setdefault(epoch, []).extend(i[:len(i) - acc.padding_in_batch].tolist())
+            acc.backward(torch.nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+            if (epoch, step) == stop:
+                acc.save_state()
+                return ids, None
+    return ids, list(acc.get_state_dict(model).values())  # full tensors on the main process (FSDP: gathered)
+
+
+def _every_epoch_once(*runs):
+    """Each epoch's ids over every rank of every run are the dataset, each sample once."""
+    for epoch in range(3):
+        seen = sorted(i for ranks in runs for ids, _ in ranks for i in ids.get(epoch, []))
+        assert seen == list(range(SIZE)), f"epoch {epoch}"
+
+
+def _world(n, **options):
+    return Accelerator(nprocs=n, compute_setup="cpu", timeout=60, **options)
+
+
+@pytest.mark.parametrize(("before", "after"), [(4, 2), (4, 1), (1, 4)])
+def test_split_batches_resumes_on_another_world_and_ends_as_the_uninterrupted_run(tmp_path, before, after):
+    straight = _world(before, split_batches=True).distribute(_run, all_results=True)(
+        _world(before, split_batches=True), str(tmp_path / "straight"), 8)
+    first = _world(before, split_batches=True)
+    stopped = first.distribute(_run, all_results=True)(first, str(tmp_path / "ckpt"), 8, stop=(1, 3))
+    second = _world(after, split_batches=True)
+    resumed = second.distribute(_run, all_results=True)(second, str(tmp_path / "ckpt"), 8)
+    _every_epoch_once(stopped, resumed)
+    for got, want in zip(resumed[0][1], straight[0][1]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    line = f"(written by {before} rank{'s' * (before > 1)}) on {after} rank{'s' * (after > 1)} at epoch 1, batch 4 of 8"
+    assert line + "; global batch 8 kept (split_batches)" in resumed[0][0]["said"]
+
+
+def test_without_split_batches_the_batch_per_rank_is_kept_and_resume_says_so(tmp_path):
+    first = _world(4)
+    stopped = first.distribute(_run, all_results=True)(first, str(tmp_path / "ckpt"), 2, stop=(1, 3))
+    second = _world(2)
+    resumed = second.distribute(_run, all_results=True)(second, str(tmp_path / "ckpt"), 2)
+    _every_epoch_once(stopped, resumed)
+    assert ("(written by 4 ranks) on 2 ranks at epoch 1, batch 8 of 15; batch per rank 2 kept, so the global "
+            "batch changes from 8 to 4 (split_batches=True keeps it)") in resumed[0][0]["said"]
+
+
+def test_a_sharded_run_resumes_on_fewer_ranks(tmp_path):
+    options = {"split_batches": True, "strategy": "fsdp", "fsdp_min_params": 1}
+    straight = _world(4, **options).distribute(_run, all_results=True)(_world(4, **options),
+                                                                       str(tmp_path / "straight"), 8)
+    first = _world(4, **options)
+    stopped = first.distribute(_run, all_results=True)(first, str(tmp_path / "ckpt"), 8, stop=(1, 3))
+    second = _world(2, **options)
+    resumed = second.distribute(_run, all_results=True)(second, str(tmp_path / "ckpt"), 8)
+    _every_epoch_once(stopped, resumed)
+    for got, want in zip(resumed[0][1], straight[0][1]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
