@@ -1,5 +1,6 @@
 """`qaccel env` (what qaccel sees here), `qaccel test` (a real distributed smoke test for a new machine), `qaccel
-consolidate` (one model file from a checkpoint) and `qaccel where` (a running job's ranks say where they are)."""
+consolidate` (one model file from a checkpoint), `qaccel inspect` (what a checkpoint holds) and `qaccel where` (a
+running job's ranks say where they are)."""
 
 from __future__ import annotations
 
@@ -160,6 +161,22 @@ def consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def inspect(args: argparse.Namespace) -> int:
+    """A checkpoint's world, step and loader positions, without loading it."""
+    seen = checkpoint.inspect(args.checkpoint)
+    print(f"checkpoint   {seen['path']}")
+    print(f"written by   {seen['world_size']} rank(s){', sharded (FSDP)' if seen['sharded'] else ''}")
+    print(f"step         {seen['step']} optimizer updates")
+    for i, loader in enumerate(seen["loaders"]):
+        batch = loader.get("batch_size")
+        per_rank = "the global batch, sliced per rank" if loader.get("split_batches") else "per rank"
+        shape = f"; batch {batch} {per_rank}, global batch {loader['global_batch']}" if batch is not None else ""
+        done = loader.get("done", "?")
+        print(f"loader {i}     epoch {loader['epoch']}, {done} of the epoch's batches done by all ranks together "
+              f"({loader['batches']} per rank){shape}")
+    return 0
+
+
 def where(args: argparse.Namespace) -> int:
     """SIGUSR2 to the ranks of running jobs: each prints where it is to its own output and carries on."""
     for pid in args.pid:
@@ -181,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("checkpoint", help="a save_state() checkpoint, or a folder of them (the newest is read)")
     p.add_argument("out", help="the file to write")
     p.add_argument("--model", type=int, default=0, help="which prepared model, in prepare() order (default 0)")
+    p = sub.add_parser("inspect", help="show a checkpoint's world size, step and loader positions without loading it")
+    p.add_argument("checkpoint", help="a save_state() checkpoint, or a folder of them (the newest is read)")
     p = sub.add_parser("where", help="make the ranks of a running job print where they are (SIGUSR2)")
     p.add_argument("pid", type=int, nargs="+", help="a plain launch's python process, a torchrun, or a rank")
     for name, help_text in (("env", "show versions, the detected environment and what qaccel would use"),
@@ -192,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--timeout", type=float, default=60.0, help="seconds a collective may wait")
     args = parser.parse_args(argv)
     try:
-        commands = {"env": env_report, "test": smoke_test, "consolidate": consolidate, "where": where}
+        commands = {"env": env_report, "test": smoke_test, "consolidate": consolidate, "inspect": inspect,
+                    "where": where}
         return commands[args.command](args)
     except (ValueError, TypeError, RuntimeError, OSError) as exc:
         print(f"qaccel {args.command}: {exc}", file=sys.stderr)

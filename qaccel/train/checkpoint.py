@@ -504,6 +504,33 @@ def _apply(found: str, read: _Read, registry: Registry, ctx: RankContext) -> Non
     registry.updates = int(read.marker["step"])
 
 
+def inspect(path: str | os.PathLike) -> dict[str, Any]:
+    """What a checkpoint holds, read without loading it: its path (the newest of a folder of them), the world that
+    wrote it, its step, whether it is sharded, and each prepared loader's position and batch."""
+    found = _found(os.path.abspath(os.fspath(path)))
+    try:
+        marker = _marker(found)
+    except _Unreadable as exc:
+        raise CheckpointError(f"checkpoint {found}: {exc}", found) from None
+    loaders = []
+    for i in range(len(glob.glob(os.path.join(glob.escape(found), "loader_*.pt")))):
+        state = torch.load(os.path.join(found, f"loader_{i}.pt"), weights_only=True)
+        world = int(state.get("world_size", marker.get("world_size", 1)))
+        batch = state.get("batch_size")
+        loaders.append({**state, "global_batch": None if batch is None else
+                        batch if state.get("split_batches") else batch * world})
+    return {"path": found, "world_size": marker.get("world_size"), "step": marker.get("step"),
+            "sharded": "sharded" in marker, "loaders": loaders}
+
+
+def _found(directory: str) -> str:
+    """``directory`` if it is a checkpoint, else the newest complete one in it."""
+    candidates = _candidates(directory)
+    if not candidates:
+        raise _not_a_checkpoint(directory)
+    return candidates[0]
+
+
 def resumed_line(found: str, registry: Registry, ctx: RankContext) -> str:
     """What resume() did, in one line: the checkpoint, the world that wrote it and this one, where the first
     prepared loader goes on, and what became of the batch of all ranks together."""

@@ -315,14 +315,14 @@ class PreparedDataLoader(DataLoader):
     def state_dict(self) -> dict[str, int]:
         """Where this loader is: its shuffling seed, the epoch, and the batches done to resume at: this rank's
         (``batches``) and, world-independent, the user's batches every rank's steps took together (``done``)."""
+        shape = {"world_size": self._world, "batch_size": self.batch_size, "split_batches": self._split}
         if self._position is None:
-            return {"seed": self._seed, "epoch": self._epoch, "batches": 0, "done": 0, "world_size": self._world}
+            return {"seed": self._seed, "epoch": self._epoch, "batches": 0, "done": 0, **shape}
         epoch, start, steps = self._position
         done = start + steps * self._unit
         if self._shard is not None:
             done = min(done, len(self._shard.batch_sampler))  # a padded last step takes fewer
-        return {"seed": self._seed, "epoch": epoch, "batches": start // self._unit + steps, "done": done,
-                "world_size": self._world}
+        return {"seed": self._seed, "epoch": epoch, "batches": start // self._unit + steps, "done": done, **shape}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Resume at a state_dict(): same seed, same epoch, the batches done passed over; one saved by another

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from qaccel import Accelerator
+from qaccel import Accelerator, cli
 
 pytestmark = pytest.mark.timeout(300)
 SIZE = 60  # 7 full batches of 8 and one of 4: the last step is padded
@@ -79,9 +79,14 @@ def test_split_batches_resumes_on_another_world_and_ends_as_the_uninterrupted_ru
     assert line + "; global batch 8 kept (split_batches)" in resumed[0][0]["said"]
 
 
-def test_without_split_batches_the_batch_per_rank_is_kept_and_resume_says_so(tmp_path):
+def test_without_split_batches_the_batch_per_rank_is_kept_and_resume_says_so(tmp_path, capsys):
     first = _world(4)
     stopped = first.distribute(_run, all_results=True)(first, str(tmp_path / "ckpt"), 2, stop=(1, 3))
+    assert cli.main(["inspect", str(tmp_path / "ckpt")]) == 0
+    shown = capsys.readouterr().out
+    assert "checkpoint_00000012" in shown and "written by   4 rank(s)" in shown and "step         12 " in shown
+    assert ("loader 0     epoch 1, 16 of the epoch's batches done by all ranks together (4 per rank); batch 2 per "
+            "rank, global batch 8") in shown
     second = _world(2)
     resumed = second.distribute(_run, all_results=True)(second, str(tmp_path / "ckpt"), 2)
     _every_epoch_once(stopped, resumed)
