@@ -5,8 +5,10 @@ inside the training function from the global RNG, a checkpoint every epoch, and 
 the newest checkpoint, and on SIGTERM (or SLURM's USR1) every rank finishes its step, saves and stops. With
 ``--crash-at E:B[,E:B...]`` rank 1 raises at epoch E, batch B of attempt 0 (then of attempt 1, ...), as
 ``acc.restart_count`` counts them (torchrun --max-restarts, or ``--max-restarts`` for a plain launch).
-``--step-sleep`` slows each step so that a test can signal it mid-run; ``--strategy fsdp`` shards it with FSDP2.
-It prints one RESULT line (rank 0) with a hash of the final parameters' bytes.
+``--step-sleep`` slows each step so that a test can signal it mid-run; ``--strategy fsdp`` shards it with FSDP2;
+``--split-batches`` makes the loader's batch of 8 the batch of all ranks together; ``--record DIR`` writes the
+samples each rank trains on, per epoch, to a file of its own there. It prints one RESULT line (rank 0) with a hash
+of the final parameters' bytes (and, with ``--record``, the parameters).
 """
 
 import argparse
@@ -41,7 +43,7 @@ class Regression(Dataset):
         return len(self.x)
 
     def __getitem__(self, i: int):
-        return self.x[i], self.y[i], get_worker_info().id
+        return self.x[i], self.y[i], get_worker_info().id, i
 
 
 def train(args, acc):
@@ -58,9 +60,13 @@ def train(args, acc):
     workers = set()
     for epoch in range(loader.epoch, args.epochs):
         loss = torch.tensor(float("nan"))  # a run stopped after an epoch's last step resumes with none of it left
-        for i, (x, y, worker) in enumerate(loader):
+        for i, (x, y, worker, index) in enumerate(loader):
             if crash == (epoch, i) and acc.rank == 1:
                 raise RuntimeError(f"rank 1 crashes at epoch {epoch} batch {i} on purpose")
+            if args.record:
+                with open(os.path.join(args.record, f"rank{acc.rank}_of_{acc.world_size}_{os.getpid()}"), "a") as f:
+                    f.write(json.dumps({"epoch": epoch, "ids": index[:len(index) - acc.padding_in_batch].tolist()}))
+                    f.write("\n")
             loss = torch.nn.functional.mse_loss(model(x), y)
             optimizer.zero_grad()
             acc.backward(loss)
@@ -80,6 +86,7 @@ def train(args, acc):
         "resumed": resumed is not None,
         "attempt": str(attempt),
         "step": acc.step,
+        **({"params": params.tolist()} if args.record else {}),
     }
 
 
@@ -92,9 +99,11 @@ if __name__ == "__main__":
     parser.add_argument("--max-restarts", type=int, default=0)
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--strategy", default="ddp")
+    parser.add_argument("--split-batches", action="store_true")
+    parser.add_argument("--record", default="")
     args = parser.parse_args()
     acc = Accelerator(nprocs=args.nprocs, compute_setup="cpu", timeout=60, max_restarts=args.max_restarts,
-                      strategy=args.strategy)
+                      strategy=args.strategy, split_batches=args.split_batches)
     result = acc.distribute(train)(args, acc)
     if acc.is_main_process:
         os.write(1, f"RESULT {json.dumps(result)}\n".encode())  # one write: ranks may share the pipe
