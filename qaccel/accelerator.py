@@ -460,7 +460,9 @@ class Accelerator:
         registry.checkpoints = (os.fspath(directory), keep)
         loaded = checkpoint.load_state(directory, registry, ctx, missing_ok=True, fall_back=True)
         if loaded is not None and ctx.rank == 0:
-            print(checkpoint.resumed_line(loaded, registry, ctx), file=sys.stderr, flush=True)
+            # one write: the ranks of torchrun or srun may share this stream
+            sys.stderr.write(checkpoint.resumed_line(loaded, registry, ctx) + "\n")
+            sys.stderr.flush()
         if registry.stopper is None:
             registry.stopper = stopping.Stopper(ctx, self.save_state, requeue)
             for loader in registry.loaders:

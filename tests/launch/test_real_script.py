@@ -204,24 +204,51 @@ def _ids_by_epoch(record):
     return seen
 
 
-def test_sigterm_to_4_ranks_and_a_rerun_on_2_takes_every_sample_once_and_ends_as_a_straight_run(tmp_path):
-    """The global batch kept (split_batches): 4 ranks stopped mid-run by SIGTERM, resumed on 2, end within 1e-5 of
-    an uninterrupted run (of 2 ranks: the same optimisation at any world size)."""
-    (tmp_path / "straight").mkdir()
-    straight = run_script(REAL, "--ckpt", str(tmp_path / "straight_ckpt"), "--split-batches", "--record",
-                          str(tmp_path / "straight"), env=real_env(), cwd=tmp_path, timeout=200)
+def _split_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("split_reference")
+    (tmp / "record").mkdir()
+    proc = run_script(REAL, "--ckpt", str(tmp / "ckpt"), "--split-batches", "--record", str(tmp / "record"),
+                      env=real_env(), cwd=tmp, timeout=200)
+    return checked(proc)["params"]
+
+
+@pytest.fixture(scope="module")
+def split_params(tmp_path_factory):
+    """The parameters of an uninterrupted run of 2 ranks with split_batches (the same at any world size)."""
+    return once_per_session(tmp_path_factory, "real_script_split_run", lambda: _split_run(tmp_path_factory))
+
+
+def _resumed_on_2(first, second, record, split_params):
+    """``first`` (4 ranks) was stopped by SIGTERM and ``second`` resumed on 2: every sample of every epoch once
+    across them, the line resume() printed, and the parameters of an uninterrupted run."""
+    result = checked(second)
+    resumed = [line for line in second.stderr.splitlines() if line.startswith("qaccel: resumed ")]
+    assert len(resumed) == 1 and "(written by 4 ranks) on 2 ranks at epoch " in resumed[0], second.stderr
+    assert resumed[0].endswith("; global batch 8 kept (split_batches)")
+    seen = _ids_by_epoch(record)
+    assert {epoch: sorted(ids) for epoch, ids in seen.items()} == {epoch: list(range(96)) for epoch in range(3)}, \
+        "every sample of every epoch once, across the two worlds"
+    assert max(abs(a - b) for a, b in zip(result["params"], split_params)) < 1e-5
+
+
+def test_sigterm_to_4_ranks_and_a_rerun_on_2_takes_every_sample_once_and_ends_as_a_straight_run(tmp_path,
+                                                                                               split_params):
+    """The global batch kept (split_batches): a plain launch of 4 ranks stopped by SIGTERM, resumed on 2."""
     (tmp_path / "record").mkdir()
     common = ["--ckpt", str(tmp_path / "ckpt"), "--split-batches", "--record", str(tmp_path / "record")]
     first = signal_when([sys.executable, str(REAL), *common, "--nprocs", "4", *SLOW], signal.SIGTERM,
                         "rank 1 epoch 1 loss", env=real_env(), cwd=tmp_path, timeout=150)
     assert first.returncode == 128 + signal.SIGTERM, first.stderr
     second = run_script(REAL, *common, env=real_env(), cwd=tmp_path, timeout=200)
-    result = checked(second)
-    resumed = [line for line in second.stderr.splitlines() if line.startswith("qaccel: resumed ")]
-    assert len(resumed) == 1 and "(written by 4 ranks) on 2 ranks at epoch " in resumed[0], second.stderr
-    assert resumed[0].endswith("; global batch 8 kept (split_batches)")
-    seen = _ids_by_epoch(tmp_path / "record")
-    assert {epoch: sorted(ids) for epoch, ids in seen.items()} == {epoch: list(range(96)) for epoch in range(3)}, \
-        "every sample of every epoch once, across the two worlds"
-    expected = checked(straight)["params"]
-    assert max(abs(a - b) for a, b in zip(result["params"], expected)) < 1e-5
+    _resumed_on_2(first, second, tmp_path / "record", split_params)
+
+
+def test_sigterm_to_torchrun_of_4_and_a_torchrun_of_2_take_every_sample_once_and_end_as_a_straight_run(
+        tmp_path, split_params):
+    (tmp_path / "record").mkdir()
+    common = [str(REAL), "--ckpt", str(tmp_path / "ckpt"), "--split-batches", "--record", str(tmp_path / "record")]
+    first = signal_when([*torchrun_cmd(tmp_path / "logs", "--standalone", "--nproc_per_node", "4"), *common, *SLOW],
+                        signal.SIGTERM, "rank 1 epoch 1 loss", env=real_env(), cwd=tmp_path, timeout=150)
+    assert first.returncode != 0, first.stderr
+    second = run_torchrun(common[0], *common[1:], env=real_env(), cwd=tmp_path, timeout=200)
+    _resumed_on_2(first, second, tmp_path / "record", split_params)
