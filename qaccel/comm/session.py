@@ -268,6 +268,9 @@ def renew_group(run: Run, store: dist.Store) -> None:
     run.forget()
     run.release()
     leave_group(run.ctx)
+    if run.ctx.backend is Backend.GLOO:  # the old group's failed works go before anything forks (see _quiesce)
+        gc.collect()
+        time.sleep(GLOO_DRAIN_S)
     dist.init_process_group(run.ctx.backend, store=store, rank=run.ctx.rank, world_size=run.ctx.world_size,
                             timeout=datetime.timedelta(seconds=run.timeout))
 
