@@ -259,15 +259,21 @@ def leave_group(ctx: RankContext) -> None:
         dist.destroy_process_group()
 
 
+def drop_group(run: Run) -> None:
+    """Drop what the session prepared (bound to its group), then leave the group: its connections close only once
+    nothing holds it."""
+    run.forget()
+    run.release()
+    leave_group(run.ctx)
+
+
 def renew_group(run: Run, store: dist.Store) -> None:
     """Replace the default group by a new one of the same ranks over ``store`` (after a rank left it).
 
     What the session prepared is bound to the old group: it is dropped (Run.forget), so that a retried training
     function prepares anew.
     """
-    run.forget()
-    run.release()
-    leave_group(run.ctx)
+    drop_group(run)
     if run.ctx.backend is Backend.GLOO:  # the old group's failed works go before anything forks (see _quiesce)
         gc.collect()
         time.sleep(GLOO_DRAIN_S)

@@ -165,10 +165,7 @@ class Agreement:
         ctx = self.run.ctx
         if mine is Outcome.OUT_OF_MEMORY:
             self.store.set(f"{attempt}/out_of_memory", str(ctx.rank))  # for watch()
-            # The group's connections close once nothing holds it: the prepared models go first (see renew_group).
-            self.run.forget()
-            self.run.release()
-            session.leave_group(ctx)
+            session.drop_group(self.run)
         self.store.set(f"{attempt}/rank{ctx.rank}", mine.value)
         if mine is Outcome.RAISED:  # the search ends here; the launcher stops peers waiting for this rank
             return mine
