@@ -28,8 +28,8 @@ def train(acc):
     acc.all_reduce_dict({"step": 1.0})
     if MODE == "usr2":
         print(f"ready {acc.rank}", file=sys.stderr, flush=True)
-        while acc.rank == 1 and not (OUT / "go").exists():
-            time.sleep(0.05)  # RANK1_POLLS
+        # one line, so that the answer names it whether the signal lands in the sleep or in the check
+        while acc.rank == 1 and not (OUT / "go").exists(): time.sleep(0.05)  # noqa: E701  RANK1_POLLS
         acc.wait_for_everyone()  # USR2_RANK0
         return forked_child_ignores_sigusr2()
     if acc.rank == 1:
