@@ -218,9 +218,9 @@ def split_params(tmp_path_factory):
     return once_per_session(tmp_path_factory, "real_script_split_run", lambda: _split_run(tmp_path_factory))
 
 
-def _resumed_on_2(first, second, record, split_params):
-    """``first`` (4 ranks) was stopped by SIGTERM and ``second`` resumed on 2: every sample of every epoch once
-    across them, the line resume() printed, and the parameters of an uninterrupted run."""
+def _resumed_on_2(second, record, split_params):
+    """A run of 4 ranks was stopped and ``second`` resumed on 2: every sample of every epoch once across them, the
+    line resume() printed, and the parameters of an uninterrupted run."""
     result = checked(second)
     resumed = [line for line in second.stderr.splitlines() if line.startswith("qaccel: resumed ")]
     assert len(resumed) == 1 and "(written by 4 ranks) on 2 ranks at epoch " in resumed[0], second.stderr
@@ -240,7 +240,7 @@ def test_sigterm_to_4_ranks_and_a_rerun_on_2_takes_every_sample_once_and_ends_as
                         "rank 1 epoch 1 loss", env=real_env(), cwd=tmp_path, timeout=150)
     assert first.returncode == 128 + signal.SIGTERM, first.stderr
     second = run_script(REAL, *common, env=real_env(), cwd=tmp_path, timeout=200)
-    _resumed_on_2(first, second, tmp_path / "record", split_params)
+    _resumed_on_2(second, tmp_path / "record", split_params)
 
 
 def test_sigterm_to_torchrun_of_4_and_a_torchrun_of_2_take_every_sample_once_and_end_as_a_straight_run(
@@ -251,4 +251,40 @@ def test_sigterm_to_torchrun_of_4_and_a_torchrun_of_2_take_every_sample_once_and
                         signal.SIGTERM, "rank 1 epoch 1 loss", env=real_env(), cwd=tmp_path, timeout=150)
     assert first.returncode != 0, first.stderr
     second = run_torchrun(common[0], *common[1:], env=real_env(), cwd=tmp_path, timeout=200)
-    _resumed_on_2(first, second, tmp_path / "record", split_params)
+    _resumed_on_2(second, tmp_path / "record", split_params)
+
+
+@pytest.mark.slurm
+def test_slurm_job_requeued_onto_fewer_tasks_takes_every_sample_once_and_ends_as_a_straight_run(
+        slurm_cluster, split_params, tmp_path):
+    """slurm/requeue.sbatch, asking for 1 or 2 nodes of 2 tasks, starts on 2 (both free), gets the USR1 warning and
+    requeues itself; while it is pending, its request is lowered to 1 node of 2 tasks (as a user does to start
+    sooner on what is free): the requeued job's 2 ranks resume the 4 ranks' checkpoint."""
+    env = slurm_env(slurm_cluster)
+    env["OMP_NUM_THREADS"] = "1"
+    out = tmp_path / "job.out"
+    (tmp_path / "record").mkdir()
+    job = slurm_cluster.sbatch(
+        REPO / "slurm" / "requeue.sbatch",
+        ["--nodes=1-2", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1", f"--output={out}"],
+        env=env, cwd=tmp_path, script_args=[str(REAL), "--ckpt", str(tmp_path / "ckpt"), "--split-batches",
+                                            "--record", str(tmp_path / "record"), *SLOW],
+    )
+    wait_for_text(out, "rank 3 epoch 1 loss", timeout=120)
+    assert slurm_cluster.run(["scancel", "--signal=USR1", "--batch", str(job)]).returncode == 0
+    wait_for(lambda: slurm_cluster.job_info(job).get("Restarts") == "1"
+             and slurm_cluster.job_info(job).get("JobState") == "PENDING", 60,
+             lambda: f"the requeued job to be pending; job output:\n{out.read_text()}", interval=0.2)
+    assert slurm_cluster.job_info(job).get("NumTasks") == "4"  # fixed by the first start
+    for update in ("NumTasks=2", "NumNodes=1-1"):  # in this order: 4 tasks need 2 nodes
+        assert slurm_cluster.run(["scontrol", "update", f"JobId={job}", update]).returncode == 0
+    time.sleep(2)  # a start in the same second as the kill of the previous one fails (see the test above)
+    slurm_cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+    slurm_cluster.wait_job(job, timeout=150)
+    info = slurm_cluster.job_info(job)
+    text = out.read_text()
+    assert (info.get("JobState"), info.get("ExitCode"), info.get("NumTasks")) == ("COMPLETED", "0:0", "2"), \
+        (info, text, slurm_cluster.log_tails())
+    stdout = "\n".join(line for line in text.splitlines() if line.startswith("RESULT "))
+    second = subprocess.CompletedProcess([], 0, stdout, text)
+    _resumed_on_2(second, tmp_path / "record", split_params)
