@@ -45,6 +45,7 @@ class Accelerator:
         timeout: float | datetime.timedelta = 1800.0,
         start_method: str = "forkserver",
         gradient_accumulation_steps: int = 1,
+        keep_global_batch: bool = False,
         sync_each_batch: bool = False,
         mixed_precision: str = "no",
         split_batches: bool = False,
@@ -181,8 +182,11 @@ class Accelerator:
 
     @property
     def gradient_accumulation_steps(self) -> int:
-        """Micro-steps per optimizer update under ``accumulate()``."""
-        return self._config.gradient_accumulation_steps
+        """Micro-steps per optimizer update under ``accumulate()``: the option, or what a resume with
+        ``keep_global_batch`` set to keep the checkpoint's global batch."""
+        run = session.current_run()
+        registry = run.state_for(self, lambda: self._new_registry(run)) if run is not None else self._own_registry
+        return self._config.gradient_accumulation_steps if registry is None else registry.accumulation_steps
 
     @property
     def split_batches(self) -> bool:
@@ -554,8 +558,8 @@ class Accelerator:
         return self._own_registry
 
     def _new_registry(self, run: session.Run | None = None) -> Registry:
-        registry = Registry(self.gradient_accumulation_steps, precision.make_scaler(self.mixed_precision),
-                            self._config.sync_each_batch)
+        registry = Registry(self._config.gradient_accumulation_steps, precision.make_scaler(self.mixed_precision),
+                            self._config.sync_each_batch, keep_global_batch=self._config.keep_global_batch)
         if run is not None:
             run.closers.append(registry.release)
         return registry

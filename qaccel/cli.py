@@ -166,7 +166,7 @@ def inspect(args: argparse.Namespace) -> int:
     seen = checkpoint.inspect(args.checkpoint)
     print(f"checkpoint   {seen['path']}")
     print(f"written by   {seen['world_size']} rank(s){', sharded (FSDP)' if seen['sharded'] else ''}")
-    print(f"step         {seen['step']} optimizer updates")
+    print(f"step         {seen['step']} optimizer updates, of {seen['accumulation_steps']} micro-step(s) each")
     for i, loader in enumerate(seen["loaders"]):
         batch = loader.get("batch_size")
         per_rank = "the global batch, sliced per rank" if loader.get("split_batches") else "per rank"

@@ -99,6 +99,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("start_method", "forkserver", "`forkserver`, `spawn`", "how a plain launch starts ranks: forked from a "
            "server with torch imported (fast, CUDA-safe), or a fresh interpreter each"),
     Option("gradient_accumulation_steps", 1, "int ≥ 1", "micro-steps per optimizer update under `accumulate()`"),
+    Option("keep_global_batch", False, "`True`, `False`", "on resuming a checkpoint written by another number of "
+           "ranks, keep its global batch (batch per rank x ranks x micro-steps) by scaling gradient accumulation "
+           "(4 ranks to 2: twice the micro-steps); a world that cannot keep it fails at resume. Needs the step "
+           "inside `accumulate()`; split batches keep the global batch without it"),
     Option("sync_each_batch", False, "`True`, `False`", "under `accumulate()`, synchronise (reduce) gradients on "
            "every micro-step instead of holding them unreduced until the update: more communication, less memory "
            "(FSDP keeps only gradient shards)"),
@@ -152,6 +156,7 @@ class Config:
     timeout: float
     start_method: StartMethod
     gradient_accumulation_steps: int = 1
+    keep_global_batch: bool = False
     sync_each_batch: bool = False
     mixed_precision: MixedPrecision = MixedPrecision.NO
     split_batches: bool = False
@@ -224,6 +229,7 @@ def make_config(env: Environment, **options: Any) -> Config:
         timeout=_timeout(values["timeout"]),
         start_method=_choice("start_method", values["start_method"], StartMethod),
         gradient_accumulation_steps=_count("gradient_accumulation_steps", values["gradient_accumulation_steps"], 1),
+        keep_global_batch=_flag("keep_global_batch", values["keep_global_batch"]),
         sync_each_batch=_flag("sync_each_batch", values["sync_each_batch"]),
         mixed_precision=mixed_precision,
         split_batches=_flag("split_batches", values["split_batches"]),

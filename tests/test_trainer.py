@@ -317,3 +317,15 @@ def test_per_batch_writes_go_on_the_batch_axis_and_called_every_counts_batches(t
     assert [step for step, _ in losses] == [3, 6] and all(loss > 0 for _, loss in losses)
     epochs = _tracked(trainer.log_folder)
     assert [int(row["step"]) for row in epochs] == [1, 2] and not any("grad_max/0.weight" in row for row in epochs)
+
+
+def test_a_fit_continues_on_fewer_ranks_with_its_global_batch_kept_and_ends_as_a_straight_fit(tmp_path):
+    """4 ranks x 4 samples for an epoch, then 2 ranks (keep_global_batch: 2 micro-steps per update) for two more:
+    the parameters of 3 epochs on 4 ranks."""
+    straight, _ = _trainer(_config(tmp_path, nprocs=4, log_folder=tmp_path / "straight"), batch_size=4).fit()
+    options = {"checkpoint_every": 1, "keep_global_batch": True}
+    _trainer(_config(tmp_path, nprocs=4, max_iter=1, **options), batch_size=4).fit()
+    trainer = _trainer(_config(tmp_path, nprocs=2, **options), batch_size=4)
+    model, _ = trainer.fit()
+    torch.testing.assert_close(_params(model), _params(straight), atol=1e-5, rtol=1e-5)
+    assert len(trainer.history) == 3, "the first fit's epoch came back with the checkpoint"

@@ -179,7 +179,8 @@ def _write_checkpoint(directory: str, tmp: str, registry: Registry, gathered: li
             relative = os.path.relpath(os.path.join(base, name), tmp).replace(os.sep, "/")
             if relative not in files:
                 files[relative] = storage.sums(os.path.join(base, name)).to_json()
-    marker: dict[str, Any] = {"format": FORMAT, "step": registry.updates, "world_size": world_size}
+    marker: dict[str, Any] = {"format": FORMAT, "step": registry.updates, "world_size": world_size,
+                              "accumulation_steps": registry.accumulation_steps}
     if registry.mesh is not None:
         marker["sharded"] = {"model": len(registry.models), "optimizer": len(registry.optimizers)}
     marker["files"] = dict(sorted(files.items()))
@@ -450,6 +451,41 @@ def _check_fit(found: str, read: _Read, registry: Registry, ctx: RankContext) ->
                     found, os.path.join(found, f"optimizer_{j}.pt"))
     if read.rng is None and _world(read.marker, ctx) == ctx.world_size:
         raise CheckpointError(f"checkpoint {found} has no RNG states for rank {ctx.rank}; nothing was loaded", found)
+    for i, (loader, saved) in enumerate(zip(registry.loaders, read.parts["loader"])):
+        try:
+            loader.check_state_dict(saved)
+        except ValueError as exc:
+            raise CheckpointError(f"checkpoint {found} cannot be loaded into prepared DataLoader {i}: {exc}; nothing "
+                                  "was loaded", found, os.path.join(found, f"loader_{i}.pt")) from None
+    if registry.keep_global_batch:
+        _kept_accumulation(found, read.marker, registry, ctx)
+
+
+def _split(registry: Registry) -> bool:
+    """Whether the first prepared loader slices the global batch (split_batches)."""
+    return bool(registry.loaders) and registry.loaders[0].shard is not None and registry.loaders[0].shard.split
+
+
+def _saved_accumulation(marker: dict[str, Any], registry: Registry) -> int:
+    return int(marker.get("accumulation_steps", registry.accumulation_steps))
+
+
+def _kept_accumulation(found: str, marker: dict[str, Any], registry: Registry, ctx: RankContext) -> int:
+    """The gradient accumulation that keeps the checkpoint's global batch on this world (keep_global_batch): the
+    micro-batches of all ranks per update stay the same. CheckpointError when this world cannot."""
+    written, saved = _world(marker, ctx), _saved_accumulation(marker, registry)
+    if _split(registry):  # each micro-batch already is the global one
+        return saved
+    units = written * saved
+    if units % ctx.world_size:
+        fits = ", ".join(str(n) for n in range(1, units + 1) if units % n == 0)
+        raise CheckpointError(
+            f"checkpoint {found} was written by {written} rank{'s' * (written != 1)} with gradient accumulation "
+            f"{saved}: keep_global_batch cannot keep its global batch on {ctx.world_size} ranks ({written} x {saved} = "
+            f"{units} micro-batches per update do not divide by {ctx.world_size}); resume on {fits} ranks, or with "
+            "keep_global_batch=False to keep the batch per rank (the global batch then changes); nothing was loaded",
+            found)
+    return units // ctx.world_size
 
 
 def _world(marker: dict[str, Any], ctx: RankContext) -> int:
@@ -502,6 +538,12 @@ def _apply(found: str, read: _Read, registry: Registry, ctx: RankContext) -> Non
         seed = read.parts["loader"][0]["seed"] if read.parts["loader"] else 0
         _seed_rng_states(seed, int(read.marker["step"]), ctx.rank)
     registry.updates = int(read.marker["step"])
+    if registry.keep_global_batch:
+        steps = _kept_accumulation(found, read.marker, registry, ctx)
+        if steps != registry.accumulation_steps:
+            registry.accumulation_steps = steps
+            registry.accumulation_set_by = (f"keep_global_batch, resuming {os.path.basename(found)} of "
+                                            f"{_world(read.marker, ctx)} ranks on {ctx.world_size}")
 
 
 def inspect(path: str | os.PathLike) -> dict[str, Any]:
@@ -512,15 +554,16 @@ def inspect(path: str | os.PathLike) -> dict[str, Any]:
         marker = _marker(found)
     except _Unreadable as exc:
         raise CheckpointError(f"checkpoint {found}: {exc}", found) from None
+    accumulation = int(marker.get("accumulation_steps", 1))
     loaders = []
     for i in range(len(glob.glob(os.path.join(glob.escape(found), "loader_*.pt")))):
         state = torch.load(os.path.join(found, f"loader_{i}.pt"), weights_only=True)
         world = int(state.get("world_size", marker.get("world_size", 1)))
         batch = state.get("batch_size")
         loaders.append({**state, "global_batch": None if batch is None else
-                        batch if state.get("split_batches") else batch * world})
+                        batch * accumulation * (1 if state.get("split_batches") else world)})
     return {"path": found, "world_size": marker.get("world_size"), "step": marker.get("step"),
-            "sharded": "sharded" in marker, "loaders": loaders}
+            "accumulation_steps": accumulation, "sharded": "sharded" in marker, "loaders": loaders}
 
 
 def _found(directory: str) -> str:
@@ -534,7 +577,8 @@ def _found(directory: str) -> str:
 def resumed_line(found: str, registry: Registry, ctx: RankContext) -> str:
     """What resume() did, in one line: the checkpoint, the world that wrote it and this one, where the first
     prepared loader goes on, and what became of the batch of all ranks together."""
-    written = _world(_marker(found), ctx)
+    marker = _marker(found)
+    written, saved = _world(marker, ctx), _saved_accumulation(marker, registry)
     line = f"qaccel: resumed {os.path.basename(found)} (written by {written} rank{'s' * (written != 1)})"
     line += f" on {ctx.world_size} rank{'s' * (ctx.world_size != 1)}"
     if not registry.loaders:
@@ -545,12 +589,20 @@ def resumed_line(found: str, registry: Registry, ctx: RankContext) -> str:
     except TypeError:  # a stream without a length
         of = ""
     line += f" at epoch {loader.epoch}, batch {loader.batches_to_skip}{of}"
-    if written == ctx.world_size or loader.batch_size is None:
+    steps = registry.accumulation_steps
+    if (written == ctx.world_size and saved == steps) or loader.batch_size is None:
         return line
-    if loader.shard is not None and loader.shard.split:
-        return line + f"; global batch {loader.batch_size} kept (split_batches)"
-    return (line + f"; batch per rank {loader.batch_size} kept, so the global batch changes from "
-            f"{loader.batch_size * written} to {loader.batch_size * ctx.world_size} (split_batches=True keeps it)")
+    accumulation = f"gradient accumulation {steps}"
+    if _split(registry):
+        before, after = loader.batch_size * saved, loader.batch_size * steps
+        how = "split_batches" + (f", {accumulation}" if steps > 1 else "")
+    else:
+        before, after = loader.batch_size * written * saved, loader.batch_size * ctx.world_size * steps
+        how = accumulation
+    if before == after:
+        return line + f"; global batch {after} kept ({how})"
+    return (line + f"; batch per rank {loader.batch_size} kept, so the global batch changes from {before} to {after}"
+            " (keep_global_batch=True keeps it)")
 
 
 def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, model: int = 0) -> str:

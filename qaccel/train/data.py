@@ -328,17 +328,21 @@ class PreparedDataLoader(DataLoader):
         """Resume at a state_dict(): same seed, same epoch, the batches done passed over; one saved by another
         number of ranks continues where they stopped together (not with a DistributedSampler of yours, which
         shards for the world it was made for)."""
+        self.check_state_dict(state)
         self._seed = int(state["seed"])
         self.set_epoch(int(state["epoch"]))
-        saved_world = int(state.get("world_size", self._world))
         if "done" not in state:  # written before positions were recorded for any world
             self._start = int(state["batches"]) * self._unit
             return
+        self._start = int(state["done"])
+
+    def check_state_dict(self, state: dict[str, int]) -> None:
+        """ValueError if this loader cannot continue where ``state`` stopped (checked before anything loads)."""
+        saved_world = int(state.get("world_size", self._world))
         if saved_world != self._world and self._user_sampler is not None:
             raise ValueError(f"this DataLoader's DistributedSampler of yours shards for {self._world} ranks, and its "
                              f"checkpoint was written by {saved_world}: it cannot continue the interrupted epoch; "
                              "leave the sampler to prepare() to resume on another number of ranks")
-        self._start = int(state["done"])
 
     @property
     def shard(self) -> BatchShard | None:

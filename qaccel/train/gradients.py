@@ -61,6 +61,8 @@ class PreparedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         self.step_was_skipped = False
         registry = self._registry
+        if registry.accumulation_steps > 1 and not registry.accumulating_loop:
+            raise RuntimeError(_outside_accumulate(registry))
         if not registry.sync_gradients:
             return None
         if registry.optimizers and registry.optimizers[0] is self:
@@ -93,6 +95,13 @@ class PreparedOptimizer(torch.optim.Optimizer):
         return f"PreparedOptimizer({self.optimizer!r})"
 
 
+def _outside_accumulate(registry: Registry) -> str:
+    why = f" ({registry.accumulation_set_by})" if registry.accumulation_set_by else ""
+    return (f"gradient accumulation of {registry.accumulation_steps} micro-steps{why} needs each training step "
+            "inside `with accelerator.accumulate(model):`; outside it every micro-batch would update the model with "
+            f"its loss divided by {registry.accumulation_steps}")
+
+
 def backward(loss: torch.Tensor, registry: Registry, **kwargs: Any) -> None:
     """``loss.backward()``, divided over the accumulation steps and scaled for fp16."""
     if registry.accumulation_steps > 1:
@@ -112,6 +121,7 @@ def accumulate(models: tuple[torch.nn.Module, ...], registry: Registry) -> conte
     The micro-step is counted here, when called, and what comes back is DDP's own ``no_sync()`` (or a shared
     no-op when gradients sync): a generator context manager and an ExitStack around it cost more than no_sync().
     """
+    registry.accumulating_loop = True
     if registry.marks.end_of_epoch:
         registry.micro_step, registry.sync_gradients = 0, True
     else:

@@ -52,6 +52,9 @@ class Registry:
     accumulation_steps: int
     scaler: torch.amp.GradScaler | None
     sync_each_batch: bool = False  # reduce gradients on every micro-step (the option of that name)
+    keep_global_batch: bool = False  # the option: a resume scales accumulation_steps to the checkpoint's world
+    accumulation_set_by: str = ""  # what set accumulation_steps, when not the option (a resume keeping the batch)
+    accumulating_loop: bool = False  # accumulate() was called: the loop counts micro-steps
     micro_step: int = 0
     sync_gradients: bool = True
     optimizers: list[PreparedOptimizer] = field(default_factory=list)

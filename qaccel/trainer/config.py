@@ -99,6 +99,7 @@ class TrainConfig:
     timeout: float | datetime.timedelta = 1800.0
     start_method: str = "forkserver"
     gradient_accumulation_steps: int = 1
+    keep_global_batch: bool = False
     sync_each_batch: bool = False
     mixed_precision: str = "no"
     split_batches: bool = False

@@ -55,7 +55,7 @@ def test_numbered_checkpoints_keep_the_newest_k(single, tmp_path):
     assert written[-1] == str(tmp_path / "ckpt" / "checkpoint_00000015")
     marker = json.loads((tmp_path / "ckpt" / "checkpoint_00000015" / "qaccel_state.json").read_text())
     files = marker.pop("files")
-    assert marker == {"format": 2, "step": 15, "world_size": 1}
+    assert marker == {"format": 2, "step": 15, "world_size": 1, "accumulation_steps": 1}
     assert sorted(files) == ["loader_0.pt", "model_0.pt", "optimizer_0.pt", "random_states_0.pt"]
     for name, recorded in files.items():  # every file's size and checksum, as written
         data = (tmp_path / "ckpt" / "checkpoint_00000015" / name).read_bytes()
