@@ -61,6 +61,8 @@ def _run(acc, folder, batch_size, stop=None, epochs=3, accumulate=True, data="ma
     for epoch in range(loader.epoch, epochs):
         for step, (i, x, y) in enumerate(loader):
             ids.setdefault(epoch, []).extend(i[:len(i) - acc.padding_in_batch].tolist())
+            if acc.even_batches:  # (gather_for_metrics refuses steps only some ranks take)
+                ids.setdefault(("gathered", epoch), []).extend(acc.gather_for_metrics(i).tolist())
             with acc.accumulate(model) if accumulate else contextlib.nullcontext():
                 acc.backward(torch.nn.functional.mse_loss(model(x), y))
                 optimizer.step()
@@ -77,8 +79,12 @@ def _every_epoch_once(*runs, dropped=None):
     """Each epoch's ids over every rank of every run are the dataset, each sample once (but for the samples
     ``dropped`` names per epoch)."""
     for epoch in range(3):
+        want = [i for i in range(SIZE) if i not in (dropped or {}).get(epoch, ())]
         seen = sorted(i for ranks in runs for ids, _ in ranks for i in ids.get(epoch, []))
-        assert seen == [i for i in range(SIZE) if i not in (dropped or {}).get(epoch, ())], f"epoch {epoch}"
+        assert seen == want, f"epoch {epoch}"
+        gathered = [ranks[0][0][("gathered", epoch)] for ranks in runs if ("gathered", epoch) in ranks[0][0]]
+        if gathered:  # rank 0's gather_for_metrics: every sample once, the padding left out, in both worlds
+            assert sorted(i for part in gathered for i in part) == want, f"gather_for_metrics, epoch {epoch}"
 
 
 def _world(n, **options):
