@@ -96,6 +96,7 @@ class Run:
 
 
 GLOO_DRAIN_S = 0.02
+FORK_SETTLE_S = 0.005
 _RUN: contextvars.ContextVar[Run | None] = contextvars.ContextVar("qaccel_run", default=None)
 # Per process, not per run: the sessions' numbering (see Run.number), and one connection to the launcher's store
 # (see env_store).
@@ -115,7 +116,20 @@ def _freeze_in_child() -> None:
         gc.freeze()
 
 
-os.register_at_fork(after_in_child=_freeze_in_child)
+def _let_gloo_threads_settle() -> None:
+    """Before this process forks (a DataLoader's workers), let gloo's threads finish what needs the interpreter.
+
+    A gloo thread that completed a collective frees the work's tensors; when Python let go of one first, the thread
+    makes itself a Python thread state to drop it. A fork in that instant gives a child whose runtime lock stays
+    taken: the worker hangs before running any code (CPython gh-112275, fixed in 3.11.8). Releasing the GIL for a
+    moment lets such a thread finish; no collective of this rank's main thread is in flight while it forks.
+    """
+    if sys.version_info < (3, 11, 8) and dist.is_available() and dist.is_initialized() \
+            and dist.get_backend() == Backend.GLOO.value:
+        time.sleep(FORK_SETTLE_S)
+
+
+os.register_at_fork(before=_let_gloo_threads_settle, after_in_child=_freeze_in_child)
 
 
 def current_run() -> Run | None:

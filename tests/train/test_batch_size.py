@@ -84,19 +84,11 @@ def test_ranks_agree_on_the_size_when_one_runs_out_of_memory_in_a_plain_launch_t
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["epoch_0", "epoch_1", "reference"]
 
 
-# Known bug, not fixed yet: in place (torchrun, srun), a rank sometimes sits in os.fork() for a DataLoader worker
-# of the attempt after the group was renewed (seen in 2 of 3 full-suite runs, about 1 in 60 runs alone).
-IN_PLACE_HANG = pytest.mark.xfail(reason="known intermittent hang forking DataLoader workers after a group renewal "
-                                         "in place (docs/guides/training-step.md)", strict=False, raises=Exception)
-
-
-@IN_PLACE_HANG
 @pytest.mark.timeout(150)
 def test_ranks_agree_on_the_size_under_torchrun(tmp_path):
     _agreed(run_torchrun(SCRIPT, str(tmp_path / "out"), cwd=tmp_path, timeout=120))
 
 
-@IN_PLACE_HANG
 @pytest.mark.slurm
 @pytest.mark.timeout(150)
 def test_ranks_agree_on_the_size_under_srun(tmp_path, slurm_cluster):
