@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 
 from qaccel.accelerator import Accelerator
 from qaccel.errors import CheckpointError, CollectiveMismatchError, Preempted, QaccelError, RankError, RankKilledError
-from qaccel.options import DataLoaderConfiguration, GradientAccumulationPlugin
+from qaccel.options import DataLoaderConfiguration, GradientAccumulationPlugin, SlurmCluster
 from qaccel.train.batch_size import find_executable_batch_size, should_reduce_batch_size
 from qaccel.train.checkpoint import consolidate
 from qaccel.trainer.config import TrainConfig
@@ -22,6 +22,6 @@ from qaccel.trainer.trainer import Trainer
 
 __all__ = [
     "Accelerator", "DataLoaderConfiguration", "GradientAccumulationPlugin", "Preempted", "consolidate", "CheckpointError", "CollectiveMismatchError",
-    "QaccelError", "RankError", "RankKilledError", "TrainConfig", "Trainer", "__version__",
+    "QaccelError", "RankError", "RankKilledError", "SlurmCluster", "TrainConfig", "Trainer", "__version__",
     "find_executable_batch_size", "should_reduce_batch_size",
 ]

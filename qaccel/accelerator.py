@@ -15,9 +15,9 @@ from qaccel import options
 from qaccel.comm import collectives, ranks, session
 from qaccel.environment import Environment, detect
 from qaccel.errors import warn_once
-from qaccel.launch import caller, in_place
+from qaccel.launch import caller, cluster, in_place
 from qaccel.nested import map_leaves
-from qaccel.options import FSDP_MIN_PARAMS, Backend, DeviceType, MixedPrecision, Strategy
+from qaccel.options import FSDP_MIN_PARAMS, Backend, DeviceType, MixedPrecision, SlurmCluster, Strategy
 from qaccel.train import batch, checkpoint, gradients, precision, prepare, progress, seeding, sharding, stopping
 from qaccel.train.batch_size import release_memory
 from qaccel.train.registry import GradientState, Registry
@@ -59,6 +59,7 @@ class Accelerator:
         debug: bool | None = None,
         project_dir: str | os.PathLike | None = None,
         rank_prefix: bool = False,
+        cluster: SlurmCluster | None = None,
         **accelerate_arguments: Any,
     ) -> None:
         env = detect()
@@ -262,8 +263,18 @@ class Accelerator:
 
         return run
 
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> cluster.SlurmJob:
+        """Submit ``fn(*args, **kwargs)`` to the ``cluster`` as one SLURM job and return at once a handle to it
+        (``job_id``, ``state``, ``result()``, ``results()``, ``cancel()``, ``logs()``)."""
+        if self._config.cluster is None:
+            raise ValueError("submit() needs Accelerator(cluster=qaccel.SlurmCluster(...)); without a cluster use "
+                             "distribute()")
+        return cluster.submit(fn, args, kwargs, self._config, self._config.cluster)
+
     def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, all_results: bool) -> Any:
         env = detect()
+        if session.current() is None and env.kind.creates_processes and self._config.cluster is not None:
+            return cluster.run(fn, args, kwargs, self._config, self._config.cluster, all_results)
         if session.current() is None and env.kind.creates_processes and self._config.nprocs > 1:
             return caller.launch(fn, args, kwargs, self._config, all_results)
         return in_place.run(fn, args, kwargs, self._config, env, all_results)

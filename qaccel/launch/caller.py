@@ -45,9 +45,9 @@ import cloudpickle
 import torch.distributed as dist
 
 from qaccel import storage
-from qaccel.errors import Preempted, RankError, RankKilledError, RemoteTraceback, raised_note
+from qaccel.errors import Preempted, RankError
 from qaccel.launch import inherit, output, worker
-from qaccel.launch.failures import ErrorReport, RankFailure, root_cause
+from qaccel.launch.failures import ErrorReport, RankFailure, cause_exception
 from qaccel.launch.run_dir import run_directory
 from qaccel.options import Config, StartMethod
 
@@ -440,33 +440,7 @@ def _failure_exception(run_dir: str, world_size: int, seen: list[RankFailure]) -
     failures = [RankFailure(f.rank, _read_report(run_dir, f.rank), f.exitcode) for f in seen]
     failures += [RankFailure(rank, report) for rank in range(world_size)
                  if rank not in seen_ranks and (report := _read_report(run_dir, rank)) is not None]
-    cause = root_cause(failures)
-    if cause.report is None:
-        code = cause.exitcode
-        if code is not None and code < 0:
-            exc: BaseException = RankKilledError(cause.rank, signal.Signals(-code).name)
-        else:
-            exc = RankError(f"rank {cause.rank} exited with code {code} without returning or raising", cause.rank)
-    else:
-        exc = _exception_from(cause.report)
-        exc.add_note(raised_note(cause.rank, world_size, cause.report.type, cause.report.message, launched=True))
-    others = sorted((f for f in failures if f is not cause and f.report is not None), key=lambda f: f.rank)
-    if others:
-        exc.add_note("[qaccel] also failed after it: " + "; ".join(f"rank {f.rank}: {f.report.type}" for f in others))
-    return exc, cause.rank
-
-
-def _exception_from(report: ErrorReport) -> BaseException:
-    """The rank's own exception object when it survives pickling, else a RankError carrying its text."""
-    try:
-        exc = pickle.loads(report.exc) if report.exc is not None else None
-    except Exception:
-        exc = None
-    if not isinstance(exc, BaseException):
-        exc = RankError(f"rank {report.rank} raised {report.type}: {report.message}", report.rank, report.type,
-                        report.traceback)
-    exc.__cause__ = RemoteTraceback(f"Traceback from rank {report.rank}:\n{report.traceback}")
-    return exc
+    return cause_exception(failures, world_size, launched=True)
 
 
 def _read_result(run_dir: str, rank: int) -> Any:

@@ -6,6 +6,8 @@ launcher collects a ``RankFailure`` per failed rank and ``root_cause`` picks the
 
 from __future__ import annotations
 
+import pickle
+import signal
 import time
 import traceback
 from collections.abc import Sequence
@@ -13,7 +15,15 @@ from dataclasses import dataclass, field
 
 import cloudpickle
 
-from qaccel.errors import Preempted, is_peer_loss, type_name
+from qaccel.errors import (
+    Preempted,
+    RankError,
+    RankKilledError,
+    RemoteTraceback,
+    is_peer_loss,
+    raised_note,
+    type_name,
+)
 
 
 @dataclass(frozen=True)
@@ -86,3 +96,35 @@ def root_cause(failures: Sequence[RankFailure]) -> RankFailure:
     if silent:
         return silent[0]
     return min(failures, key=lambda f: (f.is_symptom, f.report.time))
+
+
+def cause_exception(failures: Sequence[RankFailure], world_size: int, launched: bool) -> tuple[BaseException, int]:
+    """The exception to raise in the caller and its rank: the root cause's own, with its rank, its remote traceback
+    and the ranks that failed after it attached."""
+    cause = root_cause(failures)
+    if cause.report is None:
+        code = cause.exitcode
+        if code is not None and code < 0:
+            exc: BaseException = RankKilledError(cause.rank, signal.Signals(-code).name)
+        else:
+            exc = RankError(f"rank {cause.rank} exited with code {code} without returning or raising", cause.rank)
+    else:
+        exc = exception_from(cause.report)
+        exc.add_note(raised_note(cause.rank, world_size, cause.report.type, cause.report.message, launched=launched))
+    others = sorted((f for f in failures if f is not cause and f.report is not None), key=lambda f: f.rank)
+    if others:
+        exc.add_note("[qaccel] also failed after it: " + "; ".join(f"rank {f.rank}: {f.report.type}" for f in others))
+    return exc, cause.rank
+
+
+def exception_from(report: ErrorReport) -> BaseException:
+    """The rank's own exception object when it survives pickling, else a RankError carrying its text."""
+    try:
+        exc = pickle.loads(report.exc) if report.exc is not None else None
+    except Exception:
+        exc = None
+    if not isinstance(exc, BaseException):
+        exc = RankError(f"rank {report.rank} raised {report.type}: {report.message}", report.rank, report.type,
+                        report.traceback)
+    exc.__cause__ = RemoteTraceback(f"Traceback from rank {report.rank}:\n{report.traceback}")
+    return exc

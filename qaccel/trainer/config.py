@@ -113,6 +113,7 @@ class TrainConfig:
     debug: bool | None = None
     project_dir: str | None = None
     rank_prefix: bool = False
+    cluster: options.SlurmCluster | None = None
 
     def __post_init__(self) -> None:
         _count("max_iter", self.max_iter, 1)

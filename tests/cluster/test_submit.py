@@ -1,0 +1,171 @@
+"""distribute() onto the local two-node SLURM with cluster= (through submitit), from a plain script and from a real
+Jupyter kernel: every rank's result with an all-reduce across the nodes; a rank's own exception with its rank,
+node and traceback; a rank dying without a result; submit()'s handle; Ctrl-C cancelling the job within seconds,
+nothing left; a USR1 warning that requeues the job, whose caller still gets the result of an uninterrupted run."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from support.procs import result_lines, script_file, slurm_env, wait_for, wait_for_text
+
+from qaccel import Accelerator, SlurmCluster
+
+pytestmark = pytest.mark.timeout(240)
+SCRIPT = script_file("cluster_job.py")
+
+
+def _run(slurm_cluster, tmp_path, *args, timeout=180):
+    return subprocess.run([sys.executable, str(SCRIPT), *args], env=slurm_env(slurm_cluster), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _checked(proc):
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return result_lines(proc.stdout)
+
+
+@pytest.mark.slurm
+def test_distribute_on_two_nodes_returns_every_ranks_result_and_follows_the_job(slurm_cluster, tmp_path):
+    every, lambdas = _checked(_run(slurm_cluster, tmp_path, "results", str(tmp_path / "jobs")))
+    assert [(r["rank"], r["world"], r["node"], r["sum"]) for r in every] == [(0, 2, "n1", 3.0), (1, 2, "n2", 3.0)]
+    assert (lambdas["rank"], lambdas["tag"]) == (0, "lambda"), "a lambda's result, rank 0's"
+    proc = _run(slurm_cluster, tmp_path, "submit", str(tmp_path / "jobs"))
+    [submitted] = _checked(proc)
+    assert [r["tag"] for r in submitted] == ["submitted", "submitted"]
+    assert "rank 0 on n1 says hello" in proc.stdout, "rank 0's output came to the caller"
+    states = [line.split()[-1] for line in proc.stderr.splitlines() if line.startswith("qaccel: job ")]
+    assert states[-2:] == ["RUNNING", "COMPLETED"], proc.stderr
+
+
+@pytest.mark.slurm
+def test_a_failing_rank_raises_its_own_exception_with_rank_node_and_traceback(slurm_cluster, tmp_path):
+    proc = _run(slurm_cluster, tmp_path, "raises", str(tmp_path / "jobs"))
+    assert proc.returncode == 1
+    assert "ValueError: rank 1 fails on purpose on n2\n[qaccel] raised on rank 1 of 2 (remote traceback above)" \
+        in proc.stderr, proc.stderr
+    assert "Traceback from rank 1:" in proc.stderr and 'cluster_job.py", line' in proc.stderr
+    assert "[qaccel] rank 1 ran on node n2 in SLURM job " in proc.stderr
+    dead = _run(slurm_cluster, tmp_path, "dies", str(tmp_path / "jobs"))
+    assert dead.returncode == 1
+    assert "RankError: rank 1 of SLURM job " in dead.stderr and "without a result in " in dead.stderr, dead.stderr
+    assert slurm_cluster.run(["squeue", "-h"]).stdout.strip() == ""
+
+
+@pytest.mark.slurm
+def test_ctrl_c_cancels_the_job_within_seconds_and_leaves_nothing_running(slurm_cluster, tmp_path):
+    out, err = tmp_path / "out", tmp_path / "err"
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, str(SCRIPT), "sleeps", str(tmp_path / "jobs")],
+                                env=slurm_env(slurm_cluster), cwd=tmp_path, stdout=stdout, stderr=stderr)
+    try:
+        wait_for_text(out, "rank 0 pid", timeout=120)
+        asked = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        took = time.monotonic() - asked
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = err.read_text()
+    assert proc.returncode == -signal.SIGINT and "KeyboardInterrupt" in text, text
+    assert "cancelled" in text and took < 15, (took, text)
+    assert slurm_cluster.run(["squeue", "-h"]).stdout.strip() == ""
+    left = subprocess.run(["pgrep", "-f", "submitit.core._submit"], capture_output=True, text=True).stdout
+    assert left == "", f"ranks left running: {left}"
+
+
+@pytest.mark.slurm
+def test_a_usr1_warning_requeues_and_the_callers_one_wait_ends_with_the_uninterrupted_result(slurm_cluster,
+                                                                                          tmp_path):
+    [here] = _checked(_run(slurm_cluster, tmp_path, "train-here", str(tmp_path / "jobs"), str(tmp_path / "ref")))
+    out, err = tmp_path / "out", tmp_path / "err"
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, str(SCRIPT), "train", str(tmp_path / "jobs"), str(tmp_path / "ck")],
+                                env=slurm_env(slurm_cluster), cwd=tmp_path, stdout=stdout, stderr=stderr)
+    try:
+        wait_for_text(out, "rank 0 epoch 0 done", timeout=120)
+        job = err.read_text().split("submitted SLURM job ")[1].split()[0]
+        assert slurm_cluster.run(["scancel", "--signal=USR1", job]).returncode == 0
+        wait_for(lambda: slurm_cluster.job_info(job).get("Restarts") == "1"
+                 and slurm_cluster.job_info(job).get("JobState") == "PENDING", 60,
+                 lambda: f"the requeued job to be pending:\n{err.read_text()}", interval=0.2)
+        time.sleep(2)  # a start in the second of the previous one's kill fails (tests/launch/test_real_script.py)
+        slurm_cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+        proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = err.read_text()
+    assert proc.returncode == 0, text
+    assert "the SLURM job was requeued and will resume from it" in text and "qaccel: resumed checkpoint_" in text
+    assert result_lines(out.read_text()) == [here], "bitwise the parameters of an uninterrupted run"
+
+
+@pytest.mark.slurm
+def test_a_function_defined_in_a_jupyter_cell_runs_on_the_cluster(slurm_cluster, tmp_path):
+    jupyter_client = pytest.importorskip("jupyter_client", reason="the notebook test needs jupyter_client and "
+                                                                  "ipykernel (the test extra)")
+    manager = jupyter_client.KernelManager(kernel_name="python3")
+    manager.start_kernel(env=slurm_env(slurm_cluster), cwd=str(tmp_path))
+    client = manager.client()
+    client.start_channels()
+    try:
+        client.wait_for_ready(timeout=60)
+        cell = textwrap.dedent(f"""
+            import json, os
+            from qaccel import Accelerator, SlurmCluster
+            acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=60, cluster=SlurmCluster(
+                nodes=2, time="00:10:00", cpus_per_task=1, folder={str(tmp_path / "jobs")!r}))
+
+            def where(acc, offset):
+                total = acc.all_reduce_dict({{"x": float(acc.rank + offset)}}, op="sum")["x"]
+                return acc.rank, acc.world_size, os.environ["SLURMD_NODENAME"], total
+
+            print("RESULT " + json.dumps(acc.distribute(where, all_results=True)(acc, 10)))
+            """)
+        shown = []
+        reply = client.execute_interactive(cell, timeout=180, output_hook=lambda msg: shown.append(msg))
+        assert reply["content"]["status"] == "ok", reply["content"]
+        text = "".join(m["content"].get("text", "") for m in shown if m["msg_type"] == "stream")
+        [result] = result_lines(text)
+        assert result == [[0, 2, "n1", 21.0], [1, 2, "n2", 21.0]], text
+        assert "qaccel: job " in text and " COMPLETED" in text, "the job's states appear in the cell"
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+
+
+def test_cluster_needs_as_many_ranks_as_tasks_and_valid_fields():
+    with pytest.raises(ValueError, match=r"nprocs=4 but the cluster has nodes x tasks_per_node = 2 x 1 = 2 ranks"):
+        Accelerator(nprocs=4, compute_setup="cpu", cluster=SlurmCluster(nodes=2))
+    with pytest.raises(ValueError, match=r"SlurmCluster.time must be minutes > 0 or a SLURM time limit "
+                                         r"\('HH:MM:SS', 'D-HH:MM:SS', ...\); got '2 hours'"):
+        SlurmCluster(time="2 hours")
+    with pytest.raises(ValueError, match=r"SlurmCluster.nodes must be an int >= 1; got 0"):
+        SlurmCluster(nodes=0)
+    with pytest.raises(TypeError, match=r"cluster must be a qaccel.SlurmCluster or None; got dict"):
+        Accelerator(nprocs=2, compute_setup="cpu", cluster={"nodes": 2})
+    with pytest.raises(ValueError, match=r"submit\(\) needs Accelerator\(cluster=qaccel.SlurmCluster\(...\)\)"):
+        Accelerator(compute_setup="cpu").submit(print)
+
+
+def test_without_submitit_cluster_says_what_to_install():
+    code = ("import sys; sys.modules['submitit'] = None  # as if not installed\n"
+            "from qaccel import Accelerator, SlurmCluster\n"
+            "Accelerator(nprocs=2, compute_setup='cpu', cluster=SlurmCluster(nodes=2))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "ImportError: cluster= submits through submitit, which is not installed: pip install " \
+           "'qaccel[slurm]'" in proc.stderr, proc.stderr
+
+
+def test_minutes_reads_slurm_time_limits():
+    from qaccel.options import minutes
+
+    limits = ("02:00:00", "1-00:00:00", "00:00:30", "90", "90:30", "2-12", "1-02:30", 45)
+    assert [minutes(t) for t in limits] == [120, 1440, 1, 90, 91, 3600, 1590, 45]

@@ -1,0 +1,100 @@
+"""distribute() and submit() onto SLURM through cluster=: run from a login node (here the local SLURM of the tests),
+each SLURM task is a rank; results, a rank's exception and Ctrl-C come back to this process.
+
+    python cluster_job.py MODE FOLDER [CKPT]    # MODE: results | raises | dies | submit | sleeps | train | train-here
+
+``train`` trains 3 epochs with resume(CKPT) and a checkpoint per epoch on the cluster (``train-here``: the same as a
+plain local launch), printing the parameters' hash.
+"""
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from qaccel import Accelerator, SlurmCluster
+
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+
+def report(acc, tag):
+    """Every rank: where it ran, and an all-reduce across the nodes."""
+    total = acc.all_reduce_dict({"ranks": float(acc.rank + 1)}, op="sum")["ranks"]
+    print(f"rank {acc.rank} on {os.environ.get('SLURMD_NODENAME')} says hello", flush=True)
+    return {"rank": acc.rank, "world": acc.world_size, "node": os.environ.get("SLURMD_NODENAME"), "sum": total,
+            "tag": tag, "torch": torch.__version__}
+
+
+def raises(acc):
+    if acc.rank == 1:
+        raise ValueError(f"rank 1 fails on purpose on {os.environ.get('SLURMD_NODENAME')}")
+    acc.wait_for_everyone()
+
+
+class Squares(Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        x = torch.tensor([i / 64.0, (i % 7) / 7.0])
+        return x, (x ** 2).sum(dim=0, keepdim=True)
+
+
+def train(acc, ckpt):
+    """3 epochs with resume() and a checkpoint per epoch; slow enough for a signal to land mid-run."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    loader = DataLoader(Squares(), batch_size=4, shuffle=True, num_workers=2)
+    model, optimizer, loader = acc.prepare(model, optimizer, loader)
+    acc.resume(ckpt)
+    for epoch in range(loader.epoch, 3):
+        for x, y in loader:
+            acc.backward(torch.nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+            time.sleep(0.2)
+        print(f"rank {acc.rank} epoch {epoch} done", flush=True)
+        acc.save_state()
+    weights = acc.unwrap_model(model).state_dict()
+    return hashlib.sha256(b"".join(w.numpy().tobytes() for w in weights.values())).hexdigest()
+
+
+def dies(acc):
+    if acc.rank == 1:
+        os._exit(3)
+    acc.wait_for_everyone()
+
+
+def sleeps(acc):
+    print(f"rank {acc.rank} pid {os.getpid()} sleeping", flush=True)
+    time.sleep(300)
+
+
+if __name__ == "__main__":
+    mode, folder = sys.argv[1], sys.argv[2]
+    acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=60,
+                      cluster=SlurmCluster(nodes=2, tasks_per_node=1, time="00:10:00", cpus_per_task=1, folder=folder))
+    if mode == "results":
+        print("RESULT " + json.dumps(acc.distribute(report, all_results=True)(acc, "all")), flush=True)
+        print("RESULT " + json.dumps(acc.distribute(lambda a: report(a, "lambda"))(acc)), flush=True)
+    elif mode == "raises":
+        acc.distribute(raises)(acc)
+    elif mode == "submit":
+        job = acc.submit(report, acc, "submitted")
+        print(f"JOB {job.job_id} {job.state}", flush=True)
+        print("RESULT " + json.dumps(job.results()), flush=True)
+    elif mode == "dies":
+        acc.distribute(dies)(acc)
+    elif mode == "sleeps":
+        acc.distribute(sleeps)(acc)
+    elif mode == "train":
+        print("RESULT " + json.dumps(acc.distribute(train)(acc, sys.argv[3])), flush=True)
+    elif mode == "train-here":
+        here = Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
+        print("RESULT " + json.dumps(here.distribute(train)(here, sys.argv[3])), flush=True)
