@@ -68,6 +68,14 @@ class Backend(enum.StrEnum):
         return (cls.GLOO, cls.NCCL) + ((cls.MPI,) if dist.is_mpi_available() else ())
 
 
+class JobOutput(enum.StrEnum):
+    """Whose output a cluster job shows in the caller while it waits."""
+
+    RANK0 = "rank0"
+    ALL = "all"  # every rank's lines, each prefixed with [rank N]
+    NONE = "none"
+
+
 class DeviceType(enum.StrEnum):
     """Where a rank computes, resolved from ``compute_setup``: torch's device type names."""
 
@@ -344,6 +352,8 @@ class SlurmCluster:
             ``USR1@180``: the warning ``resume()`` saves and requeues on).
         folder: where each job gets a folder of its own (the pickled function, results and logs); it must be on a
             file system that the submitting machine and the compute nodes share.
+        output: whose output appears in the caller while it waits: ``"rank0"``, ``"all"`` (every rank's lines,
+            prefixed with ``[rank N]``) or ``"none"``; the job's state changes appear always.
     """
 
     nodes: int = 1
@@ -356,6 +366,7 @@ class SlurmCluster:
     setup: Sequence[str] = ()
     sbatch: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     folder: str | os.PathLike = "qaccel_jobs"
+    output: JobOutput | str = JobOutput.RANK0
 
     def __post_init__(self) -> None:
         for name in ("nodes", "tasks_per_node"):
@@ -368,6 +379,7 @@ class SlurmCluster:
             raise TypeError(f"SlurmCluster.setup must be a list of shell lines; got {self.setup!r}")
         if not isinstance(self.sbatch, Mapping):
             raise TypeError(f"SlurmCluster.sbatch must be a dict of sbatch options; got {self.sbatch!r}")
+        object.__setattr__(self, "output", _choice("SlurmCluster.output", self.output, JobOutput))
         object.__setattr__(self, "setup", tuple(self.setup))
         object.__setattr__(self, "sbatch", dict(self.sbatch))
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from qaccel.errors import Preempted, RankError
-from qaccel.options import SlurmCluster, minutes
+from qaccel.options import JobOutput, SlurmCluster, minutes
 
 if TYPE_CHECKING:
     from qaccel.options import Config
@@ -71,6 +71,7 @@ class SlurmJob:
         self.job_id: str = job.job_id
         self._show = show
         self._shown: dict[Path, int] = {}
+        self._partial: dict[Path, bytes] = {}  # a rank's last line, not finished yet (output="all")
         self._last_state: str | None = None
 
     def __repr__(self) -> str:
@@ -109,7 +110,7 @@ class SlurmJob:
                 state = self.state
                 self._follow(state)
                 if state in ENDED:
-                    self._follow(state)
+                    self._follow(state, ended=True)
                     return state
                 time.sleep(POLL_S)
         except KeyboardInterrupt:
@@ -118,19 +119,27 @@ class SlurmJob:
             print(f"qaccel: job {self.job_id} cancelled", file=sys.stderr, flush=True)
             raise
 
-    def _follow(self, state: str) -> None:
+    def _follow(self, state: str, ended: bool = False) -> None:
+        """Show a new state, and what the ranks wrote since the last look (``cluster.output``)."""
         if not self._show:
             return
         if state != self._last_state:
             print(f"qaccel: job {self.job_id} {state}", file=sys.stderr, flush=True)
             self._last_state = state
-        task = self._job.task(0) if self.cluster.world_size > 1 else self._job
-        for path, stream in ((task.paths.stdout, sys.stdout), (task.paths.stderr, sys.stderr)):
-            new = _read_from(path, self._shown.get(path, 0))
-            if new:
+        output = self.cluster.output
+        tasks = [] if output is JobOutput.NONE else self._tasks()[:1] if output is JobOutput.RANK0 else self._tasks()
+        for rank, task in enumerate(tasks):
+            for path, stream in ((task.paths.stdout, sys.stdout), (task.paths.stderr, sys.stderr)):
+                new = _read_from(path, self._shown.get(path, 0))
                 self._shown[path] = self._shown.get(path, 0) + len(new)
-                stream.write(new.decode(errors="replace"))
-                stream.flush()
+                if output is JobOutput.ALL:  # whole lines only, each with its rank
+                    *lines, self._partial[path] = (self._partial.get(path, b"") + new).split(b"\n")
+                    if ended and self._partial[path]:
+                        lines.append(self._partial.pop(path))
+                    new = b"".join(b"[rank %d] %s\n" % (rank, line) for line in lines)
+                if new:
+                    stream.write(new.decode(errors="replace"))
+                    stream.flush()
 
     def _tasks(self) -> list[Any]:
         return [self._job.task(i) for i in range(self.cluster.world_size)] if self.cluster.world_size > 1 \

@@ -32,14 +32,15 @@ def _checked(proc):
 
 @pytest.mark.slurm
 def test_distribute_on_two_nodes_returns_every_ranks_result_and_follows_the_job(slurm_cluster, tmp_path):
-    every, lambdas = _checked(_run(slurm_cluster, tmp_path, "results", str(tmp_path / "jobs")))
+    proc = _run(slurm_cluster, tmp_path, "results", str(tmp_path / "jobs"))
+    every, submitted = _checked(proc)
     assert [(r["rank"], r["world"], r["node"], r["sum"]) for r in every] == [(0, 2, "n1", 3.0), (1, 2, "n2", 3.0)]
-    assert (lambdas["rank"], lambdas["tag"]) == (0, "lambda"), "a lambda's result, rank 0's"
-    proc = _run(slurm_cluster, tmp_path, "submit", str(tmp_path / "jobs"))
-    [submitted] = _checked(proc)
-    assert [r["tag"] for r in submitted] == ["submitted", "submitted"]
     assert "rank 0 on n1 says hello" in proc.stdout, "rank 0's output came to the caller"
-    states = [line.split()[-1] for line in proc.stderr.splitlines() if line.startswith("qaccel: job ")]
+    # then submit() of a lambda, every rank's output shown with its rank
+    assert [(r["rank"], r["tag"]) for r in submitted] == [(0, "lambda"), (1, "lambda")]
+    assert "[rank 0] rank 0 on n1 says hello\n" in proc.stdout and "[rank 1] rank 1 on n2 says hello\n" in proc.stdout
+    job = next(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("JOB "))
+    states = [line.split()[-1] for line in proc.stderr.splitlines() if line.startswith(f"qaccel: job {job} ")]
     assert states[-2:] == ["RUNNING", "COMPLETED"], proc.stderr
 
 

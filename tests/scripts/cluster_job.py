@@ -1,7 +1,7 @@
 """distribute() and submit() onto SLURM through cluster=: run from a login node (here the local SLURM of the tests),
 each SLURM task is a rank; results, a rank's exception and Ctrl-C come back to this process.
 
-    python cluster_job.py MODE FOLDER [CKPT]    # MODE: results | raises | dies | submit | sleeps | train | train-here
+    python cluster_job.py MODE FOLDER [CKPT]    # MODE: results | raises | dies | sleeps | train | train-here
 
 ``train`` trains 3 epochs with resume(CKPT) and a checkpoint per epoch on the cluster (``train-here``: the same as a
 plain local launch), printing the parameters' hash.
@@ -80,15 +80,15 @@ if __name__ == "__main__":
     mode, folder = sys.argv[1], sys.argv[2]
     acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=60,
                       cluster=SlurmCluster(nodes=2, tasks_per_node=1, time="00:10:00", cpus_per_task=1, folder=folder))
-    if mode == "results":
+    if mode == "results":  # then a lambda, submitted, with every rank's output shown
         print("RESULT " + json.dumps(acc.distribute(report, all_results=True)(acc, "all")), flush=True)
-        print("RESULT " + json.dumps(acc.distribute(lambda a: report(a, "lambda"))(acc)), flush=True)
-    elif mode == "raises":
-        acc.distribute(raises)(acc)
-    elif mode == "submit":
-        job = acc.submit(report, acc, "submitted")
+        every = Accelerator(nprocs=2, compute_setup="cpu", timeout=60, cluster=SlurmCluster(
+            nodes=2, time="00:10:00", cpus_per_task=1, folder=folder, output="all"))
+        job = every.submit(lambda a: report(a, "lambda"), every)
         print(f"JOB {job.job_id} {job.state}", flush=True)
         print("RESULT " + json.dumps(job.results()), flush=True)
+    elif mode == "raises":
+        acc.distribute(raises)(acc)
     elif mode == "dies":
         acc.distribute(dies)(acc)
     elif mode == "sleeps":
