@@ -1,5 +1,5 @@
-"""distribute() onto the local two-node SLURM with cluster= (through submitit), from a plain script and from a real
-Jupyter kernel: every rank's result with an all-reduce across the nodes; a rank's own exception with its rank,
+"""distribute() onto the local two-node SLURM with cluster= (through submitit), from a plain script, a Trainer and a
+real Jupyter kernel: every rank's result with an all-reduce across the nodes; a rank's own exception with its rank,
 node and traceback; a rank dying without a result; submit()'s handle; Ctrl-C cancelling the job within seconds,
 nothing left; a USR1 warning that requeues the job, whose caller still gets the result of an uninterrupted run."""
 
@@ -106,6 +106,12 @@ def test_a_usr1_warning_requeues_and_the_callers_one_wait_ends_with_the_uninterr
     assert proc.returncode == 0, text
     assert "the SLURM job was requeued and will resume from it" in text and "qaccel: resumed checkpoint_" in text
     assert result_lines(out.read_text()) == [here], "bitwise the parameters of an uninterrupted run"
+
+
+@pytest.mark.slurm
+def test_a_trainer_whose_config_names_a_cluster_fits_there_as_it_fits_here(slurm_cluster, tmp_path):
+    [(here, there)] = _checked(_run(slurm_cluster, tmp_path, "trainer", str(tmp_path)))
+    assert there == here and here["epochs"] == 2, (here, there)
 
 
 @pytest.mark.slurm

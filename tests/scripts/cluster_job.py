@@ -1,7 +1,7 @@
 """distribute() and submit() onto SLURM through cluster=: run from a login node (here the local SLURM of the tests),
 each SLURM task is a rank; results, a rank's exception and Ctrl-C come back to this process.
 
-    python cluster_job.py MODE FOLDER [CKPT]    # MODE: results | raises | dies | sleeps | train | train-here
+    python cluster_job.py MODE FOLDER [CKPT]    # MODE: results | raises | dies | sleeps | train | train-here | trainer
 
 ``train`` trains 3 epochs with resume(CKPT) and a checkpoint per epoch on the cluster (``train-here``: the same as a
 plain local launch), printing the parameters' hash.
@@ -17,7 +17,7 @@ import time
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from qaccel import Accelerator, SlurmCluster
+from qaccel import Accelerator, SlurmCluster, TrainConfig, Trainer
 
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
@@ -71,6 +71,20 @@ def dies(acc):
     acc.wait_for_everyone()
 
 
+def fit(where, folder):
+    """A Trainer fit of 2 epochs on 2 ranks (here, or on the cluster); its parameters' hash and epochs tracked."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    config = TrainConfig(nprocs=2, compute_setup="cpu", max_iter=2, log_folder=f"{folder}/{where}", verbose=False,
+                         cluster=SlurmCluster(nodes=2, time="00:10:00", cpus_per_task=1, folder=f"{folder}/jobs")
+                         if where == "cluster" else None)
+    trainer = Trainer(model, optimizer, config, "mse", DataLoader(Squares(), batch_size=8))
+    model, _ = trainer.fit()
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    return {"hash": digest, "epochs": len(trainer.history)}
+
+
 def sleeps(acc):
     print(f"rank {acc.rank} pid {os.getpid()} sleeping", flush=True)
     time.sleep(300)
@@ -89,6 +103,8 @@ if __name__ == "__main__":
         print("RESULT " + json.dumps(job.results()), flush=True)
     elif mode == "raises":
         acc.distribute(raises)(acc)
+    elif mode == "trainer":
+        print("RESULT " + json.dumps([fit("here", folder), fit("cluster", folder)]), flush=True)
     elif mode == "dies":
         acc.distribute(dies)(acc)
     elif mode == "sleeps":
