@@ -143,6 +143,27 @@ def test_a_function_defined_in_a_jupyter_cell_runs_on_the_cluster(slurm_cluster,
         [result] = result_lines(text)
         assert result == [[0, 2, "n1", 21.0], [1, 2, "n2", 21.0]], text
         assert "qaccel: job " in text and " COMPLETED" in text, "the job's states appear in the cell"
+        # the kernel's interrupt (Ctrl-C, or the stop button) cancels a job the cell waits for
+        sleeping = textwrap.dedent("""
+            import time
+            def sleeps(acc):
+                print(f"rank {acc.rank} sleeping", flush=True)
+                time.sleep(300)
+            acc.distribute(sleeps)(acc)
+            """)
+        shown.clear()
+        asked = []
+
+        def interrupt_once_sleeping(msg):
+            shown.append(msg)
+            if not asked and "rank 0 sleeping" in msg["content"].get("text", ""):
+                asked.append(time.monotonic())
+                manager.interrupt_kernel()
+
+        reply = client.execute_interactive(sleeping, timeout=180, output_hook=interrupt_once_sleeping)
+        assert asked and reply["content"]["ename"] == "KeyboardInterrupt", reply["content"]
+        assert time.monotonic() - asked[0] < 15
+        assert slurm_cluster.run(["squeue", "-h"]).stdout.strip() == "", "the job is gone"
     finally:
         client.stop_channels()
         manager.shutdown_kernel(now=True)
