@@ -73,6 +73,7 @@ class SlurmJob:
         self._shown: dict[Path, int] = {}
         self._partial: dict[Path, bytes] = {}  # a rank's last line, not finished yet (output="all")
         self._last_state: str | None = None
+        self._restarts = 0
 
     def __repr__(self) -> str:
         return f"SlurmJob(job_id={self.job_id!r}, state={self.state!r})"
@@ -84,7 +85,14 @@ class SlurmJob:
     @property
     def state(self) -> str:
         """SLURM's state of the job now (PENDING, RUNNING, COMPLETED, ...)."""
-        return _state(self.job_id) or ("COMPLETED" if self._all_results_written() else "UNKNOWN")
+        return self._poll()[0]
+
+    def _poll(self) -> tuple[str, int]:
+        """The job's state and how many times it was requeued."""
+        state, restarts = _state(self.job_id)
+        if state is None:  # SLURM forgot the job: long ended
+            state = "COMPLETED" if self._all_results_written() else "UNKNOWN"
+        return state, restarts
 
     def cancel(self) -> None:
         """``scancel`` the job (every rank stops)."""
@@ -107,7 +115,12 @@ class SlurmJob:
         """Wait until the job ends (through requeues); its final state. Ctrl-C cancels it."""
         try:
             while True:
-                state = self.state
+                state, restarts = self._poll()
+                if restarts > self._restarts:
+                    self._restarts = restarts
+                    self._last_state = None  # the state shows again, after the requeue
+                    if self._show:
+                        print(f"qaccel: job {self.job_id} requeued (restart {restarts})", file=sys.stderr, flush=True)
                 self._follow(state)
                 if state in ENDED:
                     self._follow(state, ended=True)
@@ -199,21 +212,23 @@ def run(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, clust
     return job.results() if all_results else job.result()
 
 
-def _state(job_id: str) -> str | None:
-    """The job's state from scontrol (None once SLURM forgot the job)."""
+def _state(job_id: str) -> tuple[str | None, int]:
+    """The job's state from scontrol (None once SLURM forgot the job), and its requeues so far."""
     try:
         shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
                                timeout=60)
     except (OSError, subprocess.TimeoutExpired):
-        return None
-    match = re.search(r"\bJobState=(\S+)", shown.stdout)
-    return match.group(1) if shown.returncode == 0 and match else None
+        return None, 0
+    state, restarts = re.search(r"\bJobState=(\S+)", shown.stdout), re.search(r"\bRestarts=(\d+)", shown.stdout)
+    if shown.returncode or state is None:
+        return None, 0
+    return state.group(1), int(restarts.group(1)) if restarts else 0
 
 
 def _wait_gone(job_id: str, timeout: float = 60.0) -> None:
     """Wait until the cancelled job has ended (its processes are gone)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and _state(job_id) not in (None, *ENDED):
+    while time.monotonic() < deadline and _state(job_id)[0] not in (None, *ENDED):
         time.sleep(POLL_S)
 
 

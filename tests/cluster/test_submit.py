@@ -105,6 +105,8 @@ def test_a_usr1_warning_requeues_and_the_callers_one_wait_ends_with_the_uninterr
     text = err.read_text()
     assert proc.returncode == 0, text
     assert "the SLURM job was requeued and will resume from it" in text and "qaccel: resumed checkpoint_" in text
+    after = text.split(f"qaccel: job {job} requeued (restart 1)\n")[1]  # then it waits, and runs again
+    assert f"qaccel: job {job} PENDING" in after and f"qaccel: job {job} RUNNING" in after, text
     assert result_lines(out.read_text()) == [here], "bitwise the parameters of an uninterrupted run"
 
 
