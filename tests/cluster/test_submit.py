@@ -39,6 +39,7 @@ def test_distribute_on_two_nodes_returns_every_ranks_result_and_follows_the_job(
     # then submit() of a lambda, every rank's output shown with its rank
     assert [(r["rank"], r["tag"]) for r in submitted] == [(0, "lambda"), (1, "lambda")]
     assert "[rank 0] rank 0 on n1 says hello\n" in proc.stdout and "[rank 1] rank 1 on n2 says hello\n" in proc.stdout
+    assert "LOGGED True COMPLETED" in proc.stdout, "job.logs(rank=1) holds rank 1's output; job.state"
     job = next(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("JOB "))
     states = [line.split()[-1] for line in proc.stderr.splitlines() if line.startswith(f"qaccel: job {job} ")]
     assert states[-2:] == ["RUNNING", "COMPLETED"], proc.stderr

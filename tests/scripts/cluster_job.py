@@ -45,20 +45,22 @@ class Squares(Dataset):
         return x, (x ** 2).sum(dim=0, keepdim=True)
 
 
-def train(acc, ckpt):
-    """3 epochs with resume() and a checkpoint per epoch; slow enough for a signal to land mid-run."""
+def train(acc, ckpt, pause=0.2):
+    """3 epochs with resume() and a checkpoint per epoch; a first run pauses ``pause`` s a step, for a signal to
+    land mid-run."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(2, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     loader = DataLoader(Squares(), batch_size=4, shuffle=True, num_workers=2)
     model, optimizer, loader = acc.prepare(model, optimizer, loader)
-    acc.resume(ckpt)
+    if acc.resume(ckpt) is not None:
+        pause = 0
     for epoch in range(loader.epoch, 3):
         for x, y in loader:
             acc.backward(torch.nn.functional.mse_loss(model(x), y))
             optimizer.step()
             optimizer.zero_grad()
-            time.sleep(0.2)
+            time.sleep(pause)
         print(f"rank {acc.rank} epoch {epoch} done", flush=True)
         acc.save_state()
     weights = acc.unwrap_model(model).state_dict()
@@ -101,6 +103,7 @@ if __name__ == "__main__":
         job = every.submit(lambda a: report(a, "lambda"), every)
         print(f"JOB {job.job_id} {job.state}", flush=True)
         print("RESULT " + json.dumps(job.results()), flush=True)
+        print(f"LOGGED {'rank 1 on n2 says hello' in job.logs(rank=1)} {job.state}", flush=True)
     elif mode == "raises":
         acc.distribute(raises)(acc)
     elif mode == "trainer":
@@ -113,4 +116,4 @@ if __name__ == "__main__":
         print("RESULT " + json.dumps(acc.distribute(train)(acc, sys.argv[3])), flush=True)
     elif mode == "train-here":
         here = Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
-        print("RESULT " + json.dumps(here.distribute(train)(here, sys.argv[3])), flush=True)
+        print("RESULT " + json.dumps(here.distribute(train)(here, sys.argv[3], 0)), flush=True)
