@@ -5,7 +5,8 @@ inside the training function from the global RNG, a checkpoint every epoch, and 
 the newest checkpoint, and on SIGTERM (or SLURM's USR1) every rank finishes its step, saves and stops. With
 ``--crash-at E:B[,E:B...]`` rank 1 raises at epoch E, batch B of attempt 0 (then of attempt 1, ...), as
 ``acc.restart_count`` counts them (torchrun --max-restarts, or ``--max-restarts`` for a plain launch).
-``--step-sleep`` slows each step so that a test can signal it mid-run; ``--strategy fsdp`` shards it with FSDP2;
+``--step-sleep`` slows each step of a run that did not resume, so that a test can signal it mid-run;
+``--strategy fsdp`` shards it with FSDP2;
 ``--split-batches`` makes the loader's batch of 8 the batch of all ranks together; ``--record DIR`` writes the
 samples each rank trains on, per epoch, to a file of its own there. It prints one RESULT line (rank 0) with a hash
 of the final parameters' bytes (and, with ``--record``, the parameters).
@@ -72,7 +73,7 @@ def train(args, acc):
             acc.backward(loss)
             optimizer.step()
             workers.update(worker.tolist())
-            time.sleep(args.step_sleep)
+            time.sleep(0.0 if resumed else args.step_sleep)
         log.info("rank %d epoch %d loss %.6f", acc.rank, epoch + 1, loss.item())
         acc.save_state()
     state = acc.get_state_dict(model)  # on every rank: under strategy="fsdp" it gathers the shards (to rank 0)
