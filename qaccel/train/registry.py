@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+from torch.distributed.checkpoint.stateful import Stateful
 
-if TYPE_CHECKING:  # torch.distributed.checkpoint takes 0.6 s to import: only a sharded checkpoint needs it
+if TYPE_CHECKING:
     import weakref
 
-    from torch.distributed.checkpoint.stateful import Stateful
     from torch.distributed.device_mesh import DeviceMesh
 
     from qaccel.train.data import PreparedDataLoader
