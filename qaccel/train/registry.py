@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+
 # Imported at run time on purpose, though only an annotation needs it: it costs 0.6 s of `import qaccel`, but without
 # torch.distributed.checkpoint imported, a gloo group destroyed by the batch-size search's rank out of memory leaves
 # its peer waiting in DDP's all-reduce (tests/train/test_batch_size.py under torchrun; not yet understood).
