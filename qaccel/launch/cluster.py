@@ -100,7 +100,7 @@ class SlurmJob:
 
     def logs(self, rank: int = 0) -> str:
         """Rank ``rank``'s output so far (its stdout, then its stderr)."""
-        task = self._job.task(rank) if self.cluster.world_size > 1 else self._job
+        task = self._tasks()[rank]
         return "".join(p.read_text(errors="replace") for p in (task.paths.stdout, task.paths.stderr) if p.exists())
 
     def result(self) -> Any:
@@ -176,7 +176,7 @@ class SlurmJob:
             return [outcomes[rank][1] for rank in range(self.cluster.world_size)]
         cause = failures.root_cause(failed)
         if cause.report is None:  # died without a result: killed, os._exit, or a folder the nodes do not share
-            log = (self._job.task(cause.rank) if self.cluster.world_size > 1 else self._job).paths.stderr
+            log = self._tasks()[cause.rank].paths.stderr
             raise RankError(f"rank {cause.rank} of SLURM job {self.job_id} ended ({state}) without a result in "
                             f"{self.folder}: killed, os._exit(), or a folder the compute nodes do not share; its "
                             f"log: {log}", cause.rank)
