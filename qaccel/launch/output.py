@@ -9,6 +9,7 @@ prefix, and a terminal still shows them in place.
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import sys
@@ -102,6 +103,21 @@ def redirect(ends: tuple[Connection, ...]) -> None:
     for end, fd in zip(ends, (1, 2)):
         os.dup2(end.fileno(), fd)
         end.close()
-    for stream in (sys.stdout, sys.stderr):
-        if stream is not None and hasattr(stream, "reconfigure"):
+    whole_lines()
+
+
+def whole_lines() -> None:
+    """Line-buffered sys.stdout and sys.stderr in a rank, so each line leaves it in one write: ranks share the
+    caller's fds 1 and 2, and lines of different ranks then never mix. Under PYTHONUNBUFFERED (or ``-u``) print
+    writes the text and the newline separately, so an unbuffered standard stream gets a line buffer of its own."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is None or not hasattr(stream, "reconfigure"):
+            continue
+        stream.flush()
+        if isinstance(getattr(stream, "buffer", None), io.RawIOBase) and stream is getattr(sys, f"__{name}__"):
+            # sys.__stdout__ keeps the unbuffered stream (and its fd) alive; the new one shares the fd
+            setattr(sys, name, open(stream.fileno(), "w", buffering=1, encoding=stream.encoding,
+                                    errors=stream.errors, closefd=False))
+        else:
             stream.reconfigure(line_buffering=True)

@@ -54,8 +54,7 @@ def become_worker(environ: dict[str, str]) -> None:
     os.environ.clear()
     os.environ.update(environ)
     multiprocessing.set_start_method(CHILD_START_METHOD, force=True)
-    if sys.stdout is not None and hasattr(sys.stdout, "reconfigure"):
-        sys.stdout.reconfigure(line_buffering=True)
+    output.whole_lines()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a spawned rank inherits the caller's mask
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import pickle
+import re
 import signal
 import threading
 import time
@@ -276,6 +277,18 @@ def test_everything_a_failing_rank_printed_reaches_the_caller(into, tmp_path):
     for text in ("rank 1 printed a line", "rank 1 printed half a line", "rank 0 printed a line"):
         assert text in stdout, stdout
     assert "rank 1 wrote to stderr" in proc.stderr and "rank 0 wrote to stderr" in proc.stderr
+
+
+def test_lines_of_ranks_never_mix_unbuffered():
+    """Ranks share the caller's fds 1 and 2; unbuffered, print writes a line's text and its newline separately."""
+    env = script_env(PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, "-u", str(script_file("whole_lines.py"))], capture_output=True, text=True,
+                          env=env, timeout=90)
+    assert proc.returncode == 0, proc.stderr
+    for stream, word, fill in ((proc.stdout, "line", "x"), (proc.stderr, "error", "y")):
+        ours = [line for line in stream.splitlines() if line.startswith("rank ") or fill * 10 in line]
+        mixed = [line for line in ours if not re.fullmatch(rf"rank [01] {word} \d+ {fill}{{100}}", line)]
+        assert not mixed and len(ours) == 600, mixed[:5]
 
 
 def test_system_exit_in_rank_propagates_as_system_exit(acc):
