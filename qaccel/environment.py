@@ -9,11 +9,13 @@ import enum
 import itertools
 import os
 import re
+import subprocess
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["Environment", "Kind", "detect", "parse_nodelist", "parse_tasks_per_node", "rank_variables", "slurm_port"]
+__all__ = ["Environment", "Kind", "detect", "parse_nodelist", "parse_tasks_per_node", "rank_variables", "slurm_job_state",
+           "slurm_port"]
 
 
 class Kind(enum.StrEnum):
@@ -306,3 +308,16 @@ def _ceil_div(numerator: int, denominator: int) -> int:
     """Node count from totals, never below one, and safe against a zero denominator."""
     return max(1, -(-numerator // max(denominator, 1)))
 
+
+def slurm_job_state(job_id: str) -> tuple[str | None, int]:
+    """A SLURM job's state from scontrol (None once SLURM forgot the job, or without scontrol), and its requeues
+    so far."""
+    try:
+        shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
+                               timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None, 0
+    state, restarts = re.search(r"\bJobState=(\S+)", shown.stdout), re.search(r"\bRestarts=(\d+)", shown.stdout)
+    if shown.returncode or state is None:
+        return None, 0
+    return state.group(1), int(restarts.group(1)) if restarts else 0

@@ -9,7 +9,6 @@ comes back with its rank, node and remote traceback, as from a local launch.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -18,6 +17,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from qaccel.environment import slurm_job_state
 from qaccel.errors import Preempted, RankError
 from qaccel.options import JobOutput, SlurmCluster, minutes
 
@@ -89,7 +89,7 @@ class SlurmJob:
 
     def _poll(self) -> tuple[str, int]:
         """The job's state and how many times it was requeued."""
-        state, restarts = _state(self.job_id)
+        state, restarts = slurm_job_state(self.job_id)
         if state is None:  # SLURM forgot the job: long ended
             state = "COMPLETED" if self._all_results_written() else "UNKNOWN"
         return state, restarts
@@ -212,23 +212,10 @@ def run(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, clust
     return job.results() if all_results else job.result()
 
 
-def _state(job_id: str) -> tuple[str | None, int]:
-    """The job's state from scontrol (None once SLURM forgot the job), and its requeues so far."""
-    try:
-        shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
-                               timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return None, 0
-    state, restarts = re.search(r"\bJobState=(\S+)", shown.stdout), re.search(r"\bRestarts=(\d+)", shown.stdout)
-    if shown.returncode or state is None:
-        return None, 0
-    return state.group(1), int(restarts.group(1)) if restarts else 0
-
-
 def _wait_gone(job_id: str, timeout: float = 60.0) -> None:
     """Wait until the cancelled job has ended (its processes are gone)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and _state(job_id)[0] not in (None, *ENDED):
+    while time.monotonic() < deadline and slurm_job_state(job_id)[0] not in (None, *ENDED):
         time.sleep(POLL_S)
 
 

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from qaccel.comm.session import RankContext
+from qaccel.environment import slurm_job_state
 from qaccel.errors import Preempted
 from qaccel.options import Backend
 
@@ -264,6 +265,12 @@ def _requeue(job_id: str) -> bool:
     except (OSError, subprocess.TimeoutExpired) as exc:
         print(f"qaccel: could not requeue SLURM job {job_id}: {exc}", file=sys.stderr, flush=True)
         return False
-    if done.returncode != 0:
-        print(f"qaccel: scontrol requeue {job_id} failed: {done.stderr.strip()}", file=sys.stderr, flush=True)
-    return done.returncode == 0
+    if done.returncode == 0:
+        return True
+    # A requeue stops the job's processes at once, scontrol among them, sometimes before it exits 0: the count of
+    # restarts says whether it took.
+    if slurm_job_state(job_id)[1] > int(os.environ.get("SLURM_RESTART_COUNT", "0")):
+        return True
+    print(f"qaccel: scontrol requeue {job_id} failed (returncode {done.returncode}): {done.stderr.strip()}",
+          file=sys.stderr, flush=True)
+    return False
