@@ -15,7 +15,7 @@ from qaccel import options
 from qaccel.comm import collectives, ranks, session
 from qaccel.environment import Environment, detect
 from qaccel.errors import warn_once
-from qaccel.launch import caller, cluster, in_place
+from qaccel.launch import caller, cluster, in_place, server
 from qaccel.nested import map_leaves
 from qaccel.options import FSDP_MIN_PARAMS, Backend, DeviceType, MixedPrecision, SlurmCluster, Strategy
 from qaccel.train import batch, checkpoint, gradients, precision, prepare, progress, seeding, sharding, stopping
@@ -82,7 +82,7 @@ class Accelerator:
                 stacklevel=2,
             )
         if env.kind.creates_processes and nprocs > 1 and session.current() is None:
-            caller.warm_up(self._config.start_method)
+            server.warm_up(self._config.start_method)
 
     # ---- where this rank runs (valid in the caller and in every rank) ----
 

@@ -1,8 +1,8 @@
 """Start the ranks of a one-node world, ship fn to them, bring back results and exceptions, stop all on failure.
 
-Start method: ranks are forked from multiprocessing's forkserver with torch preloaded. The server is a fresh
-interpreter (never forked from a caller that may have CUDA or OpenMP threads up), so every rank is CUDA-safe,
-and after the server's one torch import each rank costs a fork (~20 ms) instead of a new interpreter (~1 s).
+Start method: ranks are forked from multiprocessing's forkserver, with torch and ``torch._dynamo`` loaded
+(server.py: forked from the caller when that is provably safe, else a fresh interpreter). The server never
+touches CUDA, so every rank is CUDA-safe, and each rank costs a fork (~20 ms) instead of a new interpreter (~1 s).
 Ranks never re-import the caller's ``__main__``: fn and its arguments travel by value with cloudpickle, so
 lambdas, closures and notebook functions work, and a script without an ``if __name__ == "__main__":`` guard
 cannot start ranks recursively.
@@ -29,11 +29,9 @@ import multiprocessing.spawn
 import multiprocessing.util
 import os
 import pickle
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -46,59 +44,14 @@ import torch.distributed as dist
 
 from qaccel import storage
 from qaccel.errors import Preempted, RankError
-from qaccel.launch import inherit, output, worker
+from qaccel.launch import inherit, output, server, worker
 from qaccel.launch.failures import ErrorReport, RankFailure, cause_exception
 from qaccel.launch.run_dir import run_directory
-from qaccel.options import Config, StartMethod
+from qaccel.options import Config
 
-# torch._dynamo: DistributedDataParallel's constructor imports it (with sympy, 1.3 s); preloaded, a fresh rank need
-# not import it again.
-PRELOAD = ["torch", "torch._dynamo", __name__]
 STOP_GRACE_S = 3.0
-UNIX_PATH_MAX = 107  # sun_path's 108 bytes, less the terminating NUL
 CAUSE_GRACE_S = 3.0
 _PREPARE_LOCK = threading.Lock()
-
-
-def warm_up(start_method: StartMethod) -> None:
-    """Start the forkserver now (non-blocking) so its torch import overlaps the caller's own set-up."""
-    if start_method is StartMethod.FORKSERVER:
-        _fit_socket_dir()
-        multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
-        with _sigint_ignored():
-            multiprocessing.forkserver.ensure_running()
-
-
-@contextlib.contextmanager
-def _sigint_ignored() -> Iterator[None]:
-    """Ignore SIGINT while the forkserver is started, so that it starts with SIGINT ignored.
-
-    A Ctrl-C reaches the whole foreground process group, the forkserver included; while it imports torch it
-    would print a second KeyboardInterrupt traceback next to the caller's. Python installs no KeyboardInterrupt
-    handler in a process that starts with SIGINT ignored. (A Ctrl-C during these few milliseconds is lost.)
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield  # only the main thread may change signal handlers
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def _fit_socket_dir() -> None:
-    """Keep the forkserver's socket path within the 107 bytes a Unix socket address holds.
-
-    multiprocessing puts it in a ``pymp-*`` directory under TMPDIR, and a long TMPDIR (a scheduler's per-job
-    one, pytest's) fails with "AF_UNIX path too long". The directory then moves to /tmp, cleaned up at exit
-    like multiprocessing's own.
-    """
-    if len(os.path.join(multiprocessing.util.get_temp_dir(), "listener-xxxxxxxx")) <= UNIX_PATH_MAX:
-        return
-    short = tempfile.mkdtemp(prefix="pymp-", dir="/tmp")
-    multiprocessing.util.Finalize(None, shutil.rmtree, args=(short, True), exitpriority=-100)
-    multiprocessing.current_process()._config["tempdir"] = short
 
 
 def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, all_results: bool) -> Any:
@@ -107,7 +60,7 @@ def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, al
     After a rank fails, all ranks are started again, up to ``config.max_restarts`` times (not after a Ctrl-C, a
     signal, or a Preempted stop); each attempt's ranks see its number in ``TORCHELASTIC_RESTART_COUNT``.
     """
-    warm_up(config.start_method)
+    server.warm_up(config.start_method, launching=True)
     ctx = multiprocessing.get_context(config.start_method)
     environ = dict(os.environ)  # the forkserver's copy dates from its start; ranks get the caller's of now
     environ["TORCHELASTIC_MAX_RESTARTS"] = str(config.max_restarts)

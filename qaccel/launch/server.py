@@ -1,0 +1,197 @@
+"""The server the ranks of a plain launch are forked from: multiprocessing's forkserver, started the fast way when
+that is provably safe.
+
+Ranks need torch, and forking a process with torch loaded costs ~20 ms where a new interpreter importing torch
+costs a second or more. The caller has torch loaded, but forking it is only safe while it runs a single thread
+and has not initialised CUDA: a child forked beside a running thread inherits whatever locks that thread held
+(an OpenMP pool that ran once makes the child hang in its first parallel region), and CUDA cannot be used in a
+forked child at all. So when the server is started (``Accelerator()``, or the first launch):
+
+- **forked from the caller** if, at that moment, the caller runs exactly one thread and CUDA is not initialised.
+  OpenBLAS (numpy's) keeps a pool of idle threads; it parks them itself before every fork, and is asked to do so
+  first, so that the count can prove the process single-threaded. The forked server then imports
+  ``torch._dynamo`` (which DistributedDataParallel needs; ~1 s) and serves every later launch of the process.
+  While a module is being imported (an Accelerator made at the top of an imported module) the fork waits for the
+  launch: a server forked then would hold that module half made.
+- **a fresh interpreter** (multiprocessing's own forkserver) otherwise, e.g. in a Jupyter kernel (it has
+  threads), after the caller ran a multi-threaded torch operation, or with CUDA initialised. It imports torch and
+  ``torch._dynamo`` once, then serves the same way.
+
+Either server holds nothing of the caller's GPU state, never runs the caller's code, and ends when the caller
+does. What the forked one keeps of the caller: the modules imported and the files open when it was forked (held
+open until the caller ends). Ranks still receive fn and the caller's settings by value at each launch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import inspect
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
+import multiprocessing.util
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import traceback
+from typing import Iterator
+
+import torch
+
+from qaccel.options import StartMethod
+
+# torch._dynamo: DistributedDataParallel's constructor imports it (with sympy, ~1 s); preloaded, a rank need not
+# import it again. qaccel.launch.worker: the ranks' entry point.
+PRELOAD = ["torch", "torch._dynamo", "qaccel.launch.worker"]
+UNIX_PATH_MAX = 107  # sun_path's 108 bytes, less the terminating NUL
+# the forkserver protocol this module speaks when it starts the server itself (multiprocessing.forkserver.main's)
+_PROTOCOL = ["listener_fd", "alive_r", "preload", "main_path", "sys_path"]
+_OPENBLAS_PARK = ("blas_thread_shutdown_",)  # OpenBLAS's own before-fork handler; its threads restart when needed
+
+
+def warm_up(start_method: StartMethod, launching: bool = False) -> None:
+    """Start the forkserver now, if it is not running, so that its imports overlap the caller's own set-up.
+    ``launching``: called by a launch, which needs the server now."""
+    if start_method is not StartMethod.FORKSERVER:
+        return
+    _fit_socket_dir()
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    server = multiprocessing.forkserver._forkserver
+    with _sigint_ignored():
+        with server._lock:
+            if _running(server):
+                return
+            if fork_is_safe():
+                if not _importing():
+                    _fork_server(server)
+                    return
+                if not launching:
+                    return  # made by a module being imported: fork once the import is over, at the launch
+        multiprocessing.forkserver.ensure_running()  # a fresh interpreter
+
+
+def fork_is_safe() -> bool:
+    """True when this process may be forked and the child use torch, threads and OpenMP: one thread (after
+    OpenBLAS parked its pool), CUDA not initialised, Linux, and a forkserver protocol this module knows."""
+    if not sys.platform.startswith("linux") or threading.active_count() != 1 or torch.cuda.is_initialized():
+        return False
+    if list(inspect.signature(multiprocessing.forkserver.main).parameters) != _PROTOCOL:
+        return False
+    if _thread_count() > 1:
+        _park_openblas()
+    return _thread_count() == 1
+
+
+def _running(server: multiprocessing.forkserver.ForkServer) -> bool:
+    """Whether ``server`` has a live server process (reaping a dead one, as multiprocessing does)."""
+    if server._forkserver_pid is None:
+        return False
+    if os.waitpid(server._forkserver_pid, os.WNOHANG)[0] == 0:
+        return True
+    os.close(server._forkserver_alive_fd)
+    server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
+    return False
+
+
+def _fork_server(server: multiprocessing.forkserver.ForkServer) -> None:
+    """Fork this (single-threaded) process into the forkserver, set up as multiprocessing sets up its own."""
+    multiprocessing.resource_tracker.ensure_running()
+    multiprocessing.util._flush_std_streams()  # else the server's copy of unwritten output is written twice
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = multiprocessing.connection.arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        if not multiprocessing.util.is_abstract_socket_namespace(address):
+            os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()  # every client holds the write end: EOF when the last one is gone
+        try:
+            pid = os.fork()
+        except BaseException:
+            os.close(alive_r)
+            os.close(alive_w)
+            raise
+        if pid == 0:
+            server._lock = threading.Lock()  # held by the caller's thread at the fork; ranks may start servers
+            _serve(listener.fileno(), alive_r, alive_w)
+        os.close(alive_r)
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+
+
+def _serve(listener_fd: int, alive_r: int, alive_w: int) -> None:
+    """The forked server's whole life: never returns into the caller's code, never runs its exit handlers."""
+    code = 0
+    try:
+        os.close(alive_w)
+        for signum in signal.valid_signals():  # as after exec: the caller's Python handlers do not apply here
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                if callable(signal.getsignal(signum)) and signum != signal.SIGINT:
+                    signal.signal(signum, signal.SIG_DFL)
+        signal.set_wakeup_fd(-1)
+        multiprocessing.forkserver.main(listener_fd, alive_r, PRELOAD)
+    except SystemExit:
+        pass  # every client is gone
+    except BaseException:  # noqa: BLE001 - report, and end this process whatever happened
+        traceback.print_exc()
+        code = 1
+    finally:
+        os._exit(code)
+
+
+def _importing() -> bool:
+    """Whether a module is being imported: a fork now would hold it half made, and a rank would find it so."""
+    modules = list(sys.modules.values())
+    return any(getattr(getattr(module, "__spec__", None), "_initializing", False) for module in modules)
+
+
+def _thread_count() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _park_openblas() -> None:
+    """Ask every loaded OpenBLAS to stop its idle pool threads, as its own fork handler does before each fork."""
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "openblas" in line.rsplit("/", 1)[-1].lower()}
+    for path in sorted(paths):
+        with contextlib.suppress(OSError):
+            library = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            for name in _OPENBLAS_PARK:
+                if hasattr(library, name):
+                    getattr(library, name)()
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """Ignore SIGINT while the forkserver is started, so that it starts with SIGINT ignored.
+
+    A Ctrl-C reaches the whole foreground process group, the forkserver included; while it imports torch it
+    would print a second KeyboardInterrupt traceback next to the caller's. Python installs no KeyboardInterrupt
+    handler in a process that starts with SIGINT ignored. (A Ctrl-C during these few milliseconds is lost.)
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may change signal handlers
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _fit_socket_dir() -> None:
+    """Keep the forkserver's socket path within the 107 bytes a Unix socket address holds.
+
+    multiprocessing puts it in a ``pymp-*`` directory under TMPDIR, and a long TMPDIR (a scheduler's per-job
+    one, pytest's) fails with "AF_UNIX path too long". The directory then moves to /tmp, cleaned up at exit
+    like multiprocessing's own.
+    """
+    if len(os.path.join(multiprocessing.util.get_temp_dir(), "listener-xxxxxxxx")) <= UNIX_PATH_MAX:
+        return
+    short = tempfile.mkdtemp(prefix="pymp-", dir="/tmp")
+    multiprocessing.util.Finalize(None, shutil.rmtree, args=(short, True), exitpriority=-100)
+    multiprocessing.current_process()._config["tempdir"] = short

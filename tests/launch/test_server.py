@@ -1,0 +1,48 @@
+"""How the forkserver of a plain launch starts: forked from the caller when that is provably safe (one thread,
+after OpenBLAS parked its pool; no CUDA), else a fresh interpreter; and that ranks of a forked server start as
+those of a fresh one (no caller's signal handler, no output written twice, parallel ops working)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from support.procs import script_env, script_file
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _facts(mode: str) -> tuple[dict, str]:
+    env = script_env()
+    env.pop("PYTHONUNBUFFERED", None)  # stdout into a pipe is then block-buffered, as for most users' logs
+    proc = subprocess.run([sys.executable, str(script_file("server_start.py")), mode], capture_output=True,
+                          text=True, env=env, timeout=100)
+    assert proc.returncode == 0, proc.stderr
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("FACTS "))
+    return json.loads(line[len("FACTS "):]), proc.stdout
+
+
+def _fresh_interpreter(command: list[str]) -> bool:
+    return any("from multiprocessing.forkserver import main" in part for part in command)
+
+
+def test_a_script_with_the_accelerator_at_its_top_forks_the_server_from_itself():
+    facts, stdout = _facts("plain")
+    assert facts["caller_threads"] > 1, "numpy's OpenBLAS pool was up: parked before the fork"
+    assert not _fresh_interpreter(facts["command"]) and facts["command"][1].endswith("server_start.py")
+    assert facts["server_threads"] == 1, "the server stays single-threaded, so its own forks are safe"
+    assert stdout.count("written before") == 1, "the caller's unwritten output is not written again by a fork"
+    for rank in facts["ranks"]:
+        assert rank["parent"] == facts["server"]
+        assert rank["sigterm_default"], "the caller's Python handler stays in the caller"
+        assert rank["product"] == 512.0
+
+
+@pytest.mark.parametrize("mode", ["threaded", "openmp"])
+def test_a_caller_running_other_threads_gets_a_fresh_interpreter_server(mode):
+    facts, stdout = _facts(mode)
+    assert _fresh_interpreter(facts["command"]), facts["command"]
+    assert stdout.count("written before") == 1
+    assert all(rank["parent"] == facts["server"] and rank["product"] == 512.0 for rank in facts["ranks"])
