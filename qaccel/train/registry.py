@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING
 import torch
 
 # Imported at run time on purpose, though only an annotation needs it: it costs 0.6 s of `import qaccel`, but without
-# torch.distributed.checkpoint imported, a gloo group destroyed by the batch-size search's rank out of memory leaves
-# its peer waiting in DDP's all-reduce (tests/train/test_batch_size.py under torchrun; not yet understood).
+# it, a gloo group destroyed by the batch-size search's rank out of memory leaves its peer waiting in DDP's
+# all-reduce (tests/train/test_batch_size.py under torchrun): the destroyed group's worker threads and connection
+# stay up in C++ though nothing in Python holds it. Importing torch.distributed.nn.functional alone (part of this
+# import) is enough to avoid it; why is not yet understood.
 from torch.distributed.checkpoint.stateful import Stateful
 
 if TYPE_CHECKING:
