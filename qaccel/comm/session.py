@@ -18,6 +18,12 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+# Imported before any group exists, on purpose: its functions take `group=group.WORLD` as a default argument, so an
+# import with a live group (torch.distributed.checkpoint imports it) holds that group in ten defaults for good,
+# and a group left with destroy_process_group() keeps its gloo connections open: peers waiting on this rank would
+# wait until their timeout instead of failing at once (the batch-size search relies on that).
+import torch.distributed.nn.functional  # noqa: F401
+
 from qaccel.comm import hangs
 from qaccel.environment import Environment
 from qaccel.options import Backend, Config, DeviceType

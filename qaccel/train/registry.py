@@ -12,16 +12,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-# Imported at run time on purpose, though only an annotation needs it: it costs 0.6 s of `import qaccel`, but without
-# it, a gloo group destroyed by the batch-size search's rank out of memory leaves its peer waiting in DDP's
-# all-reduce (tests/train/test_batch_size.py under torchrun): the destroyed group's worker threads and connection
-# stay up in C++ though nothing in Python holds it. Importing torch.distributed.nn.functional alone (part of this
-# import) is enough to avoid it; why is not yet understood.
-from torch.distributed.checkpoint.stateful import Stateful
-
 if TYPE_CHECKING:
     import weakref
 
+    from torch.distributed.checkpoint.stateful import Stateful  # 0.6 s to import: for the annotation only
     from torch.distributed.device_mesh import DeviceMesh
 
     from qaccel.train.data import PreparedDataLoader
