@@ -1,13 +1,20 @@
-"""Launch-latency benchmark: qaccel vs. a hand-written torch.multiprocessing.spawn + gloo world of 2 CPU ranks.
+"""Launch-latency benchmark: qaccel's launches against a hand-written torch.multiprocessing.spawn + gloo world and
+Accelerate's ``notebook_launcher`` (fork), at world 2 and world 4, CPU ranks.
 
-Latency of one launch = (latest time.time() any rank records right after its first barrier) minus (the
-parent's time.time() when it calls the distributed function). Every "first launch" sample runs in a fresh
-interpreter (this script re-run with --child), so qaccel's forkserver start is paid each time, as a user pays it.
-Each kind of launch is timed bare (barrier only) and with real work: the model prepared (DDP) and one training
-step taken before the barrier, against the same written by hand (DistributedDataParallel).
+Latency of one launch = (latest time.time() any rank records right after its first barrier) minus (the caller's
+time.time() when it calls the launcher). Every "first launch" sample runs in a fresh interpreter (this script
+re-run with --child), so each runner's start-up is paid each time, as a user pays it running ``python train.py``.
+Each is timed bare (barrier only) and with real work: a 256-wide MLP prepared (DDP) with Adam and one training
+step taken before the barrier; then 50 more steps are timed (the time per step must not depend on how the ranks
+were started). Samples of the runners alternate within each round.
 
-    python benchmarks/launch.py            # 7 samples per row
-    python benchmarks/launch.py --quick    # 3 samples per row
+qaccel is run twice: as a script made with ``Accelerator()`` at its top runs it (the server is forked from the
+caller), and with a thread running in the caller, which makes the fork unsafe (the server is a fresh
+interpreter, as in a Jupyter kernel).
+
+    python benchmarks/launch.py            # 7 rounds
+    python benchmarks/launch.py --quick    # 3 rounds
+    pip install accelerate                 # first, for Accelerate's rows (skipped with a note without it)
 
 Prints a table and PASS/MISS per target; always exits 0 unless a run crashes.
 """
@@ -15,6 +22,7 @@ Prints a table and PASS/MISS per target; always exits 0 unless a run crashes.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import socket
@@ -22,51 +30,79 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
-from report import row, verdict
+from report import mlp, row, verdict
 
-WORLD = 2
+WORLDS = (2, 4)
+STEPS = 50  # timed training steps after the first
 LATER_LAUNCHES = 10
-CHILD_TIMEOUT_S = 120
+CHILD_TIMEOUT_S = 180
+KINDS = ("bare", "ddp")
 # Same work as `import qaccel` (qaccel imports torch first), and also prints qaccel's own share on top of torch.
 IMPORT_QACCEL = "import time, torch; t = time.perf_counter(); import qaccel; print(time.perf_counter() - t)"
+
+
+# ---- the work every runner's ranks do: (when past the first barrier, seconds of the timed steps) ----
+
+
+def _work(kind: str, prepare, barrier) -> tuple[float, float]:
+    """Bare: a barrier. DDP: prepare an MLP and Adam, one step, barrier; then STEPS more steps, timed."""
+    import torch
+
+    if kind == "bare":
+        barrier()
+        return time.time(), 0.0
+    model = mlp(32, 256)
+    model, optimizer = prepare(model, torch.optim.Adam(model.parameters(), lr=1e-3))
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 32, generator=gen), torch.randn(64, 1, generator=gen)
+
+    def step() -> None:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    step()
+    barrier()
+    ready = time.time()
+    for _ in range(STEPS):
+        step()
+    barrier()
+    return ready, time.time() - ready
+
+
+def _threads_per_rank(world: int) -> None:
+    """What qaccel gives each rank (the cores shared out), for the runners that leave it to the user."""
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+
+
+def _collect(out_dir: str, world: int, t_call: float) -> dict:
+    times = [json.loads(Path(out_dir, f"rank-{r}").read_text()) for r in range(world)]
+    ready = max(t for t, _ in times)
+    return {"call": ready - t_call, "ready": ready, "steps": max(s for _, s in times)}
 
 
 # ---- children: each runs in a fresh interpreter and prints one JSON line ----
 
 
-def _baseline_worker(rank: int, port: int, out_dir: str) -> None:
-    """One rank of the hand-written baseline: join the gloo group, barrier, write the time, tear down."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    dist.barrier()
-    ready = time.time()
-    Path(out_dir, f"rank-{rank}").write_text(repr(ready))
-    dist.destroy_process_group()
-
-
-def _train_one_step(model, optimizer) -> None:
-    import torch
-
-    loss = model(torch.ones(8, 32)).pow(2).mean()
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
-
-
-def _baseline_ddp_worker(rank: int, port: int, out_dir: str) -> None:
-    """One rank of the hand-written baseline with real work: gloo group, DDP model, one step, barrier."""
+def _baseline_worker(rank: int, world: int, kind: str, port: int, out_dir: str) -> None:
+    """One rank of the hand-written baseline: gloo group over TCP, DDP by hand."""
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(32, 1))
-    _train_one_step(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    dist.barrier()
-    Path(out_dir, f"rank-{rank}").write_text(repr(time.time()))
+    _threads_per_rank(world)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+    def prepare(model, optimizer):
+        return torch.nn.parallel.DistributedDataParallel(model), optimizer
+
+    Path(out_dir, f"rank-{rank}").write_text(json.dumps(_work(kind, prepare, dist.barrier)))
     dist.destroy_process_group()
 
 
@@ -77,92 +113,103 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def child_baseline(prepared: int = 0) -> dict:
-    """What a user writes by hand: mp.spawn two workers that each init a gloo group over TCP (and, with
-    ``prepared``, wrap a model in DDP and take one step)."""
+def child_baseline(world: int, kind: str) -> dict:
+    """What a user writes by hand: mp.spawn the workers."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="bench-baseline-") as out_dir:
         port = _free_port()
         t_call = time.time()
-        mp.spawn(_baseline_ddp_worker if prepared else _baseline_worker, args=(port, out_dir), nprocs=WORLD, join=True)
-        ready = max(float(Path(out_dir, f"rank-{r}").read_text()) for r in range(WORLD))
-    return {"call": ready - t_call}
+        mp.spawn(_baseline_worker, args=(world, kind, port, out_dir), nprocs=world, join=True)
+        return _collect(out_dir, world, t_call)
 
 
-def _make_probe(acc):
-    """The distributed function: barrier, then report when this rank got past it."""
+def _accelerate_worker(world: int, kind: str, out_dir: str) -> None:
+    from accelerate import Accelerator
 
-    def probe() -> float:
-        acc.wait_for_everyone()
-        return time.time()
+    _threads_per_rank(world)
+    acc = Accelerator(cpu=True)
+    ready_steps = _work(kind, acc.prepare, acc.wait_for_everyone)
+    Path(out_dir, f"rank-{acc.process_index}").write_text(json.dumps(ready_steps))
+
+
+def child_accelerate(world: int, kind: str) -> dict:
+    """Accelerate's notebook_launcher: forks the caller (which has imported torch and accelerate)."""
+    import warnings
+
+    import torch  # noqa: F401 - imported before the call, as in a notebook
+    from accelerate import notebook_launcher
+
+    warnings.filterwarnings("ignore", message="OMP_NUM_THREADS")
+    with tempfile.TemporaryDirectory(prefix="bench-accelerate-") as out_dir:
+        t_call = time.time()
+        notebook_launcher(_accelerate_worker, args=(world, kind, out_dir), num_processes=world,
+                          use_port=str(_free_port()))
+        return _collect(out_dir, world, t_call)
+
+
+def _qaccel_probe(acc, kind: str):
+    def probe() -> tuple[float, float]:
+        return _work(kind, acc.prepare, acc.wait_for_everyone)
 
     return probe
 
 
-def _make_prepared_probe(acc):
-    """The distributed function with real work: prepare a model and optimizer (DDP), one step, barrier."""
-
-    def probe() -> float:
-        import torch
-
-        model = torch.nn.Linear(32, 1)
-        model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-        _train_one_step(model, optimizer)
-        acc.wait_for_everyone()
-        return time.time()
-
-    return probe
-
-
-def _timed_launch(run) -> float:
-    """Seconds from calling ``run`` to the last rank passing its barrier."""
-    t_call = time.time()
-    return max(run()) - t_call
-
-
-def child_first(prepared: int = 0) -> dict:
-    """qaccel's first launch in this interpreter, timed from the call and from the Accelerator's construction."""
+def child_qaccel(world: int, kind: str, threaded: int = 0, setup: int = 0) -> dict:
+    """qaccel's first launch in this interpreter, timed from the call and from the Accelerator's construction;
+    ``threaded``: with a thread running in the caller; ``setup``: seconds of the caller's own work (one core busy,
+    as building a model and loading data keep it) between the construction and the call."""
+    if threaded:
+        threading.Thread(target=time.sleep, args=(CHILD_TIMEOUT_S,), daemon=True).start()
     from qaccel import Accelerator
 
     t_construct = time.time()
-    acc = Accelerator(nprocs=WORLD, compute_setup="cpu")
-    run = acc.distribute((_make_prepared_probe if prepared else _make_probe)(acc), all_results=True)
+    acc = Accelerator(nprocs=world, compute_setup="cpu")
+    run = acc.distribute(_qaccel_probe(acc, kind), all_results=True)
+    busy_until = time.perf_counter() + setup
+    while time.perf_counter() < busy_until:
+        pass
     t_call = time.time()
-    ready = max(run())
-    return {"call": ready - t_call, "construct": ready - t_construct}
+    results = run()
+    ready = max(t for t, _ in results)
+    return {"call": ready - t_call, "construct": ready - t_construct, "ready": ready,
+            "steps": max(s for _, s in results)}
 
 
-def child_later(count: int) -> dict:
-    """One launch to warm up, then ``count`` more of each kind, alternating bare and prepared; their latencies."""
+def child_later(world: int, count: int) -> dict:
+    """One launch to warm up, then ``count`` more of each kind, alternating bare and DDP; their latencies."""
     from qaccel import Accelerator
 
-    acc = Accelerator(nprocs=WORLD, compute_setup="cpu")
-    bare = acc.distribute(_make_probe(acc), all_results=True)
-    prepared = acc.distribute(_make_prepared_probe(acc), all_results=True)
-    first = _timed_launch(bare)
-    later, later_prepared = [], []
+    acc = Accelerator(nprocs=world, compute_setup="cpu")
+    runs = {kind: acc.distribute(_qaccel_probe(acc, kind), all_results=True) for kind in KINDS}
+    runs["bare"]()
+    later: dict[str, list[float]] = {kind: [] for kind in KINDS}
     for _ in range(count):
-        later.append(_timed_launch(bare))
-        later_prepared.append(_timed_launch(prepared))
-    return {"first": first, "later": later, "later_prepared": later_prepared}
+        for kind in KINDS:
+            t_call = time.time()
+            later[kind].append(max(t for t, _ in runs[kind]()) - t_call)
+    return later
+
+
+CHILDREN = {"baseline": child_baseline, "accelerate": child_accelerate, "qaccel": child_qaccel, "later": child_later}
 
 
 # ---- the driver ----
 
 
-def run_child(*args: str) -> dict:
-    """Run this script with --child ARGS in a fresh interpreter and return the JSON it prints last."""
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--child", *args],
-        capture_output=True,
-        text=True,
-        timeout=CHILD_TIMEOUT_S,
-    )
+def run_child(*args: object) -> dict:
+    """Run this script with --child ARGS in a fresh interpreter and return the JSON it prints last; with "start",
+    the seconds from starting the interpreter to its ranks being ready (what ``python train.py`` waits)."""
+    started = time.time()
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", *map(str, args)],
+                          capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout + proc.stderr)
-        raise RuntimeError(f"child {' '.join(args)} exited with code {proc.returncode}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"child {' '.join(map(str, args))} exited with code {proc.returncode}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "ready" in result:
+        result["start"] = result["ready"] - started
+    return result
 
 
 def time_command(code: str) -> tuple[float, str]:
@@ -173,98 +220,128 @@ def time_command(code: str) -> tuple[float, str]:
     return time.perf_counter() - start, proc.stdout
 
 
+def _runners(with_accelerate: bool) -> list[tuple[str, tuple]]:
+    """(label, child arguments after world and kind) of each runner timed on a first launch."""
+    runners = [("spawn", ("baseline",)), ("qaccel", ("qaccel",)), ("qaccel, caller threaded", ("qaccel", 1)),
+               ("qaccel after 1 s of set-up", ("qaccel", 0, 1))]
+    return runners + ([("accelerate", ("accelerate",))] if with_accelerate else [])
 
 
+def _child_args(args: tuple, world: int, kind: str) -> tuple:
+    return (args[0], world, kind, *args[1:])
+
+
+def measure_world(world: int, rounds: int, with_accelerate: bool) -> dict:
+    """First launches of every runner and kind, ``rounds`` rounds with alternating samples; later launches."""
+    runners = _runners(with_accelerate)
+    first: dict[tuple[str, str], list[dict]] = {(label, kind): [] for label, _ in runners for kind in KINDS}
+    for i in range(rounds):
+        line = []
+        for kind in KINDS:
+            for label, args in runners:
+                first[label, kind].append(run_child(*_child_args(args, world, kind)))
+                line.append(f"{label} {kind} {first[label, kind][-1]['call']:.2f}")
+        print(f"  world {world}, round {i + 1}: " + ", ".join(line) + " s", flush=True)
+    later = run_child("later", world, LATER_LAUNCHES)
+    print(f"  world {world}, later launches: bare " + ", ".join(f"{t:.3f}" for t in later["bare"]) + "; DDP "
+          + ", ".join(f"{t:.3f}" for t in later["ddp"]) + " s", flush=True)
+    return {"first": first, "later": later}
+
+
+def report_world(world: int, data: dict, with_accelerate: bool) -> list[tuple[bool, str]]:
+    """Print the world's table; return its (passed, target) lines."""
+    first, later = data["first"], data["later"]
+
+    def med(label: str, kind: str, key: str = "call") -> float:
+        return statistics.median(sample[key] for sample in first[label, kind])
+
+    rows = []
+    for kind in KINDS:
+        for label, _ in _runners(with_accelerate):
+            rows.append(row(f"{label}, first launch, {kind}", [s["call"] for s in first[label, kind]]))
+        rows.append(row(f"qaccel, construct -> ready, {kind}", [s["construct"] for s in first["qaccel", kind]]))
+        for label, _ in _runners(with_accelerate):
+            rows.append(row(f"{label}, process start -> ready, {kind}", [s["start"] for s in first[label, kind]]))
+        rows.append(row(f"qaccel, later launches, {kind}", later[kind]))
+    for label, _ in _runners(with_accelerate):
+        rows.append(row(f"{label}, {STEPS} steps after the first", [s["steps"] for s in first[label, "ddp"]]))
+    print(f"\nworld {world}, CPU, gloo; seconds; first launches: medians of {len(first['spawn', 'bare'])} rounds")
+    print(f"{'':56s} {'median':>8s} {'min':>8s} {'max':>8s}")
+    for name, median, low, high in rows:
+        print(f"{name:56s} {median:8.3f} {low:8.3f} {high:8.3f}")
+
+    targets = []
+    for kind in KINDS:
+        ours, spawn = med("qaccel", kind), med("spawn", kind)
+        targets.append((ours <= 0.6 * spawn, f"world {world}, first launch {kind} <= 0.6 x spawn: {ours:.3f} s = "
+                        f"{ours / spawn:.2f} x {spawn:.3f} s"))
+    if with_accelerate:
+        ours, theirs = med("qaccel", "ddp"), med("accelerate", "ddp")
+        targets.append((ours <= theirs, f"world {world}, first launch DDP <= Accelerate's notebook_launcher: "
+                        f"{ours:.3f} s = {ours / theirs:.2f} x {theirs:.3f} s"))
+    for kind, limit in (("bare", 0.1), ("ddp", 0.15)):
+        value = statistics.median(later[kind])
+        targets.append((value <= limit, f"world {world}, later launches {kind} <= {limit} s: {value:.3f} s"))
+    steps, exec_steps = med("qaccel", "ddp", "steps"), med("qaccel, caller threaded", "ddp", "steps")
+    targets.append((steps <= 1.05 * exec_steps, f"world {world}, {STEPS} steps in ranks of the forked server <= "
+                    f"1.05 x in ranks of a fresh-interpreter server: {steps:.3f} s = {steps / exec_steps:.2f} x"))
+    for kind in KINDS:
+        ours = med("qaccel", kind, "start")
+        others = ", ".join(f"{label} {med(label, kind, 'start'):.3f} s" for label, _ in _runners(with_accelerate)
+                           if label != "qaccel" and "set-up" not in label)
+        targets.append((None, f"world {world}, python process start -> ready, {kind}: qaccel {ours:.3f} s; {others}"))
+    for kind in KINDS:
+        targets.append((None, f"world {world}, first launch {kind} after 1 s of the caller's set-up: "
+                        f"{med('qaccel after 1 s of set-up', kind):.3f} s from the call (the server's imports overlap "
+                        "the set-up)"))
+    threaded = med("qaccel, caller threaded", "ddp")
+    targets.append((None, f"world {world}, first launch DDP with a threaded caller (fresh-interpreter server): "
+                    f"{threaded:.3f} s = {threaded / med('spawn', 'ddp'):.2f} x spawn"))
+    return targets
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=int, default=7, help="samples per row (default 7)")
-    parser.add_argument("--quick", action="store_true", help="3 samples per row")
+    parser.add_argument("--runs", type=int, default=7, help="rounds of first launches (default 7)")
+    parser.add_argument("--quick", action="store_true", help="3 rounds")
+    parser.add_argument("--worlds", type=int, nargs="+", default=list(WORLDS), help="world sizes (default 2 4)")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     opts = parser.parse_args()
 
     if opts.child:
         mode, *rest = opts.child
-        result = {"baseline": child_baseline, "first": child_first, "later": child_later}[mode](*map(int, rest))
-        print(json.dumps(result))
+        print(json.dumps(CHILDREN[mode](*(int(a) if a.isdigit() else a for a in rest))))
         return 0
 
-    runs = 3 if opts.quick else opts.runs
-    if runs < 1:
+    rounds = 3 if opts.quick else opts.runs
+    if rounds < 1:
         parser.error("--runs must be at least 1")
     started = time.perf_counter()
+    with_accelerate = importlib.util.find_spec("accelerate") is not None
+    if not with_accelerate:
+        print("note: accelerate is not installed (pip install accelerate): its rows and target are skipped")
 
-    print(f"import time: {runs} x (torch, qaccel), interleaved ...", flush=True)
+    print(f"import time: {rounds} x (torch, qaccel), alternating ...", flush=True)
     imp_torch, imp_qaccel, imp_own = [], [], []
-    for i in range(runs):
+    for _ in range(rounds):
         imp_torch.append(time_command("import torch")[0])
         wall, own = time_command(IMPORT_QACCEL)
         imp_qaccel.append(wall)
         imp_own.append(float(own))
-        print(f"  {i + 1}: torch {imp_torch[-1]:.3f} s, qaccel {imp_qaccel[-1]:.3f} s", flush=True)
 
-    print(f"first launch: {runs} x (baseline, qaccel, baseline DDP, qaccel prepare), interleaved, fresh interpreter "
-          "each ...", flush=True)
-    baseline, first_call, first_construct, baseline_ddp, first_prepared = [], [], [], [], []
-    for i in range(runs):
-        baseline.append(run_child("baseline")["call"])
-        sample = run_child("first")
-        first_call.append(sample["call"])
-        first_construct.append(sample["construct"])
-        baseline_ddp.append(run_child("baseline", "1")["call"])
-        first_prepared.append(run_child("first", "1")["call"])
-        print(f"  {i + 1}: baseline {baseline[-1]:.3f} s, qaccel {first_call[-1]:.3f} s; with DDP + 1 step: "
-              f"baseline {baseline_ddp[-1]:.3f} s, qaccel {first_prepared[-1]:.3f} s", flush=True)
+    print("first launches, a fresh interpreter each ...", flush=True)
+    data = {world: measure_world(world, rounds, with_accelerate) for world in opts.worlds}
+    targets = []
+    for world in opts.worlds:
+        targets += report_world(world, data[world], with_accelerate)
 
-    print(f"later launches: 1 + {LATER_LAUNCHES} of each kind in one interpreter ...", flush=True)
-    later_runs = run_child("later", str(LATER_LAUNCHES))
-    later, later_prepared = later_runs["later"], later_runs["later_prepared"]
-    print("  bare:     " + ", ".join(f"{t:.3f}" for t in later) + " s", flush=True)
-    print("  prepared: " + ", ".join(f"{t:.3f}" for t in later_prepared) + " s", flush=True)
-
-    rows = [
-        row("import torch (python -c)", imp_torch),
-        row("import qaccel (python -c)", imp_qaccel),
-        row("  qaccel's own share (after torch)", imp_own),
-        row("baseline mp.spawn+gloo, call->ready", baseline),
-        row("qaccel first launch, call->ready", first_call),
-        row("qaccel first launch, construct->ready", first_construct),
-        row(f"qaccel later launches (2..{LATER_LAUNCHES + 1})", later),
-        row("baseline mp.spawn+DDP+1 step, call->ready", baseline_ddp),
-        row("qaccel first launch, prepare+1 step", first_prepared),
-        row("qaccel later launches, prepare+1 step", later_prepared),
-    ]
-    print(f"\nworld {WORLD}, CPU, gloo; {runs} samples per row ({LATER_LAUNCHES} for later launches); seconds")
-    print(f"{'':40s} {'median':>8s} {'min':>8s} {'max':>8s}")
-    for name, med, lo, hi in rows:
-        print(f"{name:40s} {med:8.3f} {lo:8.3f} {hi:8.3f}")
-
-    base_med = statistics.median(baseline)
-    call_med = statistics.median(first_call)
-    construct_med = statistics.median(first_construct)
-    later_med = statistics.median(later)
-    later_prepared_med = statistics.median(later_prepared)
-    ddp_ratio = statistics.median(first_prepared) / statistics.median(baseline_ddp)
-    import_diff = statistics.median(imp_qaccel) - statistics.median(imp_torch)
-    min_diff = min(imp_qaccel) - min(imp_torch)
-    print()
-    print(f"import qaccel - import torch (medians): {import_diff:+.3f} s   (minimums: {min_diff:+.3f} s)")
-    print(f"ratio qaccel first / baseline, call->ready:      {call_med / base_med:.2f}")
-    print(f"ratio qaccel first / baseline, construct->ready: {construct_med / base_med:.2f}")
-    print(f"ratio qaccel first / baseline, with DDP + 1 step: {ddp_ratio:.2f}")
-    print()
-    print("targets")
-    print(f"  {verdict(call_med <= 0.6 * base_med)}  first launch (call->ready) <= 0.6 x baseline: "
-          f"{call_med:.3f} vs {0.6 * base_med:.3f} s")
-    print(f"  {verdict(later_med <= 0.1)}  later launches <= 0.1 s: {later_med:.3f} s")
-    print(f"  {verdict(later_prepared_med <= 0.15)}  later launches with prepare (DDP) + 1 step <= 0.15 s: "
-          f"{later_prepared_med:.3f} s")
-    print(f"  info  first launch with DDP + 1 step: {ddp_ratio:.2f} x the hand-written DDP baseline")
-    own_med = statistics.median(imp_own)
-    print(f"  {verdict(own_med <= 0.1)}  import qaccel <= import torch + 0.1 s: qaccel's own import {own_med:.3f} s")
-    print(f"  info  difference of whole-interpreter medians (noisy): {import_diff:+.3f} s")
-    print(f"  info  first launch (construct->ready): {construct_med:.3f} s = {construct_med / base_med:.2f} x baseline")
+    own = statistics.median(imp_own)
+    print(f"\nimport torch {statistics.median(imp_torch):.3f} s, import torch + qaccel "
+          f"{statistics.median(imp_qaccel):.3f} s (python -c, medians)")
+    targets.append((own <= 0.1, f"import qaccel <= import torch + 0.1 s: qaccel's own import {own:.3f} s"))
+    print("\ntargets")
+    for passed, text in targets:
+        print(f"  {'info' if passed is None else verdict(passed):4s}  {text}")
     print(f"\ntotal benchmark time {time.perf_counter() - started:.0f} s")
     return 0
 
