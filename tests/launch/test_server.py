@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import textwrap
 
 import pytest
 from support.procs import script_env, script_file
@@ -46,3 +47,40 @@ def test_a_caller_running_other_threads_gets_a_fresh_interpreter_server(mode):
     assert _fresh_interpreter(facts["command"]), facts["command"]
     assert stdout.count("written before") == 1
     assert all(rank["parent"] == facts["server"] and rank["product"] == 512.0 for rank in facts["ranks"])
+
+
+def test_a_jupyter_kernel_has_threads_and_gets_a_fresh_interpreter_server(tmp_path):
+    jupyter_client = pytest.importorskip("jupyter_client", reason="the notebook test needs jupyter_client and "
+                                                                  "ipykernel (the test extra)")
+    manager = jupyter_client.KernelManager(kernel_name="python3")
+    manager.start_kernel(env=script_env(), cwd=str(tmp_path))
+    client = manager.client()
+    client.start_channels()
+    try:
+        client.wait_for_ready(timeout=60)
+        cell = textwrap.dedent("""
+            import json, multiprocessing.forkserver, os, threading
+            from qaccel import Accelerator
+            acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
+
+            def where(acc):
+                return acc.rank, os.getppid()
+
+            ranks = acc.distribute(where, all_results=True)(acc)
+            server = multiprocessing.forkserver._forkserver._forkserver_pid
+            with open(f"/proc/{server}/cmdline") as f:
+                command = f.read().split(chr(0))
+            print("FACTS " + json.dumps({"ranks": ranks, "server": server, "command": command,
+                                         "threads": threading.active_count()}))
+            """)
+        shown = []
+        reply = client.execute_interactive(cell, timeout=100, output_hook=shown.append)
+        assert reply["content"]["status"] == "ok", reply["content"]
+        text = "".join(m["content"].get("text", "") for m in shown if m["msg_type"] == "stream")
+        line = next(line for line in text.splitlines() if line.startswith("FACTS "))
+        facts = json.loads(line[len("FACTS "):])
+        assert facts["threads"] > 1 and _fresh_interpreter(facts["command"]), facts
+        assert facts["ranks"] == [[0, facts["server"]], [1, facts["server"]]]
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
