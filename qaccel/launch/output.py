@@ -95,15 +95,14 @@ def _write(fd: int, data: bytes) -> None:
 
 
 def redirect(ends: tuple[Connection, ...]) -> None:
-    """In the rank, first thing: make the caller's pipes its fds 1 and 2 (inherited by whatever it starts), with
-    line-buffered sys.stdout and sys.stderr, so each line leaves the rank whole and at once."""
+    """In the rank, first thing: make the caller's pipes its fds 1 and 2 (inherited by whatever it starts); the
+    rank then makes sys.stdout and sys.stderr line-buffered (whole_lines), so each line leaves it whole and at once."""
     for stream in (sys.stdout, sys.stderr):
         if stream is not None:
             stream.flush()
     for end, fd in zip(ends, (1, 2)):
         os.dup2(end.fileno(), fd)
         end.close()
-    whole_lines()
 
 
 def whole_lines() -> None:
