@@ -18,10 +18,13 @@ removed afterwards, or by a later launch if the caller was killed.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import inspect
+import io
 import itertools
+import marshal
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
@@ -35,6 +38,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -229,15 +233,30 @@ def _dumps_payload(fn: Callable[..., Any], args: tuple, kwargs: dict) -> bytes:
     """
     settings = inherit.capture()
     try:
-        return cloudpickle.dumps((settings, fn, args, kwargs))
+        return _dumps_keeping_file_names((settings, fn, args, kwargs))
     except Exception as exc:
         try:
-            payload = cloudpickle.dumps((None, fn, args, kwargs))
+            payload = _dumps_keeping_file_names((None, fn, args, kwargs))
         except Exception:
             raise _unpicklable(fn, args, kwargs, exc) from exc
         warnings.warn(f"qaccel: the caller's top-level settings (logging, warnings filters, RNG states, ...) cannot "
                       f"be sent to the ranks ({exc}); the ranks start with their own", stacklevel=4)
         return payload
+
+
+class _FileNamesKept(cloudpickle.Pickler):
+    """cloudpickle, except that code pickled by value keeps its file name (cloudpickle 3.1.3 and later write
+    "<dynamic-code>"): a rank's traceback and hang report then name the script's file and show its lines. Code
+    travels as marshal writes it, which the ranks (the same interpreter) read back whole."""
+
+    dispatch_table = collections.ChainMap({types.CodeType: lambda code: (marshal.loads, (marshal.dumps(code),))},
+                                          cloudpickle.Pickler.dispatch_table)
+
+
+def _dumps_keeping_file_names(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    _FileNamesKept(buffer).dump(obj)
+    return buffer.getvalue()
 
 
 def _unpicklable(fn: Callable[..., Any], args: tuple, kwargs: dict, exc: Exception) -> TypeError:
