@@ -254,7 +254,7 @@ class Stopper:
         if requeued and self.ctx.rank == 0:
             requeued = _requeue(os.environ["SLURM_JOB_ID"])
         if self.ctx.rank == 0:
-            print(f"qaccel: {Preempted(sig.name, path, requeued)}", file=sys.stderr, flush=True)
+            _say(f"qaccel: {Preempted(sig.name, path, requeued)}")
         raise Preempted(sig.name, path, requeued)
 
 
@@ -263,7 +263,7 @@ def _requeue(job_id: str) -> bool:
     try:
         done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        print(f"qaccel: could not requeue SLURM job {job_id}: {exc}", file=sys.stderr, flush=True)
+        _say(f"qaccel: could not requeue SLURM job {job_id}: {exc}")
         return False
     if done.returncode == 0:
         return True
@@ -271,6 +271,12 @@ def _requeue(job_id: str) -> bool:
     # restarts says whether it took.
     if slurm_job_state(job_id)[1] > int(os.environ.get("SLURM_RESTART_COUNT", "0")):
         return True
-    print(f"qaccel: scontrol requeue {job_id} failed (returncode {done.returncode}): {done.stderr.strip()}",
-          file=sys.stderr, flush=True)
+    _say(f"qaccel: scontrol requeue {job_id} failed (returncode {done.returncode}): {done.stderr.strip()}")
     return False
+
+
+def _say(line: str) -> None:
+    """``line`` on stderr in one write: under srun the job's output file is shared with SLURM's own messages, and
+    print writes the newline apart when stderr is unbuffered (PYTHONUNBUFFERED)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
