@@ -18,13 +18,9 @@ removed afterwards, or by a later launch if the caller was killed.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import datetime
-import inspect
-import io
 import itertools
-import marshal
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
@@ -38,17 +34,15 @@ import sys
 import threading
 import time
 import traceback
-import types
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import cloudpickle
 import torch.distributed as dist
 
 from qaccel import storage
 from qaccel.errors import Preempted, RankError
-from qaccel.launch import inherit, output, server, worker
+from qaccel.launch import inherit, output, pickling, server, worker
 from qaccel.launch.failures import ErrorReport, RankFailure, cause_exception
 from qaccel.launch.run_dir import run_directory
 from qaccel.options import Config
@@ -233,51 +227,12 @@ def _dumps_payload(fn: Callable[..., Any], args: tuple, kwargs: dict) -> bytes:
     """
     settings = inherit.capture()
     try:
-        return _dumps_keeping_file_names((settings, fn, args, kwargs))
+        return pickling.dumps((settings, fn, args, kwargs))
     except Exception as exc:
-        try:
-            payload = _dumps_keeping_file_names((None, fn, args, kwargs))
-        except Exception:
-            raise _unpicklable(fn, args, kwargs, exc) from exc
+        payload = pickling.dumps_call(fn, args, kwargs)
         warnings.warn(f"qaccel: the caller's top-level settings (logging, warnings filters, RNG states, ...) cannot "
                       f"be sent to the ranks ({exc}); the ranks start with their own", stacklevel=4)
         return payload
-
-
-class _FileNamesKept(cloudpickle.Pickler):
-    """cloudpickle, except that code pickled by value keeps its file name (cloudpickle 3.1.3 and later write
-    "<dynamic-code>"): a rank's traceback and hang report then name the script's file and show its lines. Code
-    travels as marshal writes it, which the ranks (the same interpreter) read back whole."""
-
-    dispatch_table = collections.ChainMap({types.CodeType: lambda code: (marshal.loads, (marshal.dumps(code),))},
-                                          cloudpickle.Pickler.dispatch_table)
-
-
-def _dumps_keeping_file_names(obj: Any) -> bytes:
-    buffer = io.BytesIO()
-    _FileNamesKept(buffer).dump(obj)
-    return buffer.getvalue()
-
-
-def _unpicklable(fn: Callable[..., Any], args: tuple, kwargs: dict, exc: Exception) -> TypeError:
-    """A TypeError naming the first of fn and its arguments that cannot be pickled (by position and name)."""
-    try:
-        names = list(inspect.signature(fn).bind_partial(*args, **kwargs).arguments)
-    except (TypeError, ValueError):
-        names = []
-    fn_name = getattr(fn, "__qualname__", type(fn).__name__)
-    parts = [("the function itself", fn)]
-    parts += [(f"argument {i}" + (f" ({names[i]!r})" if i < len(names) else ""), a) for i, a in enumerate(args)]
-    parts += [(f"keyword argument {k!r}", v) for k, v in kwargs.items()]
-    for label, value in parts:
-        try:
-            cloudpickle.dumps(value)
-        except Exception as part_exc:  # noqa: BLE001 - the first failure is the one to name
-            return TypeError(
-                f"distribute({fn_name}): {label}, a {type(value).__name__}, cannot be pickled to send it to the "
-                f"ranks: {part_exc}. Create it inside {fn_name} instead, or pass what it is made from."
-            )
-    return TypeError(f"distribute({fn_name}): the call cannot be pickled to send it to the ranks: {exc}")
 
 
 def _loopback_store(timeout: float) -> dist.TCPStore:

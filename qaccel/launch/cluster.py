@@ -9,6 +9,7 @@ comes back with its rank, node and remote traceback, as from a local launch.
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from qaccel.environment import slurm_job_state
 from qaccel.errors import Preempted, RankError
+from qaccel.launch import pickling
 from qaccel.options import JobOutput, SlurmCluster, minutes
 
 if TYPE_CHECKING:
@@ -39,7 +41,8 @@ class _Rank:
     signal (Preempted) is a SystemExit: submitit then writes no result, and the requeued job writes it."""
 
     def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config) -> None:
-        self.fn, self.args, self.kwargs, self.config = fn, args, kwargs, config
+        # pickled here, not by submitit's cloudpickle: the task's tracebacks then name the caller's files and lines
+        self.call, self.config = pickling.dumps_call(fn, args, kwargs), config
 
     def __call__(self) -> tuple[str, Any]:
         from qaccel.environment import detect
@@ -47,8 +50,9 @@ class _Rank:
 
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # submitit ignores it in its tasks; scancel must end them
         env = detect()
+        _, fn, args, kwargs = pickle.loads(self.call)
         try:
-            return "returned", in_place.run(self.fn, self.args, self.kwargs, self.config, env, False)
+            return "returned", in_place.run(fn, args, kwargs, self.config, env, False)
         except Preempted:
             raise
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
@@ -191,6 +195,7 @@ def submit(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, cl
     """Submit ``fn(*args, **kwargs)`` as one SLURM job of ``cluster.world_size`` tasks, each a rank."""
     import submitit
 
+    task = _Rank(fn, args, kwargs, config)  # an argument that cannot be pickled fails here, before any job
     executor = submitit.SlurmExecutor(folder=Path(cluster.folder).absolute() / "%j", max_num_timeout=0)
     sbatch = {"signal": "USR1@180", "requeue": True, **cluster.sbatch}
     executor.update_parameters(
@@ -198,7 +203,7 @@ def submit(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, cl
         setup=list(cluster.setup), additional_parameters=sbatch,
         **{name: value for name in ("partition", "account", "gpus_per_node", "cpus_per_task")
            if (value := getattr(cluster, name)) is not None})
-    job = executor.submit(_Rank(fn, args, kwargs, config))
+    job = executor.submit(task)
     if show:
         print(f"qaccel: submitted SLURM job {job.job_id} ({cluster.nodes} node(s) x {cluster.tasks_per_node} "
               f"task(s)); its files are in {job.paths.folder}", file=sys.stderr, flush=True)

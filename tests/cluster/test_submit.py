@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -51,7 +52,9 @@ def test_a_failing_rank_raises_its_own_exception_with_rank_node_and_traceback(sl
     assert proc.returncode == 1
     assert "ValueError: rank 1 fails on purpose on n2\n[qaccel] raised on rank 1 of 2 (remote traceback above)" \
         in proc.stderr, proc.stderr
-    assert "Traceback from rank 1:" in proc.stderr and 'cluster_job.py", line' in proc.stderr
+    remote = proc.stderr[proc.stderr.index("Traceback from rank 1:"):]
+    assert 'cluster_job.py", line 35, in raises\n' in remote and "raise ValueError(f\"rank 1 fails" in remote, \
+        "the remote traceback names the script's file and shows the raising line"
     assert "[qaccel] rank 1 ran on node n2 in SLURM job " in proc.stderr
     dead = _run(slurm_cluster, tmp_path, "dies", str(tmp_path / "jobs"))
     assert dead.returncode == 1
@@ -184,6 +187,13 @@ def test_cluster_needs_as_many_ranks_as_tasks_and_valid_fields():
         Accelerator(nprocs=2, compute_setup="cpu", cluster={"nodes": 2})
     with pytest.raises(ValueError, match=r"submit\(\) needs Accelerator\(cluster=qaccel.SlurmCluster\(...\)\)"):
         Accelerator(compute_setup="cpu").submit(print)
+
+
+def test_an_argument_that_cannot_be_pickled_is_named_before_any_job(tmp_path):
+    acc = Accelerator(nprocs=2, compute_setup="cpu", cluster=SlurmCluster(nodes=2, folder=str(tmp_path / "jobs")))
+    with pytest.raises(TypeError, match=r"<lambda>\): argument 0 \('lock'\), a lock, cannot be pickled to send it"):
+        acc.submit(lambda lock: None, threading.Lock())
+    assert not (tmp_path / "jobs").exists(), "nothing was submitted"
 
 
 def test_without_submitit_cluster_says_what_to_install():

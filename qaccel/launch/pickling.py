@@ -1,0 +1,59 @@
+"""How a call travels to its ranks: fn and its arguments pickled by value with cloudpickle, keeping the file names
+of code pickled by value, and a failure that names the argument at fault."""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import io
+import marshal
+import types
+from typing import Any, Callable
+
+import cloudpickle
+
+
+class _FileNamesKept(cloudpickle.Pickler):
+    """cloudpickle, except that code pickled by value keeps its file name (cloudpickle 3.1.3 and later write
+    "<dynamic-code>"): a rank's traceback and hang report then name the script's file and show its lines. Code
+    travels as marshal writes it, which the ranks read back whole: they run the same Python, as cloudpickle's code
+    by value needs anyway."""
+
+    dispatch_table = collections.ChainMap({types.CodeType: lambda code: (marshal.loads, (marshal.dumps(code),))},
+                                          cloudpickle.Pickler.dispatch_table)
+
+
+def dumps(obj: Any) -> bytes:
+    """``obj`` pickled by cloudpickle, code keeping its file names; read it back with ``pickle.loads``."""
+    buffer = io.BytesIO()
+    _FileNamesKept(buffer).dump(obj)
+    return buffer.getvalue()
+
+
+def dumps_call(fn: Callable[..., Any], args: tuple, kwargs: dict, settings: Any = None) -> bytes:
+    """``(settings, fn, args, kwargs)`` pickled; a failure is a TypeError naming the part that cannot be pickled."""
+    try:
+        return dumps((settings, fn, args, kwargs))
+    except Exception as exc:
+        raise _unpicklable(fn, args, kwargs, exc) from exc
+
+
+def _unpicklable(fn: Callable[..., Any], args: tuple, kwargs: dict, exc: Exception) -> TypeError:
+    """A TypeError naming the first of fn and its arguments that cannot be pickled (by position and name)."""
+    try:
+        names = list(inspect.signature(fn).bind_partial(*args, **kwargs).arguments)
+    except (TypeError, ValueError):
+        names = []
+    fn_name = getattr(fn, "__qualname__", type(fn).__name__)
+    parts = [("the function itself", fn)]
+    parts += [(f"argument {i}" + (f" ({names[i]!r})" if i < len(names) else ""), a) for i, a in enumerate(args)]
+    parts += [(f"keyword argument {k!r}", v) for k, v in kwargs.items()]
+    for label, value in parts:
+        try:
+            cloudpickle.dumps(value)
+        except Exception as part_exc:  # noqa: BLE001 - the first failure is the one to name
+            return TypeError(
+                f"distribute({fn_name}): {label}, a {type(value).__name__}, cannot be pickled to send it to the "
+                f"ranks: {part_exc}. Create it inside {fn_name} instead, or pass what it is made from."
+            )
+    return TypeError(f"distribute({fn_name}): the call cannot be pickled to send it to the ranks: {exc}")
