@@ -19,7 +19,7 @@ from qaccel.comm import collectives, session
 from qaccel.comm.session import RankContext
 from qaccel.environment import Environment, rank_variables
 from qaccel.errors import raised_note, type_name
-from qaccel.launch import launcher_report
+from qaccel.launch import launcher_report, output
 from qaccel.launch.running import rank_session, run_as_rank
 from qaccel.options import Config
 from qaccel.train import prepare
@@ -46,6 +46,8 @@ def _this_rank(config: Config, env: Environment) -> tuple[RankContext, Callable[
     ctx = session.plan(config, env)
     if env.kind.exports_rank_variables:
         _export_rank_variables(env)
+    if env.kind.started_by_launcher:  # its ranks share the launcher's stdout and stderr, as ours share the caller's
+        output.whole_lines()
     needs_store = env.kind.started_by_launcher and ctx.world_size > 1
 
     def store(session_number: int) -> dist.Store | None:

@@ -7,17 +7,16 @@ import os
 import pickle
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 import torch
-
-import subprocess
-import sys
+from support.procs import run_torchrun, script_env, script_file, wait_dead
 
 from qaccel import Accelerator, RankError, RankKilledError
-from support.procs import script_env, script_file, wait_dead
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -279,11 +278,16 @@ def test_everything_a_failing_rank_printed_reaches_the_caller(into, tmp_path):
     assert "rank 1 wrote to stderr" in proc.stderr and "rank 0 wrote to stderr" in proc.stderr
 
 
-def test_lines_of_ranks_never_mix_unbuffered():
-    """Ranks share the caller's fds 1 and 2; unbuffered, print writes a line's text and its newline separately."""
+@pytest.mark.parametrize("launcher", ["python", "torchrun"])
+def test_lines_of_ranks_never_mix_unbuffered(launcher, tmp_path):
+    """Ranks share the caller's (or torchrun's) fds 1 and 2; unbuffered, print writes a line's text and its newline
+    separately."""
     env = script_env(PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, "-u", str(script_file("whole_lines.py"))], capture_output=True, text=True,
-                          env=env, timeout=90)
+    if launcher == "python":
+        proc = subprocess.run([sys.executable, "-u", str(script_file("whole_lines.py"))], capture_output=True,
+                              text=True, env=env, timeout=90)
+    else:
+        proc = run_torchrun(script_file("whole_lines.py"), cwd=tmp_path, env=env, timeout=90)
     assert proc.returncode == 0, proc.stderr
     for stream, word, fill in ((proc.stdout, "line", "x"), (proc.stderr, "error", "y")):
         ours = [line for line in stream.splitlines() if line.startswith("rank ") or fill * 10 in line]
