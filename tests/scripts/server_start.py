@@ -6,6 +6,7 @@ tests/launch/test_server.py.
     python server_start.py openmp     # the caller ran a multi-threaded torch op first: a fresh interpreter too
 """
 
+import gc
 import json
 import multiprocessing.forkserver
 import os
@@ -32,10 +33,12 @@ acc = Accelerator(nprocs=2, compute_setup="cpu")
 
 
 def facts():
+    preloaded = {"gc_enabled": gc.isenabled(), "frozen": gc.get_freeze_count(),
+                 "dynamo": "torch._dynamo" in sys.modules}  # before this function imports anything
     torch.set_num_threads(2)
     product = torch.ones(512, 512) @ torch.ones(512, 512)  # a parallel op in the rank
     return {"sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, "product": float(product[0, 0]),
-            "parent": os.getppid()}
+            "parent": os.getppid(), **preloaded}
 
 
 if __name__ == "__main__":
