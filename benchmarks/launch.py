@@ -16,7 +16,8 @@ interpreter, as in a Jupyter kernel).
     python benchmarks/launch.py --quick    # 3 rounds
     pip install accelerate                 # first, for Accelerate's rows (skipped with a note without it)
 
-Prints a table and PASS/MISS per target; always exits 0 unless a run crashes.
+Prints a table and PASS/MISS per target; exits 0 unless a run of qaccel crashes (a crashed sample of another runner
+is taken again and listed at the end).
 """
 
 from __future__ import annotations
@@ -212,6 +213,21 @@ def run_child(*args: object) -> dict:
     return result
 
 
+CRASHES: list[str] = []  # samples whose child died, each taken again once
+
+
+def sample(label: str, *args: object) -> dict:
+    """run_child, taken again once if the child died: a hand-written baseline's rank sometimes aborts in torch's
+    C++ teardown ("terminate called without an active exception"). Every crash is listed at the end, and one of
+    qaccel's fails the benchmark."""
+    try:
+        return run_child(*args)
+    except RuntimeError as exc:
+        CRASHES.append(f"{label}: {exc}")
+        print(f"  {label}: {exc}; taken again", flush=True)
+        return run_child(*args)
+
+
 def time_command(code: str) -> tuple[float, str]:
     """Wall-clock seconds of ``python -c CODE`` in a fresh interpreter, and what it printed."""
     start = time.perf_counter()
@@ -239,7 +255,7 @@ def measure_world(world: int, rounds: int, with_accelerate: bool) -> dict:
         line = []
         for kind in KINDS:
             for label, args in runners:
-                first[label, kind].append(run_child(*_child_args(args, world, kind)))
+                first[label, kind].append(sample(label, *_child_args(args, world, kind)))
                 line.append(f"{label} {kind} {first[label, kind][-1]['call']:.2f}")
         print(f"  world {world}, round {i + 1}: " + ", ".join(line) + " s", flush=True)
     later = run_child("later", world, LATER_LAUNCHES)
@@ -343,7 +359,9 @@ def main() -> int:
     for passed, text in targets:
         print(f"  {'info' if passed is None else verdict(passed):4s}  {text}")
     print(f"\ntotal benchmark time {time.perf_counter() - started:.0f} s")
-    return 0
+    if CRASHES:
+        print("crashed samples, each taken again:\n  " + "\n  ".join(CRASHES))
+    return 1 if any(crash.startswith("qaccel") for crash in CRASHES) else 0
 
 
 if __name__ == "__main__":
