@@ -116,8 +116,10 @@ def _start(server: multiprocessing.forkserver.ForkServer, fork: bool) -> None:
     """Start the forkserver as multiprocessing's ensure_running does, either forked from this (single-threaded)
     process or as a fresh interpreter with this process's sys.path; either runs _serve."""
     multiprocessing.resource_tracker.ensure_running()
-    if fork:
-        multiprocessing.util._flush_std_streams()  # else the server's copy of unwritten output is written twice
+    if fork:  # else the server's copy of unwritten output is written twice
+        for stream in {sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__} - {None}:
+            with contextlib.suppress(Exception):
+                stream.flush()
     with socket.socket(socket.AF_UNIX) as listener:
         address = multiprocessing.connection.arbitrary_address("AF_UNIX")
         listener.bind(address)
@@ -151,8 +153,9 @@ def _serve(listener_fd: int, alive_r: int, alive_w: int | None = None) -> None:
     """The server's whole life: never returns into the caller's code, never runs its exit handlers."""
     code = 0
     try:
-        if alive_w is not None:  # forked: the caller's end of the pipe, and its Python signal handlers, go
+        if alive_w is not None:  # forked: the caller's end of the pipe, std streams and Python signal handlers go
             os.close(alive_w)
+            sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__  # a tee or capture the caller put there is its own
             for signum in signal.valid_signals():  # as after exec: the caller's handlers do not apply here
                 with contextlib.suppress(OSError, ValueError, TypeError):
                     if callable(signal.getsignal(signum)) and signum != signal.SIGINT:

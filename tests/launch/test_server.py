@@ -58,6 +58,19 @@ def test_a_caller_running_other_threads_gets_a_fresh_interpreter_server(mode):
     _preloaded(facts)
 
 
+@pytest.mark.parametrize("caller", ["plain", "threaded"])
+def test_ranks_write_to_fd_1_whatever_object_the_caller_made_its_stdout(caller, tmp_path):
+    """A forked server does not hand the caller's replaced sys.stdout (a tee to a log file) to its ranks: they
+    write to fd 1 with their prefix, as the ranks of a fresh-interpreter server do."""
+    log = tmp_path / "log"
+    args = [str(log)] + (["threaded"] if caller == "threaded" else [])
+    proc = subprocess.run([sys.executable, str(script_file("replaced_streams.py")), *args], capture_output=True,
+                          text=True, env=script_env(), timeout=100)
+    assert proc.returncode == 0, proc.stderr
+    assert "[rank 0] rank 0 says hello\n" in proc.stdout and "[rank 1] rank 1 says hello\n" in proc.stdout, proc.stdout
+    assert log.read_text() == "caller starts\ncaller ends\n", "the caller's lines went through its tee, once each"
+
+
 def test_a_jupyter_kernel_has_threads_and_gets_a_fresh_interpreter_server(tmp_path):
     jupyter_client = pytest.importorskip("jupyter_client", reason="the notebook test needs jupyter_client and "
                                                                   "ipykernel (the test extra)")
