@@ -75,8 +75,12 @@ class Inherited:
 
 def capture() -> Inherited:
     """The caller's settings, now."""
+    uncopied: list[str] = []
+    loggers = tuple(_logger_setup(name, logger, uncopied) for name, logger in _configured_loggers())
+    if uncopied:
+        _warn_uncopied(uncopied)
     return Inherited(
-        loggers=tuple(_logger_setup(name, logger) for name, logger in _configured_loggers()),
+        loggers=loggers,
         logging_disable=logging.root.manager.disable,
         warning_filters=list(warnings.filters),
         default_dtype=torch.get_default_dtype(),
@@ -170,7 +174,8 @@ def _handler_signature(handler: logging.Handler) -> tuple:
     return (type(handler).__module__, type(handler).__qualname__, target, handler.level, form, len(handler.filters))
 
 
-def _logger_setup(name: str, logger: logging.Logger) -> LoggerSetup:
+def _logger_setup(name: str, logger: logging.Logger, uncopied: list[str]) -> LoggerSetup:
+    """``logger``'s configuration, its handlers pickled; a handler that cannot be is described in ``uncopied``."""
     copies: list[bytes] | None = []
     for handler in logger.handlers:
         if type(handler).__module__.startswith("_pytest."):
@@ -178,7 +183,7 @@ def _logger_setup(name: str, logger: logging.Logger) -> LoggerSetup:
         try:
             copies.append(_copy_of(handler))
         except Exception as exc:  # noqa: BLE001 - any handler that cannot travel is reported, not fatal
-            _warn_uncopied(name, handler, exc)
+            uncopied.append(f"the {type(handler).__name__} of logger {name or 'root'!r} ({exc})")
             copies = None
             break
     return LoggerSetup(name, _signature(logger), logger.level, logger.propagate, logger.disabled,
@@ -193,12 +198,15 @@ def _copy_of(handler: logging.Handler) -> bytes:
     return cached[1]
 
 
-def _warn_uncopied(name: str, handler: logging.Handler, exc: Exception) -> None:
+def _warn_uncopied(uncopied: list[str]) -> None:
+    """One warning for every handler that cannot travel (a library's loggers can hold dozens, e.g. bound to a
+    stream that was sys.stderr when the library was imported), once per such set."""
+    shown = "; ".join(uncopied[:5]) + (f"; and {len(uncopied) - 5} more" if len(uncopied) > 5 else "")
     warn_once(
-        ("uncopied handler", name, type(handler).__qualname__),
-        f"qaccel: the {type(handler).__name__} of logger {name or 'root'!r} cannot be copied into the ranks "
-        f"({exc}); they keep their own handlers for it. Configure that handler inside the function you "
-        "distribute if ranks should use it.",
+        ("uncopied handlers", *uncopied),
+        f"qaccel: {shown}: cannot be copied into the ranks, which keep their own handlers for "
+        f"{'that logger' if len(uncopied) == 1 else 'those loggers'}. Configure a handler inside the function "
+        "you distribute if ranks should use it.",
         stacklevel=4,
     )
 

@@ -6,15 +6,16 @@ from __future__ import annotations
 import logging
 import logging.handlers
 import multiprocessing
+import os
 import random
 import warnings
 
 import numpy as np
 import pytest
 import torch
+from support.procs import once_per_session, result_lines, run_script, run_torchrun, script_file
 
 from qaccel.launch import inherit
-from support.procs import once_per_session, result_lines, run_script, run_torchrun, script_file
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -76,20 +77,31 @@ def test_capture_then_apply_restores_the_rng_states_and_leaves_handlers_alone():
     assert logging.getLogger("torch").handlers == torch_handlers
 
 
-def test_a_handler_that_cannot_travel_is_reported_once():
-    """A QueueHandler on a multiprocessing queue (a common multi-process logging set-up) cannot be pickled."""
-    logger = logging.getLogger("qaccel-test-uncopyable")
+def test_handlers_that_cannot_travel_are_reported_once_in_one_warning():
+    """A QueueHandler on a multiprocessing queue (a common multi-process logging set-up) cannot be pickled, nor a
+    StreamHandler on a stream that is no longer sys.stderr (a library's, after stderr was redirected)."""
     queue = multiprocessing.get_context("spawn").Queue()
-    handler = logging.handlers.QueueHandler(queue)
-    logger.addHandler(handler)
+    unpicklable = open(os.devnull, "w")
+    handlers = {"qaccel-test-queue": logging.handlers.QueueHandler(queue)}
+    handlers.update({f"qaccel-test-stream-{i}": logging.StreamHandler(unpicklable) for i in range(6)})
+    for name, handler in handlers.items():
+        logging.getLogger(name).addHandler(handler)
     try:
-        with pytest.warns(UserWarning, match="QueueHandler of logger 'qaccel-test-uncopyable' cannot be copied"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             inherit.capture()
+        ours = [str(w.message) for w in caught if "cannot be copied into the ranks" in str(w.message)]
+        assert len(ours) == 1, ours
+        assert "the QueueHandler of logger 'qaccel-test-queue' (" in ours[0]
+        assert "the StreamHandler of logger 'qaccel-test-stream-0' (Cannot pickle files" in ours[0]
+        assert ours[0].count("the StreamHandler of logger") == 4 and "; and 2 more: cannot be copied" in ours[0]
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            inherit.capture()
+            inherit.capture()  # the same set: not again
     finally:
-        logger.removeHandler(handler)
+        for name, handler in handlers.items():
+            logging.getLogger(name).removeHandler(handler)
+        unpicklable.close()
         queue.close()
 
 
