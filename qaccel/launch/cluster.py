@@ -50,7 +50,7 @@ class _Rank:
 
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # submitit ignores it in its tasks; scancel must end them
         env = detect()
-        _, fn, args, kwargs = pickle.loads(self.call)
+        _, fn, args, kwargs = pickle.loads(self.call)  # a job takes no settings of the caller
         try:
             return "returned", in_place.run(fn, args, kwargs, self.config, env, False)
         except Preempted:

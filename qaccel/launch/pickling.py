@@ -30,10 +30,11 @@ def dumps(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def dumps_call(fn: Callable[..., Any], args: tuple, kwargs: dict, settings: Any = None) -> bytes:
-    """``(settings, fn, args, kwargs)`` pickled; a failure is a TypeError naming the part that cannot be pickled."""
+def dumps_call(fn: Callable[..., Any], args: tuple, kwargs: dict) -> bytes:
+    """``(None, fn, args, kwargs)`` pickled, a launch's payload without the caller's settings; a failure is a
+    TypeError naming the part that cannot be pickled."""
     try:
-        return dumps((settings, fn, args, kwargs))
+        return dumps((None, fn, args, kwargs))
     except Exception as exc:
         raise _unpicklable(fn, args, kwargs, exc) from exc
 

@@ -117,7 +117,8 @@ def _start(server: multiprocessing.forkserver.ForkServer, fork: bool) -> None:
     process or as a fresh interpreter with this process's sys.path; either runs _serve."""
     multiprocessing.resource_tracker.ensure_running()
     if fork:  # else the server's copy of unwritten output is written twice
-        for stream in {sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__} - {None}:
+        streams = (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+        for stream in {id(stream): stream for stream in streams if stream is not None}.values():  # a tee may not hash
             with contextlib.suppress(Exception):
                 stream.flush()
     with socket.socket(socket.AF_UNIX) as listener:
