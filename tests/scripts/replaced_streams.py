@@ -22,6 +22,9 @@ class Tee:
         self.file.flush()
         self.stream.flush()
 
+    def __eq__(self, other):  # and so unhashable, as a class defining __eq__ alone is
+        return self is other
+
 
 sys.stdout = Tee(sys.stdout, sys.argv[1])
 if sys.argv[2:] == ["threaded"]:
