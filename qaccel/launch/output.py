@@ -105,6 +105,18 @@ def redirect(ends: tuple[Connection, ...]) -> None:
         end.close()
 
 
+def flush_std_streams() -> None:
+    """Flush sys.stdout and sys.stderr, and the interpreter's own streams where they were replaced (a tee, a
+    capture), each once, ignoring a closed or broken one: a process on its way out or about to fork must not fail
+    on its output, nor leave any of it unwritten."""
+    streams = (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+    for stream in {id(stream): stream for stream in streams if stream is not None}.values():  # a tee may not hash
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+
+
 def whole_lines() -> None:
     """Line-buffered sys.stdout and sys.stderr in a rank, so each line leaves it in one write: ranks share the
     caller's fds 1 and 2, and lines of different ranks then never mix. Under PYTHONUNBUFFERED (or ``-u``) print

@@ -50,6 +50,7 @@ from typing import Iterator
 
 import torch
 
+from qaccel.launch import output
 from qaccel.options import StartMethod
 
 # torch._dynamo: DistributedDataParallel's constructor imports it (with sympy, ~1 s); preloaded, a rank need not
@@ -116,11 +117,8 @@ def _start(server: multiprocessing.forkserver.ForkServer, fork: bool) -> None:
     """Start the forkserver as multiprocessing's ensure_running does, either forked from this (single-threaded)
     process or as a fresh interpreter with this process's sys.path; either runs _serve."""
     multiprocessing.resource_tracker.ensure_running()
-    if fork:  # else the server's copy of unwritten output is written twice
-        streams = (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
-        for stream in {id(stream): stream for stream in streams if stream is not None}.values():  # a tee may not hash
-            with contextlib.suppress(Exception):
-                stream.flush()
+    if fork:
+        output.flush_std_streams()  # else the server's copy of unwritten output is written twice
     with socket.socket(socket.AF_UNIX) as listener:
         address = multiprocessing.connection.arbitrary_address("AF_UNIX")
         listener.bind(address)

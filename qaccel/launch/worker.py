@@ -27,7 +27,6 @@ import multiprocessing.connection
 import os
 import pickle
 import signal
-import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,14 +58,6 @@ def become_worker(environ: dict[str, str]) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a spawned rank inherits the caller's mask
 
 
-def flush_std_streams() -> None:
-    """Flush stdout and stderr, ignoring a closed or broken stream."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            if stream is not None:
-                stream.flush()
-        except Exception:  # noqa: BLE001 - a rank on its way out must not fail on its output
-            pass
 
 @dataclass(frozen=True)
 class RankSpec:
@@ -159,7 +150,7 @@ class _CallerReport:
         self.spec, self.caller = spec, caller
 
     def early(self, exc: BaseException) -> None:
-        flush_std_streams()
+        output.flush_std_streams()
         report = pickle.dumps(ErrorReport.of(self.spec.rank, exc))
         storage.write_bytes(report, Path(self.spec.run_dir, f"error-{self.spec.rank}"), durable=False)
         try:
