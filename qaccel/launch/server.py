@@ -1,4 +1,4 @@
-"""The server the ranks of a plain launch are forked from: multiprocessing's forkserver, started the fast way when
+"""The servers the ranks of a plain launch are forked from: multiprocessing's forkserver, started the fast way when
 that is provably safe.
 
 Ranks need torch, and forking a process with torch loaded costs ~20 ms where a new interpreter importing torch
@@ -10,9 +10,9 @@ forked child at all. So when the server is started (``Accelerator()``, or the fi
 - **forked from the caller** if, at that moment, the caller runs exactly one thread and CUDA is not initialised.
   OpenBLAS (numpy's) keeps a pool of idle threads; it parks them itself before every fork, and is asked to do so
   first, so that the count can prove the process single-threaded. The forked server then imports
-  ``torch._dynamo`` (which DistributedDataParallel needs) and serves every later launch of the process.
-  While a module is being imported (an Accelerator made at the top of an imported module) the fork waits for the
-  launch: a server forked then would hold that module half made.
+  ``torch._dynamo`` (which every optimizer and DistributedDataParallel need) and serves the launches of the
+  process. While a module is being imported (an Accelerator made at the top of an imported module) the fork
+  waits for the launch: a server forked then would hold that module half made.
 - **a fresh interpreter** otherwise, e.g. in a Jupyter kernel (it has threads), after the caller ran a
   multi-threaded torch operation, or with CUDA initialised. It takes the caller's sys.path, imports torch and
   ``torch._dynamo`` once, then serves the same way.
@@ -20,17 +20,28 @@ forked child at all. So when the server is started (``Accelerator()``, or the fi
 Both run multiprocessing's own forkserver loop, so its clients are unchanged, and both import with the garbage
 collector off (a third of the imports' time otherwise) and freeze the result before serving.
 
-Either server holds nothing of the caller's GPU state, never runs the caller's code, and ends when the caller
-does. What the forked one keeps of the caller: the modules imported and the files open when it was forked (held
-open until the caller ends). Ranks still receive fn and the caller's settings by value at each launch.
+**The first launch does not wait for that import** (serving): if the server has not finished it, the caller is
+still safe to fork and there is a core per rank, the launch is served by a *quick server* forked from the caller
+at the call, with nothing to import, and the server is paused (SIGSTOP) until the launch ends, so that it takes
+no core from the ranks. A function that needs no dynamo starts in ~0.1 s; ranks that do need it (they build an
+optimizer or a DDP model) import it themselves, side by side, one core each, in about the time the server's own
+import would have taken (unless the caller had imported it already, by building its optimizer: then the quick
+server has it too). Their hidden costs: each such rank holds its own copy of dynamo's modules (memory pages not
+shared), and the server's import resumes after the first launch, so a second launch right after it waits for
+the rest of it (< 1 s). With more ranks than cores the per-rank imports would queue: the launch waits instead.
+
+The servers hold nothing of the caller's GPU state and never run the caller's code. A forked one dies with the
+caller (a paused one could not notice); a fresh one ends when the caller does. What a forked one keeps of the
+caller: the modules imported and the files open when it was forked. Ranks still receive fn and the caller's
+settings by value at each launch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import gc
-import importlib
 import inspect
 import multiprocessing
 import multiprocessing.connection
@@ -39,6 +50,7 @@ import multiprocessing.resource_tracker
 import multiprocessing.spawn
 import multiprocessing.util
 import os
+import select
 import shutil
 import signal
 import socket
@@ -46,19 +58,22 @@ import sys
 import tempfile
 import threading
 import traceback
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 
+from qaccel.imports import import_quietly
 from qaccel.launch import output
 from qaccel.options import StartMethod
 
 # torch._dynamo: DistributedDataParallel's constructor imports it (with sympy, ~1 s); preloaded, a rank need not
 # import it again. qaccel.launch.worker: the ranks' entry point.
 PRELOAD = ["torch", "torch._dynamo", "qaccel.launch.worker"]
+QUICK_PRELOAD = ["torch", "qaccel.launch.worker"]  # a quick server's: what the caller has loaded already
 UNIX_PATH_MAX = 107  # sun_path's 108 bytes, less the terminating NUL
 # the forkserver protocol this module speaks when it starts the server itself (multiprocessing.forkserver.main's)
 _PROTOCOL = ["listener_fd", "alive_r", "preload", "main_path", "sys_path"]
+_PR_SET_PDEATHSIG = 1  # prctl(2)
 _OPENBLAS_PARK = ("blas_thread_shutdown_",)  # OpenBLAS's own before-fork handler; its threads restart when needed
 
 
@@ -76,14 +91,49 @@ def warm_up(start_method: StartMethod, launching: bool = False) -> None:
                 return
             if fork_is_safe():
                 if not _importing():
-                    _start(server, fork=True)
+                    _adopt(server, _start(fork=True))
                     return
                 if not launching:
                     return  # made by a module being imported: fork once the import is over, at the launch
             if _protocol_known():
-                _start(server, fork=False)
+                _adopt(server, _start(fork=False))
                 return
         multiprocessing.forkserver.ensure_running()  # a fresh interpreter, as multiprocessing starts it
+
+
+@contextlib.contextmanager
+def serving(start_method: StartMethod, nprocs: int) -> Iterator[None]:
+    """The forkserver the ranks of one launch are forked from, for the launch's duration: a quick server for a
+    first launch that would otherwise wait for the server's imports (see the module's docstring), else the
+    server."""
+    global _launched
+    warm_up(start_method, launching=True)
+    _reap()
+    first, _launched = not _launched, True
+    server = multiprocessing.forkserver._forkserver
+    with _sigint_ignored(), server._lock:
+        preloading = _preloading if first and start_method is StartMethod.FORKSERVER else None
+        quick = None
+        if (preloading is not None and preloading.pid == server._forkserver_pid and not preloading.done()
+                and nprocs <= len(os.sched_getaffinity(0)) and not _importing() and fork_is_safe()):
+            quick = _start(fork=True, preload=QUICK_PRELOAD)
+            preloading.pause()
+            _adopt(server, quick)
+    if quick is None:
+        yield
+        return
+    try:
+        yield
+    finally:
+        preloading.resume()
+        with server._lock:
+            ending = _Handle(server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid)
+            _adopt(server, preloading.handle)
+        # the quick server, or the one multiprocessing started in its place if it died: ends with its last rank
+        if ending.alive_w is not None:
+            os.close(ending.alive_w)
+        _exited.extend({quick.pid, ending.pid} - {None})
+        _reap()
 
 
 def fork_is_safe() -> bool:
@@ -113,9 +163,61 @@ def _protocol_known() -> bool:
     return list(inspect.signature(multiprocessing.forkserver.main).parameters) == _PROTOCOL
 
 
-def _start(server: multiprocessing.forkserver.ForkServer, fork: bool) -> None:
-    """Start the forkserver as multiprocessing's ensure_running does, either forked from this (single-threaded)
+class _Handle(NamedTuple):
+    """A server this module started: what multiprocessing's ForkServer keeps of it."""
+
+    address: str
+    alive_w: int  # every client holds a copy: the server ends at EOF, when the last one is gone
+    pid: int
+
+
+@dataclasses.dataclass
+class _Preloading:
+    """The server importing PRELOAD: it writes a byte to the ``ready_r`` pipe when done (EOF if it died)."""
+
+    handle: _Handle
+    ready_r: int
+
+    @property
+    def pid(self) -> int:
+        return self.handle.pid
+
+    def done(self) -> bool:
+        return bool(select.select([self.ready_r], [], [], 0)[0])
+
+    def pause(self) -> None:
+        """Stop the server where it is, its imports half done: it takes no core from the ranks of a launch that
+        did not wait for it. (A server forked from the caller dies with it, stopped or not.)"""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGCONT)
+
+
+_preloading: _Preloading | None = None  # the last server started with the whole PRELOAD
+_launched = False  # a launch has been served in this process
+_exited: list[int] = []  # quick servers to reap once they ended
+
+
+def _adopt(server: multiprocessing.forkserver.ForkServer, handle: _Handle) -> None:
+    """Make ``handle`` the server multiprocessing's clients connect to."""
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = handle
+
+
+def _reap() -> None:
+    for pid in list(_exited):
+        with contextlib.suppress(ChildProcessError):
+            if os.waitpid(pid, os.WNOHANG)[0] == 0:
+                continue
+        _exited.remove(pid)
+
+
+def _start(fork: bool, preload: list[str] = PRELOAD) -> _Handle:
+    """Start a forkserver as multiprocessing's ensure_running does, either forked from this (single-threaded)
     process or as a fresh interpreter with this process's sys.path; either runs _serve."""
+    global _preloading
     multiprocessing.resource_tracker.ensure_running()
     if fork:
         output.flush_std_streams()  # else the server's copy of unwritten output is written twice
@@ -125,42 +227,50 @@ def _start(server: multiprocessing.forkserver.ForkServer, fork: bool) -> None:
         if not multiprocessing.util.is_abstract_socket_namespace(address):
             os.chmod(address, 0o600)
         listener.listen()
-        alive_r, alive_w = os.pipe()  # every client holds the write end: EOF when the last one is gone
+        alive_r, alive_w = os.pipe()
+        ready_r, ready_w = os.pipe()
+        caller = os.getpid()
         try:
-            pid = os.fork() if fork else _spawn(listener.fileno(), alive_r)
+            pid = os.fork() if fork else _spawn(listener.fileno(), alive_r, ready_w)
         except BaseException:
-            os.close(alive_r)
-            os.close(alive_w)
+            for fd in (alive_r, alive_w, ready_r, ready_w):
+                os.close(fd)
             raise
         if pid == 0:
-            server._lock = threading.Lock()  # held by the caller's thread at the fork; ranks may start servers
-            _serve(listener.fileno(), alive_r, alive_w)
+            os.close(ready_r)
+            _serve(listener.fileno(), alive_r, ready_w, alive_w, caller, preload)
         os.close(alive_r)
-    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+        os.close(ready_w)
+    handle = _Handle(address, alive_w, pid)
+    if preload is PRELOAD:
+        if _preloading is not None:
+            os.close(_preloading.ready_r)
+        _preloading = _Preloading(handle, ready_r)
+    else:
+        os.close(ready_r)
+    return handle
 
 
-def _spawn(listener_fd: int, alive_r: int) -> int:
+def _spawn(listener_fd: int, alive_r: int, ready_w: int) -> int:
     """A fresh interpreter running _serve, its garbage collector off from the first import (see _preload)."""
     code = (f"import gc; gc.disable(); import sys; sys.path[:] = {sys.path!r}; "
-            f"from qaccel.launch.server import _serve; _serve({listener_fd}, {alive_r})")
+            f"from qaccel.launch.server import _serve; _serve({listener_fd}, {alive_r}, {ready_w})")
     exe = multiprocessing.spawn.get_executable()
     args = [exe, *multiprocessing.util._args_from_interpreter_flags(), "-c", code]
-    return multiprocessing.util.spawnv_passfds(exe, args, [listener_fd, alive_r])
+    return multiprocessing.util.spawnv_passfds(exe, args, [listener_fd, alive_r, ready_w])
 
 
-def _serve(listener_fd: int, alive_r: int, alive_w: int | None = None) -> None:
+def _serve(listener_fd: int, alive_r: int, ready_w: int, alive_w: int | None = None, caller: int = 0,
+           preload: list[str] = PRELOAD) -> None:
     """The server's whole life: never returns into the caller's code, never runs its exit handlers."""
     code = 0
     try:
         if alive_w is not None:  # forked: the caller's end of the pipe, std streams and Python signal handlers go
-            os.close(alive_w)
-            sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__  # a tee or capture the caller put there is its own
-            for signum in signal.valid_signals():  # as after exec: the caller's handlers do not apply here
-                with contextlib.suppress(OSError, ValueError, TypeError):
-                    if callable(signal.getsignal(signum)) and signum != signal.SIGINT:
-                        signal.signal(signum, signal.SIG_DFL)
-            signal.set_wakeup_fd(-1)
-        _preload()
+            _leave_caller(alive_w, caller)
+        _preload(preload)
+        with contextlib.suppress(BrokenPipeError):  # nobody waits for a quick server
+            os.write(ready_w, b"\0")
+        os.close(ready_w)
         multiprocessing.forkserver.main(listener_fd, alive_r, [])
     except SystemExit:
         pass  # every client is gone
@@ -171,7 +281,31 @@ def _serve(listener_fd: int, alive_r: int, alive_w: int | None = None) -> None:
         os._exit(code)
 
 
-def _preload() -> None:
+def _leave_caller(alive_w: int, caller: int) -> None:
+    """In a server forked from the caller: drop what is the caller's, as a fresh interpreter would not have it, and
+    die with the caller (a paused server could not read the EOF that ends the others)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != caller:  # it died before the line above
+        os._exit(0)
+    os.close(alive_w)
+    server = multiprocessing.forkserver._forkserver
+    server._lock = threading.Lock()  # held by the caller's thread at the fork; ranks may start servers
+    if server._forkserver_alive_fd is not None:  # the caller's client end of another server
+        os.close(server._forkserver_alive_fd)
+    server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
+    if _preloading is not None:
+        with contextlib.suppress(OSError):
+            os.close(_preloading.ready_r)
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__  # a tee or capture the caller put there is its own
+    for signum in signal.valid_signals():  # as after exec: the caller's handlers do not apply here
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            if callable(signal.getsignal(signum)) and signum != signal.SIGINT:
+                signal.signal(signum, signal.SIG_DFL)
+    signal.set_wakeup_fd(-1)
+
+
+def _preload(names: list[str]) -> None:
     """Import what the ranks need with the garbage collector off, then freeze what exists: the imports create
     hundreds of thousands of objects, and collections that find no garbage cost a third of their time (≈ 0.3 s of
     torch._dynamo's second, 0.5 s of torch's and torch._dynamo's together). Frozen, those objects are never
@@ -179,9 +313,7 @@ def _preload() -> None:
     thousand objects of garbage the imports leave stay too: collecting them would cost a quarter of a second."""
     gc.disable()
     try:
-        for name in PRELOAD:
-            with contextlib.suppress(ImportError):  # as multiprocessing's preload: the rank will say what is missing
-                importlib.import_module(name)
+        import_quietly(names)
     finally:
         gc.freeze()
         gc.enable()

@@ -12,6 +12,9 @@
   (so that a Ctrl-C while it imports torch does not print a second traceback), and that setting is undone here.
 - **Output that survives a stop**: stdout is line-buffered (each line reaches the caller whole and at once, so
   lines of two ranks never split each other), and both streams are flushed before a failure is reported.
+- **torch._dynamo imported with the garbage collector paused** (a third faster) when the rank needs it (an
+  optimizer's or DDP's constructor) and was forked before the server had imported it (a first launch, see
+  server.serving).
 - **SIGTERM kills at once** (its default action, as in a torchrun worker). A Python-level handler would run only
   between bytecodes: a rank blocked in a collective would wait for the SIGKILL, and a forked child that inherits
   it can miss the signal while it starts, which left ``multiprocessing.Pool.__exit__`` waiting forever for a
@@ -35,7 +38,7 @@ from typing import Any
 import cloudpickle
 import torch.distributed as dist
 
-from qaccel import storage
+from qaccel import imports, storage
 from qaccel.comm import session
 from qaccel.environment import Environment, Kind, rank_variables
 from qaccel.launch import inherit, output
@@ -50,6 +53,7 @@ CHILD_START_METHOD = "fork"
 def become_worker(environ: dict[str, str]) -> None:
     """Turn this freshly started rank process into a torchrun-like worker with environment ``environ``."""
     os.setsid()
+    imports.import_quietly_when_needed()  # forked before the server imported torch._dynamo: see server.serving
     os.environ.clear()
     os.environ.update(environ)
     multiprocessing.set_start_method(CHILD_START_METHOD, force=True)

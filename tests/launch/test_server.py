@@ -1,16 +1,21 @@
 """How the forkserver of a plain launch starts: forked from the caller when that is provably safe (one thread,
-after OpenBLAS parked its pool; no CUDA), else a fresh interpreter; and that ranks of a forked server start as
-those of a fresh one (no caller's signal handler, no output written twice, parallel ops working)."""
+after OpenBLAS parked its pool; no CUDA), else a fresh interpreter; that ranks of a forked server start as
+those of a fresh one (no caller's signal handler, no output written twice, parallel ops working); and that a first
+launch is served by a quick server while the server's imports are paused."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
+from pathlib import Path
 
 import pytest
-from support.procs import script_env, script_file
+from support.procs import script_env, script_file, wait_dead, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -35,11 +40,14 @@ def test_a_script_with_the_accelerator_at_its_top_forks_the_server_from_itself()
     assert not _fresh_interpreter(facts["command"]) and facts["command"][1].endswith("server_start.py")
     assert facts["server_threads"] == 1, "the server stays single-threaded, so its own forks are safe"
     assert stdout.count("written before") == 1, "the caller's unwritten output is not written again by a fork"
+    first, second = facts["ranks"][:2], facts["ranks"][2:]
+    assert {rank["parent"] for rank in first} != {facts["server"]}, "the first launch had a quick server"
     for rank in facts["ranks"]:
-        assert rank["parent"] == facts["server"]
         assert rank["sigterm_default"], "the caller's Python handler stays in the caller"
         assert rank["product"] == 512.0
-    _preloaded(facts)
+        assert rank["gc_enabled"] and rank["frozen"] > 100_000, rank
+    assert all(rank["parent"] == facts["server"] for rank in second)
+    _preloaded({"ranks": second})
 
 
 def _preloaded(facts):
@@ -56,6 +64,68 @@ def test_a_caller_running_other_threads_gets_a_fresh_interpreter_server(mode):
     assert stdout.count("written before") == 1
     assert all(rank["parent"] == facts["server"] and rank["product"] == 512.0 for rank in facts["ranks"])
     _preloaded(facts)
+
+
+def _quick(mode: str, tmp_path) -> dict:
+    out = tmp_path / "facts.json"
+    proc = subprocess.run([sys.executable, str(script_file("quick_server.py")), mode, str(out)], capture_output=True,
+                          text=True, env=script_env(), timeout=100)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(out.read_text())
+
+
+def test_the_first_launch_is_served_at_once_while_the_server_imports_dynamo(tmp_path):
+    """The first launch does not wait for the server's torch._dynamo: a quick server forked at the call serves
+    it while the server is paused; its ranks import dynamo themselves (DDP trains) and the second launch comes
+    from the server, resumed, with dynamo preloaded."""
+    facts = _quick("facts", tmp_path)
+    first, second = facts["runs"]
+    quick = first[0]["parent"]
+    assert quick != facts["server"] and all(rank["parent"] == quick for rank in first)
+    assert all(not rank["dynamo_at_start"] and rank["server_state"] == "T" for rank in first), first
+    assert all(rank["dynamo_at_start"] and rank["parent"] == facts["server"] for rank in second), second
+    assert all(rank["server_state"] in "RS" for rank in second), "resumed after the first launch"
+    assert first[0]["loss"] == first[1]["loss"] and second[0]["loss"] == second[1]["loss"]
+    assert facts["first_server_ended"], "the quick server ends with its launch"
+
+
+def test_with_fewer_cores_than_ranks_the_first_launch_waits_for_the_server(tmp_path):
+    """Ranks importing dynamo side by side would queue for the cores: the server's one import is faster."""
+    facts = _quick("one_core", tmp_path)
+    for run in facts["runs"]:
+        assert all(rank["dynamo_at_start"] and rank["parent"] == facts["server"] for rank in run), run
+
+
+def test_a_first_launch_that_fails_leaves_the_server_resumed(tmp_path):
+    facts = _quick("raise", tmp_path)
+    assert facts["runs"][0] == "the first launch fails"
+    assert all(rank["dynamo_at_start"] and rank["parent"] == facts["server"] and rank["server_state"] in "RS"
+               for rank in facts["runs"][1]), facts["runs"][1]
+
+
+def test_a_killed_caller_leaves_no_server_behind_not_even_a_paused_one(tmp_path):
+    """SIGKILL the caller while its first launch runs: the paused server (which cannot read the EOF that ends a
+    server), the quick server and the ranks all end."""
+    out = tmp_path / "facts.json"
+    proc = subprocess.Popen([sys.executable, str(script_file("quick_server.py")), "hang", str(out)],
+                            env=script_env(), start_new_session=True, stderr=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        wait_for(lambda: all(Path(f"{out}.{rank}").exists() for rank in (0, 1)), 60, "both ranks to start",
+                 interval=0.1)
+        time.sleep(0.2)  # the files are written whole
+        ranks = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
+        assert ranks[0]["server_state"] == "T" and ranks[0]["parent"] != ranks[0]["server"], ranks
+        pids = [ranks[0]["server"], ranks[0]["parent"], *(rank["pid"] for rank in ranks)]
+        proc.kill()
+        proc.wait(10)
+        assert wait_dead(pids, timeout=15) == [], "still running after the caller was killed"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        for pid in wait_dead(pids, timeout=0):
+            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("caller", ["plain", "threaded"])

@@ -1,0 +1,74 @@
+"""The first launch of a script, served by a quick server while the forkserver's own imports are paused; run by
+tests/launch/test_server.py.
+
+    python quick_server.py facts OUT      # two launches; what each rank saw, as JSON in OUT
+    python quick_server.py one_core OUT   # the same with one usable core for two ranks: no quick server
+    python quick_server.py raise OUT      # the first launch fails; the second still gets the preloaded server
+    python quick_server.py hang OUT       # the first launch never ends: OUT names the processes, to kill the caller
+"""
+
+import json
+import multiprocessing.forkserver
+import os
+import sys
+import time
+
+import torch
+
+MODE, OUT = sys.argv[1], sys.argv[2]
+if MODE == "one_core":
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+
+from qaccel import Accelerator  # noqa: E402
+
+acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
+PRELOADING = multiprocessing.forkserver._forkserver._forkserver_pid  # the server Accelerator() started
+
+
+def state(pid):
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]
+
+
+def train(mode):
+    seen = {"dynamo_at_start": "torch._dynamo" in sys.modules, "parent": os.getppid(),
+            "server_state": state(PRELOADING), "pid": os.getpid()}
+    if mode == "hang":
+        with open(f"{OUT}.{acc.rank}", "w") as f:
+            json.dump({**seen, "server": PRELOADING}, f)
+        time.sleep(600)
+    model = torch.nn.Linear(4, 1)
+    model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))  # dynamo, DDP
+    loss = model(torch.ones(8, 4)).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    if mode == "raise" and acc.rank == 1:
+        raise ValueError("the first launch fails")
+    return {**seen, "loss": acc.all_reduce_dict({"loss": loss.item()})["loss"]}
+
+
+def ended(pid):
+    """The quick server of the first launch has exited (it may wait to be reaped)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            if state(pid) == "Z":
+                return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+if __name__ == "__main__":
+    runs = []
+    try:
+        runs.append(acc.distribute(train, all_results=True)(MODE))
+    except ValueError as exc:
+        runs.append(str(exc))
+    runs.append(acc.distribute(train, all_results=True)("again"))
+    first = runs[0][0]["parent"] if isinstance(runs[0], list) else None
+    with open(OUT, "w") as f:
+        json.dump({"server": PRELOADING, "caller": os.getpid(), "runs": runs,
+                   "first_server_ended": first is None or first == PRELOADING or ended(first)}, f)
