@@ -1,5 +1,5 @@
-"""Ranks run with the caller's environment as it is when distribute() is called; a user's OMP_NUM_THREADS wins over
-the thread budget."""
+"""Ranks run with the caller's environment and working directory as they are when distribute() is called; a user's
+OMP_NUM_THREADS wins over the thread budget."""
 
 from __future__ import annotations
 
@@ -27,3 +27,14 @@ def test_a_users_omp_num_threads_wins_and_ranks_see_the_callers_environment_at_c
     assert first == f"[{want}, {want}]"
     late = ("set-after-construction", late_threads)
     assert second == str([late, late])
+
+
+def test_ranks_work_in_the_callers_directory_of_the_call(tmp_path):
+    """The servers the ranks are forked from started in the directory of Accelerator(); the caller moved since."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    proc = run_script(script_file("caller_cwd.py"), str(first), str(second), env=script_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("[")][-2:]
+    assert lines == [str([str(first)] * 2), str([str(second)] * 2)]
