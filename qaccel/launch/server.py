@@ -183,7 +183,9 @@ class _Preloading:
         return self.handle.pid
 
     def done(self) -> bool:
-        return bool(select.select([self.ready_r], [], [], 0)[0])
+        poller = select.poll()  # not select(): the caller may hold over 1024 files
+        poller.register(self.ready_r, select.POLLIN)
+        return bool(poller.poll(0))
 
     def pause(self) -> None:
         """Stop the server where it is, its imports half done: it takes no core from the ranks of a launch that
