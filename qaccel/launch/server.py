@@ -23,7 +23,7 @@ collector off (a third of the imports' time otherwise) and freeze the result bef
 **The first launch does not wait for that import** (serving): if the server has not finished it, the caller is
 still safe to fork and there is a core per rank, the launch is served by a *quick server* forked from the caller
 at the call, with nothing to import, and the server is paused (SIGSTOP) until the launch ends, so that it takes
-no core from the ranks. A function that needs no dynamo starts in ~0.1 s; ranks that do need it (they build an
+no core from the ranks. A function that needs no dynamo starts in ~0.15 s; ranks that do need it (they build an
 optimizer or a DDP model) import it themselves, side by side, one core each, in about the time the server's own
 import would have taken (unless the caller had imported it already, by building its optimizer: then the quick
 server has it too). Their hidden costs: each such rank holds its own copy of dynamo's modules (memory pages not
@@ -66,8 +66,8 @@ from qaccel.imports import import_quietly
 from qaccel.launch import output
 from qaccel.options import StartMethod
 
-# torch._dynamo: DistributedDataParallel's constructor imports it (with sympy, ~1 s); preloaded, a rank need not
-# import it again. qaccel.launch.worker: the ranks' entry point.
+# torch._dynamo: every optimizer's and DistributedDataParallel's constructor imports it (with sympy, ~1 s);
+# preloaded, a rank need not import it again. qaccel.launch.worker: the ranks' entry point.
 PRELOAD = ["torch", "torch._dynamo", "qaccel.launch.worker"]
 QUICK_PRELOAD = ["torch", "qaccel.launch.worker"]  # a quick server's: what the caller has loaded already
 UNIX_PATH_MAX = 107  # sun_path's 108 bytes, less the terminating NUL
@@ -116,7 +116,7 @@ def serving(start_method: StartMethod, nprocs: int) -> Iterator[None]:
         quick = None
         if (preloading is not None and preloading.pid == server._forkserver_pid and not preloading.done()
                 and nprocs <= len(os.sched_getaffinity(0)) and not _importing() and fork_is_safe()):
-            quick = _start(fork=True, preload=QUICK_PRELOAD)
+            quick = _start(fork=True, quick=True)
             preloading.pause()
             _adopt(server, quick)
     if quick is None:
@@ -126,13 +126,12 @@ def serving(start_method: StartMethod, nprocs: int) -> Iterator[None]:
         yield
     finally:
         preloading.resume()
-        with server._lock:
-            ending = _Handle(server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid)
+        with server._lock:  # the quick server, or one multiprocessing started in its place if it died
+            ending_alive_w, ending_pid = server._forkserver_alive_fd, server._forkserver_pid
             _adopt(server, preloading.handle)
-        # the quick server, or the one multiprocessing started in its place if it died: ends with its last rank
-        if ending.alive_w is not None:
-            os.close(ending.alive_w)
-        _exited.extend({quick.pid, ending.pid} - {None})
+        if ending_alive_w is not None:
+            os.close(ending_alive_w)  # it ends with its last rank
+        _exited.extend({quick.pid, ending_pid} - {None})
         _reap()
 
 
@@ -209,6 +208,7 @@ def _adopt(server: multiprocessing.forkserver.ForkServer, handle: _Handle) -> No
 
 
 def _reap() -> None:
+    """Collect the exit status of the quick servers that ended, so that none stays a zombie."""
     for pid in list(_exited):
         with contextlib.suppress(ChildProcessError):
             if os.waitpid(pid, os.WNOHANG)[0] == 0:
@@ -216,9 +216,10 @@ def _reap() -> None:
         _exited.remove(pid)
 
 
-def _start(fork: bool, preload: list[str] = PRELOAD) -> _Handle:
+def _start(fork: bool, quick: bool = False) -> _Handle:
     """Start a forkserver as multiprocessing's ensure_running does, either forked from this (single-threaded)
-    process or as a fresh interpreter with this process's sys.path; either runs _serve."""
+    process or as a fresh interpreter with this process's sys.path; either runs _serve. ``quick``: a quick server,
+    forked, with nothing to import and nobody waiting for it to be ready."""
     global _preloading
     multiprocessing.resource_tracker.ensure_running()
     if fork:
@@ -230,26 +231,27 @@ def _start(fork: bool, preload: list[str] = PRELOAD) -> _Handle:
             os.chmod(address, 0o600)
         listener.listen()
         alive_r, alive_w = os.pipe()
-        ready_r, ready_w = os.pipe()
+        ready_r, ready_w = (None, None) if quick else os.pipe()
         caller = os.getpid()
         try:
             pid = os.fork() if fork else _spawn(listener.fileno(), alive_r, ready_w)
         except BaseException:
             for fd in (alive_r, alive_w, ready_r, ready_w):
-                os.close(fd)
+                if fd is not None:
+                    os.close(fd)
             raise
         if pid == 0:
-            os.close(ready_r)
-            _serve(listener.fileno(), alive_r, ready_w, alive_w, caller, preload)
+            if ready_r is not None:
+                os.close(ready_r)
+            _serve(listener.fileno(), alive_r, ready_w, alive_w, caller, QUICK_PRELOAD if quick else PRELOAD)
         os.close(alive_r)
-        os.close(ready_w)
+        if ready_w is not None:
+            os.close(ready_w)
     handle = _Handle(address, alive_w, pid)
-    if preload is PRELOAD:
+    if ready_r is not None:
         if _preloading is not None:
             os.close(_preloading.ready_r)
         _preloading = _Preloading(handle, ready_r)
-    else:
-        os.close(ready_r)
     return handle
 
 
@@ -262,7 +264,7 @@ def _spawn(listener_fd: int, alive_r: int, ready_w: int) -> int:
     return multiprocessing.util.spawnv_passfds(exe, args, [listener_fd, alive_r, ready_w])
 
 
-def _serve(listener_fd: int, alive_r: int, ready_w: int, alive_w: int | None = None, caller: int = 0,
+def _serve(listener_fd: int, alive_r: int, ready_w: int | None, alive_w: int | None = None, caller: int = 0,
            preload: list[str] = PRELOAD) -> None:
     """The server's whole life: never returns into the caller's code, never runs its exit handlers."""
     code = 0
@@ -270,9 +272,10 @@ def _serve(listener_fd: int, alive_r: int, ready_w: int, alive_w: int | None = N
         if alive_w is not None:  # forked: the caller's end of the pipe, std streams and Python signal handlers go
             _leave_caller(alive_w, caller)
         _preload(preload)
-        with contextlib.suppress(BrokenPipeError):  # nobody waits for a quick server
-            os.write(ready_w, b"\0")
-        os.close(ready_w)
+        if ready_w is not None:
+            with contextlib.suppress(BrokenPipeError):  # the caller no longer asks
+                os.write(ready_w, b"\0")
+            os.close(ready_w)
         multiprocessing.forkserver.main(listener_fd, alive_r, [])
     except SystemExit:
         pass  # every client is gone
