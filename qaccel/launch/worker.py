@@ -62,7 +62,6 @@ def become_worker(environ: dict[str, str]) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a spawned rank inherits the caller's mask
 
 
-
 @dataclass(frozen=True)
 class RankSpec:
     """What one rank process is told at start; everything else it reads from the run directory."""
@@ -74,6 +73,7 @@ class RankSpec:
     config: Config
     keep_result: bool
     environ: dict[str, str]
+
 
 def _watch_caller(lifeline: multiprocessing.connection.Connection) -> None:
     """SIGKILL this rank once the caller's end of ``lifeline`` closes: a dead caller leaves no rank behind.
