@@ -85,7 +85,8 @@ def warm_up(start_method: StartMethod, launching: bool = False) -> None:
     _fit_socket_dir()
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
     server = multiprocessing.forkserver._forkserver
-    with _sigint_ignored():
+    multiprocessing.resource_tracker.ensure_running()  # outside the hold: its start unblocks SIGINT
+    with _sigint_held():
         with server._lock:
             if _running(server):
                 return
@@ -111,28 +112,32 @@ def serving(start_method: StartMethod, nprocs: int) -> Iterator[None]:
     _reap()
     first, _launched = not _launched, True
     server = multiprocessing.forkserver._forkserver
-    with _sigint_ignored(), server._lock:
-        preloading = _preloading if first and start_method is StartMethod.FORKSERVER else None
-        quick = None
-        if (preloading is not None and preloading.pid == server._forkserver_pid and not preloading.done()
-                and nprocs <= len(os.sched_getaffinity(0)) and not _importing() and fork_is_safe()):
-            quick = _start(fork=True, quick=True)
-            preloading.pause()
-            _adopt(server, quick)
-    if quick is None:
-        yield
-        return
+    quick = preloading = None
     try:
+        with _sigint_held(), server._lock:  # a Ctrl-C held back here is raised at its end: quick is then set
+            if (first and start_method is StartMethod.FORKSERVER and _preloading is not None
+                    and _preloading.pid == server._forkserver_pid and not _preloading.done()
+                    and nprocs <= len(os.sched_getaffinity(0)) and not _importing() and fork_is_safe()):
+                preloading = _preloading
+                quick = _start(fork=True, quick=True)
+                preloading.pause()
+                _adopt(server, quick)
         yield
     finally:
-        preloading.resume()
-        with server._lock:  # the quick server, or one multiprocessing started in its place if it died
-            ending_alive_w, ending_pid = server._forkserver_alive_fd, server._forkserver_pid
-            _adopt(server, preloading.handle)
-        if ending_alive_w is not None:
-            os.close(ending_alive_w)  # it ends with its last rank
-        _exited.extend({quick.pid, ending_pid} - {None})
-        _reap()
+        if quick is not None:
+            _end_quick(server, quick, preloading)
+
+
+def _end_quick(server: multiprocessing.forkserver.ForkServer, quick: _Handle, preloading: _Preloading) -> None:
+    """After the launch a quick server served: resume the server and make it the one clients connect to again."""
+    preloading.resume()
+    with server._lock:  # the quick server, or one multiprocessing started in its place if it died
+        ending_alive_w, ending_pid = server._forkserver_alive_fd, server._forkserver_pid
+        _adopt(server, preloading.handle)
+    if ending_alive_w is not None:
+        os.close(ending_alive_w)  # it ends with its last rank
+    _exited.extend({quick.pid, ending_pid} - {None})
+    _reap()
 
 
 def fork_is_safe() -> bool:
@@ -219,9 +224,8 @@ def _reap() -> None:
 def _start(fork: bool, quick: bool = False) -> _Handle:
     """Start a forkserver as multiprocessing's ensure_running does, either forked from this (single-threaded)
     process or as a fresh interpreter with this process's sys.path; either runs _serve. ``quick``: a quick server,
-    forked, with nothing to import and nobody waiting for it to be ready."""
+    forked, with nothing to import and nobody waiting for it to be ready. The resource tracker runs (warm_up)."""
     global _preloading
-    multiprocessing.resource_tracker.ensure_running()
     if fork:
         output.flush_std_streams()  # else the server's copy of unwritten output is written twice
     with socket.socket(socket.AF_UNIX) as listener:
@@ -269,6 +273,7 @@ def _serve(listener_fd: int, alive_r: int, ready_w: int | None, alive_w: int | N
     """The server's whole life: never returns into the caller's code, never runs its exit handlers."""
     code = 0
     try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # held back at its start, ignored (_sigint_held)
         if alive_w is not None:  # forked: the caller's end of the pipe, std streams and Python signal handlers go
             _leave_caller(alive_w, caller)
         _preload(preload)
@@ -347,21 +352,24 @@ def _park_openblas() -> None:
 
 
 @contextlib.contextmanager
-def _sigint_ignored() -> Iterator[None]:
-    """Ignore SIGINT while the forkserver is started, so that it starts with SIGINT ignored.
+def _sigint_held() -> Iterator[None]:
+    """Hold Ctrl-C back while a server is started, so that it starts with SIGINT ignored, and deliver it after.
 
-    A Ctrl-C reaches the whole foreground process group, the forkserver included; while it imports torch it
-    would print a second KeyboardInterrupt traceback next to the caller's. Python installs no KeyboardInterrupt
-    handler in a process that starts with SIGINT ignored. (A Ctrl-C during these few milliseconds is lost.)
+    A Ctrl-C reaches the whole foreground process group, the servers included; while one imports torch it would
+    print a second KeyboardInterrupt traceback next to the caller's. Python installs no KeyboardInterrupt handler
+    in a process that starts with SIGINT ignored. SIGINT is blocked first: Linux keeps a blocked signal pending even
+    while it is ignored, so a Ctrl-C in this window reaches the caller when it ends. A server unblocks it (_serve).
     """
     if threading.current_thread() is not threading.main_thread():
         yield  # only the main thread may change signal handlers
         return
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def _fit_socket_dir() -> None:
