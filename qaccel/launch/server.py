@@ -29,6 +29,7 @@ import would have taken (unless the caller had imported it already, by building 
 server has it too). Their hidden costs: each such rank holds its own copy of dynamo's modules (memory pages not
 shared), and the server's import resumes after the first launch, so a second launch right after it waits for
 the rest of it (< 1 s). With more ranks than cores the per-rank imports would queue: the launch waits instead.
+Only a forked server that has armed its death with the caller is paused (_Preloading.dies_with_caller).
 
 The servers hold nothing of the caller's GPU state and never run the caller's code. A forked one dies with the
 caller (a paused one could not notice); a fresh one ends when the caller does. What a forked one keeps of the
@@ -74,6 +75,8 @@ UNIX_PATH_MAX = 107  # sun_path's 108 bytes, less the terminating NUL
 # the forkserver protocol this module speaks when it starts the server itself (multiprocessing.forkserver.main's)
 _PROTOCOL = ["listener_fd", "alive_r", "preload", "main_path", "sys_path"]
 _PR_SET_PDEATHSIG = 1  # prctl(2)
+LEFT_CALLER, READY = b"l", b"r"  # what a preloading server writes to its ready pipe
+LEFT_CALLER_WAIT_S = 2.0  # how long a first launch waits for a forked server to be scheduled at all
 _OPENBLAS_PARK = ("blas_thread_shutdown_",)  # OpenBLAS's own before-fork handler; its threads restart when needed
 
 
@@ -117,7 +120,8 @@ def serving(start_method: StartMethod, nprocs: int) -> Iterator[None]:
         with _sigint_held(), server._lock:  # a Ctrl-C held back here is raised at its end: quick is then set
             if (first and start_method is StartMethod.FORKSERVER and _preloading is not None
                     and _preloading.pid == server._forkserver_pid and not _preloading.done()
-                    and nprocs <= len(os.sched_getaffinity(0)) and not _importing() and fork_is_safe()):
+                    and nprocs <= len(os.sched_getaffinity(0)) and not _importing() and fork_is_safe()
+                    and _preloading.dies_with_caller(LEFT_CALLER_WAIT_S)):
                 preloading = _preloading
                 quick = _start(fork=True, quick=True)
                 preloading.pause()
@@ -177,23 +181,43 @@ class _Handle(NamedTuple):
 
 @dataclasses.dataclass
 class _Preloading:
-    """The server importing PRELOAD: it writes a byte to the ``ready_r`` pipe when done (EOF if it died)."""
+    """The server importing PRELOAD. It writes to the ``ready_r`` pipe: LEFT_CALLER once it will die with the caller
+    (a forked server, once it armed PR_SET_PDEATHSIG), then READY when its imports are done (EOF if it died)."""
 
     handle: _Handle
     ready_r: int
+    forked: bool
+    said: bytes = b""
+    ended: bool = False  # EOF: it died
 
     @property
     def pid(self) -> int:
         return self.handle.pid
 
     def done(self) -> bool:
+        self._listen(0)
+        return READY in self.said or self.ended
+
+    def dies_with_caller(self, timeout: float) -> bool:
+        """Whether it may be paused: a server stopped before it armed its death with the caller would outlive a
+        killed caller, stopped for ever. A forked server arms it first thing; one not yet scheduled is waited for."""
+        if self.forked and LEFT_CALLER not in self.said:
+            self._listen(timeout)
+        return LEFT_CALLER in self.said
+
+    def _listen(self, timeout: float) -> None:
         poller = select.poll()  # not select(): the caller may hold over 1024 files
         poller.register(self.ready_r, select.POLLIN)
-        return bool(poller.poll(0))
+        while not self.ended and poller.poll(timeout * 1000):
+            news = os.read(self.ready_r, 16)
+            self.said += news
+            self.ended = not news
+            if news:
+                return
 
     def pause(self) -> None:
         """Stop the server where it is, its imports half done: it takes no core from the ranks of a launch that
-        did not wait for it. (A server forked from the caller dies with it, stopped or not.)"""
+        did not wait for it. (It dies with the caller, stopped or not: see dies_with_caller.)"""
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGSTOP)
 
@@ -255,7 +279,7 @@ def _start(fork: bool, quick: bool = False) -> _Handle:
     if ready_r is not None:
         if _preloading is not None:
             os.close(_preloading.ready_r)
-        _preloading = _Preloading(handle, ready_r)
+        _preloading = _Preloading(handle, ready_r, forked=fork)
     return handle
 
 
@@ -276,10 +300,10 @@ def _serve(listener_fd: int, alive_r: int, ready_w: int | None, alive_w: int | N
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # held back at its start, ignored (_sigint_held)
         if alive_w is not None:  # forked: the caller's end of the pipe, std streams and Python signal handlers go
             _leave_caller(alive_w, caller)
+            _say(ready_w, LEFT_CALLER)
         _preload(preload)
+        _say(ready_w, READY)
         if ready_w is not None:
-            with contextlib.suppress(BrokenPipeError):  # the caller no longer asks
-                os.write(ready_w, b"\0")
             os.close(ready_w)
         multiprocessing.forkserver.main(listener_fd, alive_r, [])
     except SystemExit:
@@ -289,6 +313,12 @@ def _serve(listener_fd: int, alive_r: int, ready_w: int | None, alive_w: int | N
         code = 1
     finally:
         os._exit(code)
+
+
+def _say(ready_w: int | None, news: bytes) -> None:
+    if ready_w is not None:
+        with contextlib.suppress(BrokenPipeError):  # the caller no longer asks
+            os.write(ready_w, news)
 
 
 def _leave_caller(alive_w: int, caller: int) -> None:

@@ -69,6 +69,15 @@ def test_a_caller_running_other_threads_gets_a_fresh_interpreter_server(mode):
     _preloaded(facts)
 
 
+def _status(pid: int) -> str:
+    """A process's state and parent, as /proc tells them (for a failure's message)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return "gone"
+    return f"state {fields[0]}, parent {fields[1]}"
+
+
 def _two_cores() -> None:
     """The quick server serves a first launch only with a core per rank (the scripts start two)."""
     if len(os.sched_getaffinity(0)) < 2:
@@ -113,12 +122,13 @@ def test_a_first_launch_that_fails_leaves_the_server_resumed(tmp_path):
                for rank in facts["runs"][1]), facts["runs"][1]
 
 
-def test_a_killed_caller_leaves_no_server_behind_not_even_a_paused_one(tmp_path):
+@pytest.mark.parametrize("mode", ["hang", "hang_late"])
+def test_a_killed_caller_leaves_no_server_behind_not_even_a_paused_one(tmp_path, mode):
     """SIGKILL the caller while its first launch runs: the paused server (which cannot read the EOF that ends a
-    server), the quick server and the ranks all end."""
+    server), the quick server and the ranks all end; also when the server ran late, the launch already made."""
     _two_cores()
     out = tmp_path / "facts.json"
-    proc = subprocess.Popen([sys.executable, str(script_file("quick_server.py")), "hang", str(out)],
+    proc = subprocess.Popen([sys.executable, str(script_file("quick_server.py")), mode, str(out)],
                             env=script_env(), start_new_session=True, stderr=subprocess.PIPE, text=True)
     pids: list[int] = []
     try:
@@ -127,10 +137,13 @@ def test_a_killed_caller_leaves_no_server_behind_not_even_a_paused_one(tmp_path)
         time.sleep(0.2)  # the files are written whole
         ranks = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
         assert ranks[0]["server_state"] == "T" and ranks[0]["parent"] != ranks[0]["server"], ranks
-        pids = [ranks[0]["server"], ranks[0]["parent"], *(rank["pid"] for rank in ranks)]
+        roles = {ranks[0]["server"]: "paused server", ranks[0]["parent"]: "quick server",
+                 **{rank["pid"]: f"rank {i}" for i, rank in enumerate(ranks)}}
+        pids = list(roles)
         proc.kill()
         proc.wait(10)
-        assert wait_dead(pids, timeout=15) == [], "still running after the caller was killed"
+        left = {roles[pid]: _status(pid) for pid in wait_dead(pids, timeout=15)}
+        assert left == {}, "still running after the caller was killed"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

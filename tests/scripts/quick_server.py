@@ -5,6 +5,7 @@ tests/launch/test_server.py.
     python quick_server.py one_core OUT   # the same with one usable core for two ranks: no quick server
     python quick_server.py raise OUT      # the first launch fails; the second still gets the preloaded server
     python quick_server.py hang OUT       # the first launch never ends: OUT names the processes, to kill the caller
+    python quick_server.py hang_late OUT  # the same with a server that runs only a second after its fork
 """
 
 import json
@@ -18,6 +19,9 @@ import torch
 MODE, OUT = sys.argv[1], sys.argv[2]
 if MODE == "one_core":
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+if MODE == "hang_late":  # as on a loaded machine, the server is not scheduled before the launch: it could be paused
+    late = [True]        # before it armed its death with the caller
+    os.register_at_fork(after_in_parent=late.clear, after_in_child=lambda: late and time.sleep(1))
 
 from qaccel import Accelerator  # noqa: E402
 
@@ -33,7 +37,7 @@ def state(pid):
 def train(mode):
     seen = {"dynamo_at_start": "torch._dynamo" in sys.modules, "parent": os.getppid(),
             "server_state": state(PRELOADING), "pid": os.getpid()}
-    if mode == "hang":
+    if mode.startswith("hang"):
         with open(f"{OUT}.{acc.rank}", "w") as f:
             json.dump({**seen, "server": PRELOADING}, f)
         time.sleep(600)
