@@ -389,6 +389,8 @@ def _sigint_held() -> Iterator[None]:
     print a second KeyboardInterrupt traceback next to the caller's. Python installs no KeyboardInterrupt handler
     in a process that starts with SIGINT ignored. SIGINT is blocked first: Linux keeps a blocked signal pending even
     while it is ignored, so a Ctrl-C in this window reaches the caller when it ends. A server unblocks it (_serve).
+    (Only this thread blocks it: in a caller with other threads, which only spawns a fresh interpreter, a Ctrl-C
+    during those milliseconds may still go to another thread and be ignored.)
     """
     if threading.current_thread() is not threading.main_thread():
         yield  # only the main thread may change signal handlers
