@@ -208,12 +208,10 @@ class _Preloading:
     def _listen(self, timeout: float) -> None:
         poller = select.poll()  # not select(): the caller may hold over 1024 files
         poller.register(self.ready_r, select.POLLIN)
-        while not self.ended and poller.poll(timeout * 1000):
+        if not self.ended and poller.poll(timeout * 1000):
             news = os.read(self.ready_r, 16)
             self.said += news
             self.ended = not news
-            if news:
-                return
 
     def pause(self) -> None:
         """Stop the server where it is, its imports half done: it takes no core from the ranks of a launch that
