@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from support import component
-from support.procs import script_env, script_file, wait_dead, wait_for
+from support.procs import described, script_env, script_file, wait_dead, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -67,15 +67,6 @@ def test_a_caller_running_other_threads_gets_a_fresh_interpreter_server(mode):
     assert stdout.count("written before") == 1
     assert all(rank["parent"] == facts["server"] and rank["product"] == 512.0 for rank in facts["ranks"])
     _preloaded(facts)
-
-
-def _status(pid: int) -> str:
-    """A process's state and parent, as /proc tells them (for a failure's message)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return "gone"
-    return f"state {fields[0]}, parent {fields[1]}"
 
 
 def _two_cores() -> None:
@@ -142,7 +133,7 @@ def test_a_killed_caller_leaves_no_server_behind_not_even_a_paused_one(tmp_path,
         pids = list(roles)
         proc.kill()
         proc.wait(10)
-        left = {roles[pid]: _status(pid) for pid in wait_dead(pids, timeout=15)}
+        left = {roles[pid]: described(pid) for pid in wait_dead(pids, timeout=15)}
         assert left == {}, "still running after the caller was killed"
     finally:
         if proc.poll() is None:

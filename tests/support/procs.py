@@ -74,6 +74,15 @@ def alive(pid: int) -> bool:
         return False
 
 
+def described(pid: int) -> str:
+    """A process's state and parent, as /proc tells them (for a failure's message)."""
+    try:
+        state, parent = _stat(pid)[:2]
+    except (OSError, ValueError):
+        return "gone"
+    return f"state {state}, parent {parent}"
+
+
 def ppid(pid: int) -> int:
     """The parent of ``pid``, as /proc tells it."""
     return int(_stat(pid)[1])
