@@ -58,6 +58,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from typing import Iterator, NamedTuple
 
@@ -76,6 +77,7 @@ UNIX_PATH_MAX = 107  # sun_path's 108 bytes, less the terminating NUL
 _PROTOCOL = ["listener_fd", "alive_r", "preload", "main_path", "sys_path"]
 _PR_SET_PDEATHSIG = 1  # prctl(2)
 LEFT_CALLER, READY = b"l", b"r"  # what a preloading server writes to its ready pipe
+QUICK_END_WAIT_S = 1.0  # how long the end of a quick-served launch waits for the quick server to exit
 LEFT_CALLER_WAIT_S = 2.0  # how long a first launch waits for a forked server to be scheduled at all
 _OPENBLAS_PARK = ("blas_thread_shutdown_",)  # OpenBLAS's own before-fork handler; its threads restart when needed
 
@@ -141,7 +143,7 @@ def _end_quick(server: multiprocessing.forkserver.ForkServer, quick: _Handle, pr
     if ending_alive_w is not None:
         os.close(ending_alive_w)  # it ends with its last rank
     _exited.extend({quick.pid, ending_pid} - {None})
-    _reap()
+    _reap(QUICK_END_WAIT_S)  # it ends at once now: collected here, no zombie is left until the next launch
 
 
 def fork_is_safe() -> bool:
@@ -234,13 +236,26 @@ def _adopt(server: multiprocessing.forkserver.ForkServer, handle: _Handle) -> No
     server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = handle
 
 
-def _reap() -> None:
-    """Collect the exit status of the quick servers that ended, so that none stays a zombie."""
+def _reap(wait_s: float = 0.0) -> None:
+    """Collect the exit status of the quick servers that ended, so that none stays a zombie; wait up to ``wait_s``
+    for those still ending (one that takes longer is collected at the next launch)."""
+    deadline = time.monotonic() + wait_s
     for pid in list(_exited):
-        with contextlib.suppress(ChildProcessError):
-            if os.waitpid(pid, os.WNOHANG)[0] == 0:
-                continue
-        _exited.remove(pid)
+        if _collected(pid, deadline):
+            _exited.remove(pid)
+
+
+def _collected(pid: int, deadline: float) -> bool:
+    """Whether the child ``pid`` ended and its status is collected (or it is no child of ours), by ``deadline``."""
+    while True:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] != 0:
+                return True
+        except ChildProcessError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
 
 
 def _start(fork: bool, quick: bool = False) -> _Handle:

@@ -96,7 +96,7 @@ def test_the_first_launch_is_served_at_once_while_the_server_imports_dynamo(tmp_
     assert all(rank["dynamo_at_start"] and rank["parent"] == facts["server"] for rank in second), second
     assert all(rank["server_state"] in "RS" for rank in second), "resumed after the first launch"
     assert first[0]["loss"] == first[1]["loss"] and second[0]["loss"] == second[1]["loss"]
-    assert facts["first_server_ended"], "the quick server ends with its launch"
+    assert facts["first_server_reaped"], "the quick server ends with its launch and is reaped: no zombie is left"
 
 
 def test_with_fewer_cores_than_ranks_the_first_launch_waits_for_the_server(tmp_path):
