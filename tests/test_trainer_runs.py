@@ -136,7 +136,7 @@ def test_ctrl_c_saves_every_rank_and_a_rerun_ends_bitwise_where_the_uninterrupte
     cmd = [sys.executable, str(SCRIPT), str(tmp_path / "run"), EPOCHS, "0.1"]
     first = signal_when(cmd, signal.SIGINT, "epoch 1 done", env=script_env(), cwd=tmp_path, timeout=200)
     assert first.returncode == -signal.SIGINT, first.stdout + first.stderr  # a KeyboardInterrupt, as Ctrl-C gives
-    assert "qaccel: Ctrl-C: every rank saves its state after its current step" in first.stderr
+    assert "qaccel: Ctrl-C: every rank finishes what it is doing, saves its state and stops" in first.stderr
     assert first.stderr.count("KeyboardInterrupt") == 1 and "the ranks saved their state to" in first.stderr
     assert "epoch 3 done" not in first.stderr, "stopped mid-run"
     second = run_script(SCRIPT, str(tmp_path / "run"), EPOCHS, cwd=tmp_path, timeout=200)

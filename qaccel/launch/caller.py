@@ -74,23 +74,29 @@ def _launch(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, a
         for attempt in itertools.count():
             environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
             failures = _attempt(ctx, procs, run_dir, config, all_results, environ, received)
-            if not failures:
+            stop = next((sig for sig in received if sig in STOP_SIGNALS), None)
+            if not failures and stop is None:
                 results = [_read_result(run_dir, rank) for rank in range(config.nprocs if all_results else 1)]
                 return results if all_results else results[0]
+            if not failures:  # told to stop, and the ranks finished before they could act on it: no result
+                if stop == signal.SIGINT:
+                    raise KeyboardInterrupt
+                break
             failure, rank = _failure_exception(run_dir, config.nprocs, failures)
             if received or isinstance(failure, Preempted) or attempt >= config.max_restarts:
+                if attempt:
+                    failure.add_note(f"[qaccel] the failure of the last attempt, after {attempt} restart(s)")
+                if isinstance(failure, Preempted) and received == [signal.SIGINT]:
+                    raise _interrupted(failure) from None
+                if not received or isinstance(failure, Preempted):
+                    raise failure
+                stop = received[0]
                 break
             print("".join(traceback.format_exception(failure)).rstrip(), file=sys.stderr)
             print(f"qaccel: rank {rank} failed ({type(failure).__name__}); restarting all {config.nprocs} ranks "
                   f"(restart {attempt + 1} of {config.max_restarts})", file=sys.stderr, flush=True)
             _clear_reports(run_dir)
-        if attempt:
-            failure.add_note(f"[qaccel] the failure of the last attempt, after {attempt} restart(s)")
-        if isinstance(failure, Preempted) and received == [signal.SIGINT]:
-            raise _interrupted(failure) from None
-        if not received or isinstance(failure, Preempted):
-            raise failure
-    _die_of(received[0])  # the ranks ended because the caller was told to stop: end the way it was told
+    _die_of(stop)  # the ranks ended because the caller was told to stop: end the way it was told
 
 
 def _attempt(ctx: Any, procs: list, run_dir: str, config: Config, all_results: bool, environ: dict[str, str],
@@ -139,20 +145,24 @@ def _clear_reports(run_dir: str) -> None:
 # Signals the caller passes on to its ranks (they lead process groups of their own, so a signal sent to the
 # caller's group does not reach them): a scheduler's or a user's request to stop, which ranks that called
 # resume() answer by saving and raising Preempted. Ctrl-C's SIGINT reaches the caller only: see _on_ctrl_c.
+# SIGUSR2 is `qaccel where` (ranks say where they are and go on): passed on, not recorded as received.
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+# Those that ask the caller itself to stop: told so, it never returns a result, whatever its ranks did with them.
+# (SIGUSR1 warns of a time limit: ranks that called resume() answer it by stopping; ranks that finish have no need.)
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
 @contextlib.contextmanager
 def _forwarding_signals(procs: list) -> Iterator[list[int]]:
     """While ranks run, pass FORWARDED_SIGNALS the caller gets (where it has no handler of its own) on to them;
-    the list yielded holds the signal received, if any."""
+    the list yielded holds the signals received that ask to stop (or warn), in order."""
     received: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield received
         return
 
     def forward(signum: int, frame: Any) -> None:
-        if not received:
+        if signum != signal.SIGUSR2 and signum not in received:
             received.append(signum)
         _forward(procs, signum)
 
@@ -171,14 +181,14 @@ def _forwarding_signals(procs: list) -> Iterator[list[int]]:
 
 def _on_ctrl_c(procs: list, received: list[int]) -> Callable[[int, Any], None]:
     """The caller's SIGINT handler while ranks run. When every rank can stop cleanly (it called resume(), which
-    handles SIGTERM by saving at its next step), the first Ctrl-C asks them to, as a scheduler's SIGTERM does;
+    handles SIGTERM by saving at its next check point), the first Ctrl-C asks them to, as a scheduler's SIGTERM does;
     otherwise, and at the second Ctrl-C, KeyboardInterrupt as usual (the ranks are stopped at once)."""
 
     def interrupt(signum: int, frame: Any) -> None:
         if received or not _can_stop_cleanly(procs):
             raise KeyboardInterrupt
         received.append(signal.SIGINT)
-        print("qaccel: Ctrl-C: every rank saves its state after its current step and stops (Ctrl-C again stops "
+        print("qaccel: Ctrl-C: every rank finishes what it is doing, saves its state and stops (Ctrl-C again stops "
               "them at once)", file=sys.stderr, flush=True)
         _forward(procs, signal.SIGTERM)
 
@@ -329,7 +339,7 @@ def _stop(procs: list, failed: bool) -> None:
     a rank left behind goes with it. SIGTERM first, SIGKILL for what is left after a grace period.
 
     After a failure a rank still running is SIGKILLed at once, as its peers are gone: one that called resume()
-    would take SIGTERM as a request to save at its next step (which it cannot reach), and meanwhile its DataLoader
+    would take SIGTERM as a request to save at its next check point (which it cannot reach), and meanwhile its DataLoader
     would report its workers' deaths. Nothing it saved is lost: checkpoints are written aside and renamed.
     """
     started = [p for p in procs if p.pid is not None]

@@ -1,6 +1,6 @@
 """When the script that started the ranks stops (Ctrl-C, SIGKILL), no rank outlives it, nor what a rank started: the
 ranks iterate a DataLoader whose 2 workers are busy. (The same ranks when another rank fails:
-tests/launch/test_worker.py.)"""
+tests/launch/test_worker.py.) A caller told to stop (SIGTERM) ends by the signal whatever its ranks did."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from support.procs import script_env, script_file, stuck_ranks_and_workers, wait_dead
+from support.procs import script_env, script_file, signal_when, stuck_ranks_and_workers, wait_dead
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -53,3 +53,12 @@ def test_killed_caller_leaves_no_rank_or_worker_behind(tmp_path):
     finally:
         caller.kill()
         caller.wait()
+
+
+def test_a_caller_told_to_stop_ends_by_the_signal_even_when_its_ranks_ignore_it_and_finish(tmp_path):
+    """A caller that got SIGTERM passes it on; ranks that ignore it finish fn, yet the caller must not return their
+    result as if nobody had asked it to stop: it ends by the signal, as a process that got SIGTERM does."""
+    proc = signal_when([sys.executable, str(script_file("ranks_ignore_sigterm.py"))], signal.SIGTERM,
+                       "ranks ignore SIGTERM", env=script_env(), cwd=tmp_path, timeout=120)
+    assert proc.returncode == -signal.SIGTERM, proc.stdout + proc.stderr
+    assert "RESULT" not in proc.stdout
