@@ -11,8 +11,8 @@ process group, threads and data:
               per epoch, explicit .to(device) per batch
 
   resume (Accelerator(nprocs=2, compute_setup="cpu")), per step:
-    qaccel    the plain qaccel loop after acc.resume(dir): its step boundaries join the ranks' agreement on a
-              stop signal (one small asynchronous all-reduce about every half second)
+    qaccel    the plain qaccel loop after acc.resume(dir): its step boundaries are check points of the stop on a
+              signal (a counter and a comparison; a thread per rank reads the store every half second)
     baseline  the plain baseline
 
   accumulate (Accelerator(..., gradient_accumulation_steps=2)), per micro-step:
@@ -113,9 +113,9 @@ def qaccel_steps(
 
 
 def qaccel_resume_steps(acc: Accelerator, template: torch.nn.Module, dataset: TensorDataset) -> Iterator[bool | None]:
-    """The plain qaccel loop after ``resume()``: every step boundary takes part in the ranks' agreement on a stop
-    signal (one asynchronous all-reduce per optimizer step). A fresh Accelerator per sample, so that its first
-    prepared optimizer is this sample's and drives the count (acc.step) the agreement runs on."""
+    """The plain qaccel loop after ``resume()``: every step boundary is a check point of the stop on a signal. A
+    fresh Accelerator per sample, so that its first prepared optimizer is this sample's and drives the count
+    (acc.step) of the boundaries."""
     fresh = Accelerator(nprocs=WORLD, compute_setup="cpu")
     never_written = os.path.join(tempfile.gettempdir(), "qaccel-bench-no-checkpoints")  # resume() only reads it
     return qaccel_steps(fresh, template, dataset, resume_dir=never_written)

@@ -7,9 +7,9 @@
 
 ``acc.resume(dir)`` is the whole recipe: it loads the newest complete checkpoint in ``dir`` (if any), makes
 ``save_state()`` write numbered checkpoints there (keeping the newest ``--keep``), and on SIGTERM, or the USR1 that
-requeue.sbatch asks SLURM to send before the time limit, every rank finishes its step, saves and stops (under SLURM
-the job is requeued). ``range(loader.epoch, epochs)`` and ``acc.step`` pick up in the middle of an epoch.
-The Dataset is defined here and read by 2 DataLoader workers per rank; nothing is downloaded.
+requeue.sbatch asks SLURM to send before the time limit, every rank finishes what it is doing, saves before its
+next step and stops (under SLURM the job is requeued). ``range(loader.epoch, epochs)`` and ``acc.step`` pick up in
+the middle of an epoch. The Dataset is defined here and read by 2 DataLoader workers per rank; nothing is downloaded.
 """
 
 from __future__ import annotations

@@ -460,9 +460,11 @@ class Accelerator:
 
         Afterwards save_state() with no argument saves into ``directory`` as ``checkpoint_<step>``, keeping the
         ``keep`` newest (None: all). On SIGTERM, Ctrl-C (a second one stops at once) or ``requeue_signal`` every rank
-        finishes its step, the state is saved there, and Preempted (a SystemExit) is raised; after ``requeue_signal``
-        in a SLURM job, rank 0 also requeues the job (``scontrol requeue``), which then resumes here. Call it on every rank, after prepare()
-        and register_for_checkpointing(), before the loop; iterate ``range(loader.epoch, epochs)``.
+        finishes the work under way (a step, an evaluation, a checkpoint) and stops before its next step, or as fn
+        returns: the state is saved there, and Preempted (a SystemExit) is raised; after ``requeue_signal`` in a SLURM
+        job, rank 0 also requeues the job (``scontrol requeue``), which then resumes here. The stop ends with the
+        distribute() call this runs in. Call it on every rank, after prepare() and register_for_checkpointing(),
+        before the loop; iterate ``range(loader.epoch, epochs)``.
         """
         self._inside_ranks("resume()")
         keep = _keep(keep)
@@ -479,12 +481,12 @@ class Accelerator:
             sys.stderr.write(checkpoint.resumed_line(loaded, registry, ctx) + "\n")
             sys.stderr.flush()
         if registry.stopper is None:
-            registry.stopper = stopping.Stopper(ctx, self.save_state, requeue)
+            registry.stopper = stopping.Stopper(ctx, self.save_state, requeue, self._config.timeout)
             for loader in registry.loaders:
                 stopping.shield_workers(loader)
             run = session.current_run()
             if run is not None:
-                run.closers.append(registry.stopper.close)
+                run.at_call_end(functools.partial(_end_stop, registry))
         return loaded
 
     def register_for_checkpointing(self, *objs: Any) -> None:
@@ -652,6 +654,13 @@ class Accelerator:
     def prepare_batch(self, data: Any) -> Any:
         """Move a batch to this rank's device, casting floating-point tensors to ``dtype``; labels keep theirs."""
         return batch.prepare_batch(data, self.device, self.dtype)
+
+
+def _end_stop(registry: Registry, finished: bool) -> None:
+    """End the stop on a signal that resume() armed, with the distribute() call it was armed in."""
+    stopper, registry.stopper = registry.stopper, None
+    if stopper is not None:
+        stopper.close(finished)
 
 
 def _keep(keep: int | None) -> int | None:

@@ -193,7 +193,7 @@ class Watch:
         self.store = store
         self.main = threading.get_ident()
         self.explained = False
-        self.listener = _clone(store)
+        self.listener = own_connection(store, _NEVER)  # blocked on, as long as the job runs
         if self.listener is not None:
             self.thread = threading.Thread(target=self._listen, name="qaccel-where", daemon=True)
             self.thread.start()
@@ -283,13 +283,15 @@ class Watch:
         return wheres, [r for r in ranks if r not in present]
 
 
-def _clone(store: Any | None) -> Any | None:
-    """A second connection to ``store`` for the watcher thread to block on, waiting as long as the job runs."""
+def own_connection(store: Any | None, timeout: datetime.timedelta | float) -> Any | None:
+    """A connection of its own to ``store``, for a thread: its operations wait neither for the main thread's nor
+    for another thread's. None for no store, or one that cannot be cloned (a FileStore, say)."""
     try:
-        listener = store.clone()
-        listener.set_timeout(_NEVER)
-        return listener
-    except Exception:  # noqa: BLE001 - no store, or one that cannot be cloned (a FileStore, say)
+        connection = store.clone()
+        connection.set_timeout(timeout if isinstance(timeout, datetime.timedelta)
+                               else datetime.timedelta(seconds=timeout))
+        return connection
+    except Exception:  # noqa: BLE001
         return None
 
 

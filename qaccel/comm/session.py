@@ -55,8 +55,8 @@ class Run:
     # number agrees across ranks and keeps each session's keys in a shared store apart
     number: int = 0
     _states: dict[int, tuple[Any, Any]] = field(default_factory=dict)
-    # Called once as the session ends, with whether fn returned: e.g. a stop agreement in flight is awaited
-    # before the group goes, and signal handlers are given back.
+    # Called once as the session ends, the last added first, with whether fn returned: e.g. a stop is agreed
+    # and saved before the group goes, and signal handlers are given back.
     closers: list[Callable[[bool], None]] = field(default_factory=list)
     debug: bool = False  # check each qaccel collective's agreement across ranks first (collectives.tracked)
     timeout: float = 1800.0  # seconds a collective of the session's group waits
@@ -65,12 +65,38 @@ class Run:
     watch: hangs.Watch | None = None  # says where this rank is when asked; None in a world of one
     # What holds this session's process group (prepared DDP and FSDP models): see release().
     bound: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+    _keys: Iterator[int] = field(default_factory=itertools.count)
+
+    # One list per distribute() called inside fn (a Trainer's fit in a distributed function): what ends with it.
+    calls: list[list[Callable[[bool], None]]] = field(default_factory=list)
 
     def close(self, finished: bool) -> None:
         closers, self.closers = self.closers, []
-        for close in closers:
-            close(finished)
-        self._states.clear()
+        try:
+            _close_all(closers, finished)
+        finally:
+            self._states.clear()
+
+    def at_call_end(self, close: Callable[[bool], None]) -> None:
+        """Call ``close`` when the innermost distribute() running in this session returns (or raises): a stop on a
+        signal ends with the call that armed it."""
+        (self.calls[-1] if self.calls else self.closers).append(close)
+
+    @contextmanager
+    def call(self) -> Iterator[None]:
+        """A distribute() inside fn: what it arms ends with it (see at_call_end)."""
+        self.calls.append([])
+        finished = False
+        try:
+            yield
+            finished = True
+        finally:
+            _close_all(self.calls.pop(), finished)
+
+    def key(self, kind: str) -> str:
+        """A prefix of store keys for one ``kind`` of use in this session, the same on every rank (each asks for
+        its keys in the same order)."""
+        return f"{kind}/{self.number}/{next(self._keys)}/"
 
     def release(self) -> None:
         """Destroy what holds the session's group while the group still exists; mark what the user keeps.
@@ -99,6 +125,19 @@ class Run:
         if entry is None:
             entry = self._states[id(owner)] = (owner, make())
         return entry[1]
+
+
+def _close_all(closers: list[Callable[[bool], None]], finished: bool) -> None:
+    """Run ``closers``, the last added first (a stop saves what its Accelerator's registry holds, so it runs before
+    the registry is released), every one even if one raises (a stop raises Preempted); then raise the first error."""
+    failure: BaseException | None = None
+    for close in reversed(closers):
+        try:
+            close(finished)
+        except BaseException as exc:
+            failure = failure or exc
+    if failure is not None:
+        raise failure
 
 
 GLOO_DRAIN_S = 0.02

@@ -27,10 +27,11 @@ from qaccel.train import prepare
 
 def run(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, env: Environment, all_results: bool) -> Any:
     """``fn(*args, **kwargs)`` here, as this process's rank; its result (or every rank's, by rank)."""
-    running = session.current()
+    running = session.current_run()
     if running is not None:  # a distribute() inside a distributed fn: already a rank of a live group
-        result = fn(*args, **kwargs)
-        return collectives.gather_object(result, running) if all_results else result
+        with running.call():
+            result = fn(*args, **kwargs)
+        return collectives.gather_object(result, running.ctx) if all_results else result
     ctx, store = _this_rank(config, env)
 
     def body() -> Any:

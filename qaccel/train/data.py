@@ -228,9 +228,9 @@ class PreparedDataLoader(DataLoader):
         dataset = loader.dataset
         self._registry = registry  # the session's: loop marks, optimizer updates, the stopper
         self._marks = registry.marks
-        # Step boundaries of a loop that trains (an optimizer stepped in it) are where a signal may stop the run:
-        # the updates count seen at the last one, and whether this loader's loop trains (evaluation loops don't,
-        # and may run on rank 0 alone, so they must not take part in the ranks' agreement).
+        # The step boundaries and epoch starts of a loop that trains (an optimizer stepped in it) are the check points
+        # where a signal may stop the run: the updates count seen at the last one, and whether this loader's loop
+        # trains (evaluation loops don't, and may run on rank 0 alone, so they are no check points).
         self._seen = [0, False]
         self._device = ctx.device
         self._ctx = ctx
@@ -356,9 +356,9 @@ class PreparedDataLoader(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:
         registry, seen = self._registry, self._seen
-        if registry.stopper is not None and seen[1] and registry.updates != seen[0]:
+        if registry.stopper is not None and seen[1]:
             seen[0] = registry.updates
-            registry.stopper.boundary()  # between epochs: may save and raise Preempted
+            registry.stopper.boundary()  # an epoch of a loop that trains starts: may save and raise Preempted
         if not seen[1]:
             seen[0] = registry.updates
         epoch, self._epoch = self._epoch, self._epoch + 1

@@ -1,21 +1,17 @@
 """Stopping cleanly on a signal: after SIGTERM, Ctrl-C's SIGINT (a second one stops at once) or the warning signal a
-cluster sends before a time limit or a preemption, every rank finishes its step, saves state, and leaves; after
-the warning signal, under SLURM, the job is also requeued.
+cluster sends before a time limit or a preemption, every rank finishes the work it is doing, saves state, and
+leaves; after the warning signal, under SLURM, the job is also requeued.
 
-Ranks receive a signal at slightly different moments, possibly in different steps, so none may act on its own.
-Each prepared training loop asks at its step boundaries (train/data.py); the ranks combine what they received
-with one small asynchronous all-reduce (MAX of the signal number), started at one boundary and read at a later
-one. All ranks read the same value at the same boundary, so all stop after the same step. An all-reduce per step
-would cost up to 20 % of a small CPU step (measured: benchmarks/step_overhead.py --only resume), so the ranks
-agree every CHECK_EVERY_S seconds instead: the same all-reduce carries each rank's time per step, and from its
-result every rank computes the same number of steps to the next check.
+Ranks receive a signal at slightly different moments, possibly in different steps, so none may act on its own:
+Stopper agrees on the check point where all stop, within about CHECK_EVERY_S of the signal reaching any rank, however
+the time between steps is spent (see Stopper). Nothing of it runs in a step but a counter and a comparison.
 
-The handler only notes the signal. Launchers signal a worker's whole process group (torchrun's agent) or every
-process of a step (SLURM), so a rank's children get the signal too, and a DataLoader worker dying of it would make
-its rank's loader raise before the step ends: DataLoader workers of an armed rank ignore the armed signals (they
-still exit with their rank). Other forked children (pool workers) get back SIGTERM's and SIGINT's previous handlers,
-as a Python-level handler would keep them from dying of the SIGTERM their pool sends, and ignore the requeue
-signal.
+The handler only notes the signal (and wakes the thread that announces it). Launchers signal a worker's whole
+process group (torchrun's agent) or every process of a step (SLURM), so a rank's children get the signal too, and a
+DataLoader worker dying of it would make its rank's loader raise before the step ends: DataLoader workers of an
+armed rank ignore the armed signals (they still exit with their rank). Other forked children (pool workers) get
+back SIGTERM's and SIGINT's previous handlers, as a Python-level handler would keep them from dying of the SIGTERM
+their pool sends, and ignore the requeue signal.
 """
 
 from __future__ import annotations
@@ -23,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -31,16 +28,19 @@ import time
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.distributed as dist
 
-from qaccel.comm.session import RankContext
+from qaccel.comm import collectives
+from qaccel.comm.hangs import own_connection
+from qaccel.comm.session import RankContext, current_run, default_store
 from qaccel.environment import slurm_job_state
 from qaccel.errors import Preempted
-from qaccel.options import Backend
 
-CHECK_EVERY_S = 0.5  # how often the ranks agree whether to stop: a stop comes within about twice this
-MAX_CHECK_STEPS = 10_000
-
+CHECK_EVERY_S = 0.5  # how often each rank looks whether another announced a stop: a stop is agreed within about this
+AGREE_POLL_S = 0.002  # how often a rank looks whether every rank has said where its next check point is
+STORE_TIMEOUT_S = 60.0  # one operation of the stop's store connection (they take microseconds)
+CLOSE_WAIT_S = 5.0  # for the watching thread to return at the session's end
+NEVER = 1 << 62  # Stopper.stop_at with no stop agreed: no check point count reaches it
+_CPU = torch.device("cpu")
 
 
 def as_signal(value: int | str | signal.Signals, name: str) -> signal.Signals:
@@ -58,15 +58,19 @@ def as_signal(value: int | str | signal.Signals, name: str) -> signal.Signals:
 class Armed:
     """The signals this process notes instead of dying of them, and the first one received.
 
-    Signal handlers belong to the process, so one Armed is installed at a time (by the session's resume());
-    the at-fork hooks below read it to keep forked children out of it.
+    Signal handlers belong to the process, so one Armed is installed at a time, shared by the stops armed
+    (resume() in a distribute() call inside fn arms one more); the at-fork hooks below read it to keep forked
+    children out of it.
     """
 
     def __init__(self, signals: set[signal.Signals]) -> None:
         self.owner_pid = os.getpid()
         self.received = 0  # the first armed signal received; 0: none
+        # called with the first signal, from the handler: they may not take locks (the main thread may hold them)
+        self.listeners: list[Callable[[int], None]] = []
         self.previous: dict[int, Any] = {}  # armed signal -> the handler it had before
         self.mask_before_fork: set[int] | None = None
+        self.users = 0  # the stops armed with it: the last to disarm gives the handlers back
         self.add(signals)
 
     def add(self, signals: set[signal.Signals]) -> None:
@@ -83,6 +87,8 @@ class Armed:
             raise KeyboardInterrupt
         if not self.received:
             self.received = signum
+            for listener in list(self.listeners):
+                listener(signum)
 
     def restore(self) -> None:
         """Give the armed signals back their previous handlers."""
@@ -94,8 +100,8 @@ class Armed:
 _armed: Armed | None = None  # the process's armed signals, if any
 
 
-def arm(signals: set[signal.Signals]) -> Armed:
-    """Note ``signals`` instead of dying of them, from now until disarm()."""
+def arm(signals: set[signal.Signals], listener: Callable[[int], None] | None = None) -> Armed:
+    """Note ``signals`` instead of dying of them, and call ``listener`` with the first, until disarm()."""
     global _armed
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("resume() installs signal handlers, which Python allows only in the main thread")
@@ -103,15 +109,27 @@ def arm(signals: set[signal.Signals]) -> Armed:
         _armed = Armed(signals)
     else:
         _armed.add(signals)
+    _armed.users += 1
+    if listener is not None:
+        _armed.listeners.append(listener)
     return _armed
 
 
-def disarm() -> None:
-    """Give the armed signals back their previous handlers and forget any signal received."""
+def disarm(listener: Callable[[int], None] | None = None) -> int:
+    """Undo one arm(). The last one gives the armed signals back their previous handlers and returns the signal
+    received, if any (0 otherwise, and while another stop keeps them armed: it acts on the signal)."""
     global _armed
-    if _armed is not None:
-        _armed.restore()
-        _armed = None
+    if _armed is None:
+        return 0
+    if listener in _armed.listeners:
+        _armed.listeners.remove(listener)
+    _armed.users -= 1
+    if _armed.users > 0:
+        return 0
+    received = _armed.received
+    _armed.restore()
+    _armed = None
+    return received
 
 
 def _armed_signals() -> set[int]:
@@ -199,56 +217,136 @@ os.register_at_fork(before=_block_before_fork, after_in_parent=_unblock, after_i
 
 
 class Stopper:
-    """One session's agreement on when to stop, and the stop itself: save, requeue (SLURM), raise Preempted."""
+    """One session's stop on a signal: where every rank stops (the same check point), and the stop itself: save,
+    requeue (SLURM), raise Preempted.
 
-    def __init__(self, ctx: RankContext, save: Callable[[], str], requeue_signal: signal.Signals | None) -> None:
-        self.armed = arm({signal.SIGTERM, signal.SIGINT} | ({requeue_signal} if requeue_signal is not None else set()))
+    Check points are the training loops' step boundaries and epoch starts (data.py); every rank passes the same ones
+    in the same order, and ``count`` numbers them. Alone, a rank stops at the first one after its signal. In a world,
+    a thread of each rank watches the session's store (``_Board``): a rank that got a signal announces it there, and
+    every rank sees the announcement within CHECK_EVERY_S. Then each says where its next check point is (its count
+    + 1) and all stop at the furthest of these: no rank has passed it, and none needs more than the work it is doing
+    now (a step, an evaluation, a callback, a checkpoint) to reach it. A rank that reaches a check point while that
+    is being agreed waits for it there. When fn returns, the ranks agree (one all-reduce) whether any got a signal:
+    if one did, the session ends as a stop too, wherever it came.
+    """
+
+    def __init__(self, ctx: RankContext, save: Callable[[], str], requeue_signal: signal.Signals | None,
+                 timeout: float) -> None:
         self.ctx = ctx
         self.save = save
         self.requeue_signal = requeue_signal
-        self.flag = torch.zeros(2, dtype=torch.float64)  # [signal received, seconds per step]: MAX over ranks
-        self.pending: Any = None
-        self.interval = 1  # steps between checks: the same on every rank, as it comes from reduced values
-        self.countdown = 1
-        self.window = 0  # steps the all-reduce in flight measured (0: none yet)
-        self.launched = 0.0  # when this rank started it
-        # The flag lives on the CPU; NCCL reduces only GPU tensors, so NCCL worlds use a gloo group for it.
-        self.group = dist.new_group(backend="gloo") if ctx.world_size > 1 and ctx.backend is not Backend.GLOO else None
+        self.timeout = timeout
+        self.count = 0  # check points passed
+        self.stop_at = NEVER  # the check point to stop at; 0 while the ranks agree on it (wait at the next one)
+        self.signal = 0  # the signal the ranks agreed to stop on
+        self.acted = False  # the stop ran (saved, or failed trying)
+        self.board: _Board | None = None
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None  # what broke the watching thread, raised at the next check point
+        self.agreed = threading.Event()
+        self.ending = False  # the session ends: the watching thread returns
+        run, store = current_run(), default_store()
+        if ctx.world_size > 1 and (run is None or store is None):
+            raise RuntimeError(f"resume() on rank {ctx.rank} of {ctx.world_size}: the ranks agree on a stop through "
+                               "their process group's rendezvous store, and this group has none (made by the MPI "
+                               "backend?); start the ranks with qaccel, torchrun or srun")
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)
+        self.listener = self._alone if ctx.world_size == 1 else self._wake
+        self.armed = arm({signal.SIGTERM, signal.SIGINT} | ({requeue_signal} if requeue_signal is not None else set()),
+                         self.listener)
+        if ctx.world_size == 1 and self.armed.received:  # armed already, by a stop this one is nested in
+            self.stop_at = 0
+        if ctx.world_size > 1:
+            connection = own_connection(store, STORE_TIMEOUT_S) or store
+            self.board = _Board(connection, run.key("qaccel_stop"), ctx.world_size, lambda: self.ending)
+            self.thread = threading.Thread(target=self._watch, name="qaccel-stop", daemon=True)
+            self.thread.start()
 
     def boundary(self) -> None:
-        """Called by every rank after the same optimizer steps: stop here if the ranks agreed a signal came."""
-        if self.ctx.world_size == 1:
+        """A check point (every rank passes the same ones): stop here if it is where the ranks agreed to."""
+        self.count += 1
+        if self.count >= self.stop_at:
+            self._at_gate()
+
+    def _at_gate(self) -> None:
+        if self.board is None:
             if self.armed.received:
-                self._stop(signal.Signals(self.armed.received))
+                self._stop(self.armed.received)
             return
-        self.countdown -= 1
-        if self.countdown > 0:
-            return
-        now = time.perf_counter()
-        if self.pending is not None:
-            self.pending.wait()
-            self.pending = None
-            signum, per_step = int(self.flag[0]), float(self.flag[1])
-            if signum:
-                self._stop(signal.Signals(signum))
-            if per_step > 0:
-                self.interval = max(1, min(MAX_CHECK_STEPS, int(CHECK_EVERY_S / per_step)))
-        self.flag[0] = self.armed.received
-        self.flag[1] = (now - self.launched) / self.window if self.window else 0.0
-        self.window = self.countdown = self.interval if self.launched else 1
-        self.launched = now
-        self.pending = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        if not self.agreed.wait(self.timeout):
+            raise RuntimeError(f"rank {self.ctx.rank}: the ranks did not agree where to stop within {self.timeout:g} "
+                               "s of a signal (a rank's stop thread is not answering)")
+        if self.error is not None:
+            raise RuntimeError(f"rank {self.ctx.rank}: agreeing on a stop through the rendezvous store failed: "
+                               f"{self.error}") from self.error
+        if self.count >= self.stop_at:
+            self._stop(self.signal)
+
+    def _watch(self) -> None:
+        """The watching thread: announce this rank's signal, watch for anyone's, then agree where to stop."""
+        board = self.board
+        assert board is not None
+        try:
+            announced = False
+            while not self.ending:
+                if self.armed.received and not announced:
+                    announced = True
+                    board.announce(self.armed.received)
+                signum = board.announced()
+                if signum:
+                    self.stop_at = 0  # before reading count: a check point passed after this read waits here
+                    furthest = board.agree(self.count + 1)
+                    if furthest is None:  # the session ended first
+                        return
+                    self.signal, self.stop_at = signum, furthest
+                    self.agreed.set()
+                    return
+                self._sleep(CHECK_EVERY_S)
+        except Exception as exc:  # noqa: BLE001 - raised by the main thread at its next check point
+            self.error, self.stop_at = exc, 0
+            self.agreed.set()
+
+    def _sleep(self, seconds: float) -> None:
+        """Sleep ``seconds``, or until a signal or close() writes to the wake pipe."""
+        poller = select.poll()
+        poller.register(self.wake_r, select.POLLIN)
+        if poller.poll(seconds * 1000):
+            os.read(self.wake_r, 64)
+
+    def _alone(self, signum: int) -> None:
+        self.stop_at = 0  # a world of one stops at its next check point
+
+    def _wake(self, signum: int = 0) -> None:
+        """Wake the watching thread (from the signal handler too: a pipe takes no lock)."""
+        with contextlib.suppress(OSError):
+            os.write(self.wake_w, b"w")
 
     def close(self, finished: bool) -> None:
-        """End of the session: let an agreement in flight complete (unless the session failed) and disarm."""
+        """End of the session. When fn returned, the ranks agree whether any got a signal that no check point acted
+        on: if one did, the session ends as a stop. A signal that comes after that is raised again once the
+        previous handlers are back: a signal is never swallowed."""
         try:
-            if finished and self.pending is not None:
-                self.pending.wait()
+            if finished and not self.acted:
+                signum = self.signal or self.armed.received
+                if self.ctx.world_size > 1:  # every rank's fn returned: all are here, or failed (which raises)
+                    signum = int(collectives.all_reduce_dict({"signal": signum}, "max", self.ctx, _CPU)["signal"])
+                if signum:
+                    self._stop(signum)
         finally:
-            self.pending = None
-            disarm()
+            self.ending = True
+            self._wake()
+            if self.thread is not None:
+                self.thread.join(CLOSE_WAIT_S)
+            late = disarm(self.listener)
+            os.close(self.wake_r)
+            os.close(self.wake_w)
+            if late and not self.acted:
+                signal.raise_signal(late)
 
-    def _stop(self, sig: signal.Signals) -> None:
+    def _stop(self, signum: int) -> None:
+        self.acted = True
+        sig = signal.Signals(signum)
         path = self.save()
         requeued = sig == self.requeue_signal and "SLURM_JOB_ID" in os.environ
         if requeued and self.ctx.rank == 0:
@@ -256,6 +354,37 @@ class Stopper:
         if self.ctx.rank == 0:
             _say(f"qaccel: {Preempted(sig.name, path, requeued)}")
         raise Preempted(sig.name, path, requeued)
+
+
+class _Board:
+    """A stop's shared state in the session's rendezvous store: the signal announced (0: none yet; the first
+    announcement stands), and where the ranks' next check points are, the furthest kept by compare-and-set."""
+
+    def __init__(self, store: Any, prefix: str, world_size: int, ending: Callable[[], bool]) -> None:
+        self.store, self.world_size, self.ending = store, world_size, ending
+        self.signal, self.furthest, self.arrived = prefix + "signal", prefix + "furthest", prefix + "arrived"
+        store.compare_set(self.signal, "", "0")  # by whichever rank comes first
+        store.compare_set(self.furthest, "", "0")
+
+    def announce(self, signum: int) -> None:
+        self.store.compare_set(self.signal, "0", str(signum))
+
+    def announced(self) -> int:
+        return int(self.store.get(self.signal))
+
+    def agree(self, next_point: int) -> int | None:
+        """Tell where this rank's next check point is; once every rank has, the furthest of them (None: the
+        session ended first)."""
+        current = self.store.get(self.furthest)
+        while int(current) < next_point:  # a failed compare-and-set gives the value that won: try again above it
+            current = self.store.compare_set(self.furthest, current, str(next_point))
+        arrived = self.store.add(self.arrived, 1)
+        while arrived < self.world_size:
+            if self.ending():
+                return None
+            time.sleep(AGREE_POLL_S)
+            arrived = self.store.add(self.arrived, 0)
+        return int(self.store.get(self.furthest))
 
 
 def _requeue(job_id: str) -> bool:

@@ -121,18 +121,19 @@ def test_plain_max_restarts_used_up_raises_the_last_failure(tmp_path):
 
 
 def _stopped_then_resumed(cmd, sig, tmp_path, env, exitcode):
-    """Signal ``cmd`` once its first epoch is saved; it must exit ``exitcode`` after saving mid-run, leave no
-    process behind, and a second run of ``cmd`` must resume from that checkpoint. The second run's output."""
+    """Signal ``cmd`` in the middle of its second epoch (0.75 s into its 1.5 s); it must exit ``exitcode`` after
+    saving mid-epoch, leave no process behind, and a second run of ``cmd`` must resume from that checkpoint. The
+    second run's output."""
     mark = f"QACCEL_TEST_MARK_{uuid.uuid4().hex}"
     env = {**env, mark: "1"}
-    first = signal_when(cmd, sig, "rank 1 epoch 1 loss", env=env, cwd=tmp_path, timeout=150)
+    first = signal_when(cmd, sig, "rank 1 epoch 1 loss", env=env, cwd=tmp_path, timeout=150, delay=0.75)
     assert first.returncode == exitcode, first.stderr
     assert wait_dead(marked_pids(mark), timeout=10) == []
     stopped = [line for line in first.stderr.splitlines() if line.startswith("qaccel: stopped by ")]
     assert len(stopped) == 1, first.stderr  # said once, by rank 0
     saved = stopped[0].split(" after saving state to ")[1]
     assert saved.startswith(str(tmp_path / "ckpt" / "checkpoint_")) and os.path.isdir(saved), stopped
-    assert int(saved[-8:]) > 6, "stopped after the first epoch's checkpoint (step 6), not at it"
+    assert 6 < int(saved[-8:]) < 12, "stopped in the middle of the second epoch (steps 7 to 12)"
     second = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=200)
     for rank in range(2):
         assert f"rank {rank} resumed from {saved} at epoch" in second.stderr, second.stderr

@@ -2,7 +2,7 @@
 
 Top-level set-up (logging, seeds, default dtype), a Dataset class defined here with num_workers=2, a model built
 inside the training function from the global RNG, a checkpoint every epoch, and ``acc.resume()``: it continues from
-the newest checkpoint, and on SIGTERM (or SLURM's USR1) every rank finishes its step, saves and stops. With
+the newest checkpoint, and on SIGTERM (or SLURM's USR1) every rank finishes what it is doing, saves and stops. With
 ``--crash-at E:B[,E:B...]`` rank 1 raises at epoch E, batch B of attempt 0 (then of attempt 1, ...), as
 ``acc.restart_count`` counts them (torchrun --max-restarts, or ``--max-restarts`` for a plain launch).
 ``--step-sleep`` slows each step of a run that did not resume, so that a test can signal it mid-run;

@@ -6,7 +6,7 @@ each epoch ends.
 Arguments: LOG_FOLDER EPOCHS [STEP_SLEEP [FAIL_AT]]: the run's folder (``root=DIR``: qadence's default, a new
 subfolder of DIR per run), the epochs, seconds slept per training batch (so that a signal lands mid-run), and a
 training batch at which rank 1 raises in the first attempt (to be restarted). TRACKING in the environment picks the
-tracking tool (default: tensorboard)."""
+tracking tool (default: tensorboard); EPOCH_END_S makes the train_epoch_end callback take that many seconds."""
 
 import hashlib
 import json
@@ -48,6 +48,7 @@ def slow(trainer, config, tracker):
 def epoch_done(trainer, config, tracker):
     if trainer.accelerator.is_main_process:
         print(f"epoch {trainer.opt_result.iteration} done", file=sys.stderr, flush=True)
+    time.sleep(float(os.environ.get("EPOCH_END_S", "0")))  # a slow callback (plots, say)
 
 
 if __name__ == "__main__":

@@ -117,22 +117,36 @@ def marked_pids(mark: str) -> list[int]:
     return pids
 
 
-def signal_when(cmd: list[str], sig: int, ready: str, *, env: dict, cwd: Path, timeout: float = 120):
-    """Run ``cmd``, send it ``sig`` once its stderr shows ``ready``, and wait for it to end; a CompletedProcess
-    with text output. Output goes through files in ``cwd``, so nothing blocks on a full pipe."""
+def signal_when(cmd: list[str], sig: int, ready: str, *, env: dict, cwd: Path, timeout: float = 120,
+                then: str | None = None, send=None, delay: float = 0.0):
+    """Run ``cmd``, send it ``sig`` ``delay`` s after its stderr shows ``ready``, and wait for it to end; a
+    CompletedProcess with text output. Output goes through files in ``cwd``, so nothing blocks on a full pipe. With
+    ``then``, the result's ``then_s`` says how many seconds after the signal the text ``then`` came on stderr (None:
+    never). ``send(sig)``: how to signal, when not to ``cmd``'s process (a scheduler's command, say)."""
     out_path, err_path = Path(cwd) / "signalled.out", Path(cwd) / "signalled.err"
     deadline = time.monotonic() + timeout
+    then_s = None
     with open(out_path, "w") as out, open(err_path, "w") as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=cwd, start_new_session=True)
         try:
             wait_for_text(err_path, ready, timeout=timeout, proc=proc)
-            proc.send_signal(sig)
+            time.sleep(delay)
+            (send or proc.send_signal)(sig)
+            sent = time.monotonic()
+            while proc.poll() is None and time.monotonic() < deadline:
+                if then is not None and then_s is None and then in err_path.read_text():
+                    then_s = time.monotonic() - sent
+                time.sleep(0.02)
             proc.wait(max(1.0, deadline - time.monotonic()))
+            if then is not None and then_s is None and then in err_path.read_text():
+                then_s = time.monotonic() - sent  # came just before the end: the end bounds it
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, 9)
                 proc.wait()
-    return subprocess.CompletedProcess(cmd, proc.returncode, out_path.read_text(), err_path.read_text())
+    done = subprocess.CompletedProcess(cmd, proc.returncode, out_path.read_text(), err_path.read_text())
+    done.then_s = then_s
+    return done
 
 
 def stuck_ranks_and_workers(out: Path, timeout: float = 60) -> tuple[list[int], list[int]]:
