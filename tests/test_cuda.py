@@ -8,12 +8,13 @@ device_ids) differs from it only in the device index.
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from qaccel import Accelerator
+from qaccel import Accelerator, Preempted
 from support.procs import REPO, free_port, run_script, script_env, script_file
 
 pytestmark = pytest.mark.timeout(180)
@@ -252,3 +253,40 @@ def test_fsdp_cpu_ranks_on_a_gpu_machine_stay_on_the_cpu():
     acc = Accelerator(nprocs=2, compute_setup="cpu", strategy="fsdp", timeout=60)
     state, seen = acc.distribute(_fsdp_steps)(acc, None)
     assert seen["devices"] == {"cpu"} and state
+
+
+# ---- resume() and the stop on a signal, on the GPU: one rank (DDP) and a one-rank NCCL mesh (FSDP2) ----
+
+
+def _stopped_on_the_gpu(acc, ckpt, signal_at):
+    """3 epochs of 8 steps; SIGTERM to this process after step ``signal_at`` (0: after the last step)."""
+    torch.manual_seed(0)
+    model = _mlp()
+    g = torch.Generator().manual_seed(1)
+    loader = DataLoader(TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g)),
+                        batch_size=4, shuffle=True)
+    model, optimizer, loader = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loader)
+    acc.resume(ckpt)
+    for _ in range(loader.epoch, 3):
+        for x, y in loader:
+            optimizer.zero_grad()
+            acc.backward(torch.nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            if acc.step == signal_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+    if signal_at == 0:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return {k: v.detach().cpu().clone() for k, v in acc.get_state_dict(model).items()}, str(next(model.parameters()).device)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_stop_on_the_gpu_saves_and_a_second_run_continues_bitwise(strategy, tmp_path):
+    acc = Accelerator(compute_setup="gpu", strategy=strategy)
+    straight, device = acc.distribute(_stopped_on_the_gpu)(acc, str(tmp_path / "a"), -1)
+    assert device == "cuda:0"
+    with pytest.raises(Preempted, match="stopped by SIGTERM after saving state to .*checkpoint_00000005"):
+        acc.distribute(_stopped_on_the_gpu)(acc, str(tmp_path / "b"), 5)
+    resumed, _ = acc.distribute(_stopped_on_the_gpu)(acc, str(tmp_path / "b"), -1)
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+    with pytest.raises(Preempted, match="checkpoint_00000024"):  # after the last step: a stop all the same
+        acc.distribute(_stopped_on_the_gpu)(acc, str(tmp_path / "c"), 0)
