@@ -283,13 +283,12 @@ class Watch:
         return wheres, [r for r in ranks if r not in present]
 
 
-def own_connection(store: Any | None, timeout: datetime.timedelta | float) -> Any | None:
+def own_connection(store: Any | None, timeout: datetime.timedelta) -> Any | None:
     """A connection of its own to ``store``, for a thread: its operations wait neither for the main thread's nor
     for another thread's. None for no store, or one that cannot be cloned (a FileStore, say)."""
     try:
         connection = store.clone()
-        connection.set_timeout(timeout if isinstance(timeout, datetime.timedelta)
-                               else datetime.timedelta(seconds=timeout))
+        connection.set_timeout(timeout)
         return connection
     except Exception:  # noqa: BLE001
         return None

@@ -17,6 +17,7 @@ their pool sends, and ignore the requeue signal.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import os
 import select
@@ -37,7 +38,7 @@ from qaccel.errors import Preempted
 
 CHECK_EVERY_S = 0.5  # how often each rank looks whether another announced a stop: a stop is agreed within about this
 AGREE_POLL_S = 0.002  # how often a rank looks whether every rank has said where its next check point is
-STORE_TIMEOUT_S = 60.0  # one operation of the stop's store connection (they take microseconds)
+STORE_TIMEOUT = datetime.timedelta(seconds=60)  # one operation of the stop's store connection (they take µs)
 CLOSE_WAIT_S = 5.0  # for the watching thread to return at the session's end
 NEVER = 1 << 62  # Stopper.stop_at with no stop agreed: no check point count reaches it
 _CPU = torch.device("cpu")
@@ -258,7 +259,7 @@ class Stopper:
         if ctx.world_size == 1 and self.armed.received:  # armed already, by a stop this one is nested in
             self.stop_at = 0
         if ctx.world_size > 1:
-            connection = own_connection(store, STORE_TIMEOUT_S) or store
+            connection = own_connection(store, STORE_TIMEOUT) or store
             self.board = _Board(connection, run.key("qaccel_stop"), ctx.world_size, lambda: self.ending)
             self.thread = threading.Thread(target=self._watch, name="qaccel-stop", daemon=True)
             self.thread.start()
