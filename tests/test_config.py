@@ -12,6 +12,7 @@ import torch
 import qaccel.errors
 import qaccel.options
 from qaccel import Accelerator
+from support import component
 
 
 @pytest.mark.parametrize(
@@ -48,8 +49,9 @@ def test_mpi_only_when_torch_has_it():
             Accelerator(backend="mpi")
 
 
-@pytest.mark.skipif(torch.cuda.device_count() > 0, reason="checks the no-CUDA machine's error")
 def test_gpu_without_cuda_raises():
+    if torch.cuda.device_count() > 0:
+        component.unavailable("checks the error of a machine without CUDA, and this one has a GPU")
     with pytest.raises(RuntimeError, match="compute_setup='gpu' but CUDA is not available"):
         Accelerator(compute_setup="gpu")
 

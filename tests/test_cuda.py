@@ -15,12 +15,13 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from qaccel import Accelerator, Preempted
+from support import component
 from support.procs import REPO, free_port, run_script, script_env, script_file
 
 pytestmark = pytest.mark.timeout(180)
 
 if not torch.cuda.is_available():  # the whole file at once, so ``-rs`` gives the reason once, not per test
-    pytest.skip("needs a CUDA GPU (run tests/test_cuda.py on a GPU machine)", allow_module_level=True)
+    component.no_gpu("needs a CUDA GPU (run tests/test_cuda.py on a GPU machine)")
 
 
 def _mlp() -> torch.nn.Module:

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from qaccel.environment import Environment, detect, parse_nodelist, parse_tasks_per_node, slurm_port
+from support import component
 
 SBATCH_WITHOUT_SRUN = {
     "SLURM_JOB_ID": "4242",
@@ -234,7 +235,7 @@ def test_initialized_process_group() -> None:
     import torch.distributed as dist
 
     if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
+        component.unavailable("torch.distributed is not available in this torch")
     assert detect({}).kind == "plain"
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

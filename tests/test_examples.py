@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from support import component
 from support.procs import REPO, script_env, slurm_env, torchrun_cmd
 
 pytestmark = pytest.mark.timeout(240)
@@ -31,7 +32,7 @@ NEEDS = {"digits_trainer.py": ("sklearn", "matplotlib", "tensorboard")}
 def _needs(example):
     missing = [module for module in NEEDS.get(example, ()) if importlib.util.find_spec(module) is None]
     if missing:
-        pytest.skip(f"{example} needs {', '.join(missing)}: pip install -e '.[test]' (or '.[examples]')")
+        component.unavailable(f"{example} needs {', '.join(missing)}: pip install -e '.[test]' (or '.[examples]')")
 
 
 def _run(cmd, tmp_path):

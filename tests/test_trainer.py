@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from qaccel import Accelerator, TrainConfig, Trainer
 from qaccel.callbacks import Callback, EarlyStopping
+from support import component
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -199,7 +200,7 @@ def test_bad_trainer_arguments_fail_at_construction(tmp_path):
 
 
 def test_mlflow_continues_the_same_run_after_a_second_fit(tmp_path, monkeypatch):
-    pytest.importorskip("mlflow", reason="the mlflow extra (mlflow-skinny) is not installed")
+    component.module("mlflow")
     monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
     from mlflow.tracking import MlflowClient
 
@@ -219,7 +220,7 @@ def test_mlflow_continues_the_same_run_after_a_second_fit(tmp_path, monkeypatch)
 
 
 def test_the_curves_are_drawn_and_plots_logged(tmp_path):
-    pytest.importorskip("matplotlib", reason="the plots extra (matplotlib) is not installed")
+    component.module("matplotlib")
     from matplotlib.figure import Figure
 
     def weights(model, epoch):

@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+from support import component
 from support.procs import (
     REPO,
     once_per_session,
@@ -96,7 +97,7 @@ def _mlflow_history(folder):
 
 def test_sigterm_and_a_rerun_with_mlflow_continue_one_run_with_every_epoch_and_batch_once(reference, tmp_path,
                                                                                         monkeypatch):
-    pytest.importorskip("mlflow", reason="the mlflow extra (mlflow-skinny) is not installed")
+    component.module("mlflow")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # for this process's client, which reads the store back
     env = script_env(TRACKING="mlflow", MLFLOW_DISABLE_TELEMETRY="true")
     cmd = [sys.executable, str(SCRIPT), str(tmp_path / "run"), EPOCHS, "0.1"]

@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+from support import component
 from support.procs import result_lines, script_file, slurm_env, wait_for, wait_for_text
 
 from qaccel import Accelerator, SlurmCluster
@@ -122,8 +123,7 @@ def test_a_trainer_whose_config_names_a_cluster_fits_there_as_it_fits_here(slurm
 
 @pytest.mark.slurm
 def test_a_function_defined_in_a_jupyter_cell_runs_on_the_cluster(slurm_cluster, tmp_path):
-    jupyter_client = pytest.importorskip("jupyter_client", reason="the notebook test needs jupyter_client and "
-                                                                  "ipykernel (the test extra)")
+    jupyter_client = component.module("jupyter_client")
     manager = jupyter_client.KernelManager(kernel_name="python3")
     manager.start_kernel(env=slurm_env(slurm_cluster), cwd=str(tmp_path))
     client = manager.client()

@@ -12,6 +12,7 @@ import uuid
 
 import pytest
 
+from support import component
 from support.procs import marked_pids, script_env, script_file, wait_dead
 
 pytestmark = pytest.mark.timeout(180)
@@ -44,7 +45,7 @@ def test_ctrl_c_while_a_server_is_forked_is_raised_once_it_is(at_fork_of):
     """A server starts with SIGINT ignored, so the caller holds Ctrl-C back while it forks one: the Ctrl-C is then
     raised in the caller, not lost (the ranks would run on)."""
     if at_fork_of == "quick server" and len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("one usable core: the first launch is served by the server, no quick server is forked")
+        component.unavailable("one usable core: the first launch is served by the server, no quick server is forked")
     mark = f"QACCEL_TEST_MARK={uuid.uuid4().hex}"
     proc = subprocess.Popen([sys.executable, str(script_file("interrupted.py")), at_fork_of], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=script_env(**dict([mark.split("=")])),

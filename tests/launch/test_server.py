@@ -157,8 +157,7 @@ def test_ranks_write_to_fd_1_whatever_object_the_caller_made_its_stdout(caller, 
 
 
 def test_a_jupyter_kernel_has_threads_and_gets_a_fresh_interpreter_server(tmp_path):
-    jupyter_client = pytest.importorskip("jupyter_client", reason="the notebook test needs jupyter_client and "
-                                                                  "ipykernel (the test extra)")
+    jupyter_client = component.module("jupyter_client")
     manager = jupyter_client.KernelManager(kernel_name="python3")
     manager.start_kernel(env=script_env(), cwd=str(tmp_path))
     client = manager.client()

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib
 import os
 import shutil
 import subprocess
 import tempfile
 import time
+from types import ModuleType
 from typing import Callable, Iterator, Mapping, NoReturn, Sequence
 
 import pytest
@@ -36,11 +38,27 @@ def in_ci(environ: Mapping[str, str] = os.environ) -> bool:
 
 
 def unavailable(reason: str, environ: Mapping[str, str] = os.environ) -> NoReturn:
-    """The test's real component cannot run here: skip, saying ``reason``, or fail in CI."""
+    """The test's real component cannot run here: skip, saying ``reason``, or fail in CI. Every skip of the suite
+    goes through here (tests/test_suite_rules.py checks), but no_gpu's."""
     __tracebackhide__ = True
     if in_ci(environ):
         pytest.fail(f"{reason} [CI=true: a test whose real component cannot run fails]", pytrace=False)
     pytest.skip(reason)
+
+
+def module(name: str, extra: str = "test") -> ModuleType:
+    """``import name``, a test dependency; unavailable() if it is not installed (it comes with ``extra``)."""
+    __tracebackhide__ = True
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        unavailable(f"{name} is not installed ({exc}): it comes with pip install -e '.[{extra}]'")
+
+
+def no_gpu(reason: str) -> NoReturn:
+    """Skip a module that needs a CUDA GPU, also under CI=true: CI runs on machines without one (the GPU tests run
+    on a lent GPU machine, see docs/contributing.md). The one skip unavailable() does not decide."""
+    pytest.skip(reason, allow_module_level=True)
 
 
 def slurm_missing(announce: Announce) -> str | None:

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from qaccel import Accelerator
 from qaccel.train import progress
 from qaccel.comm.session import RankContext
+from support import component
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -30,7 +31,7 @@ def _hide_tqdm(monkeypatch):
 
 
 def test_tqdm_draws_the_bar_in_a_single_process(single, capsys):
-    tqdm = pytest.importorskip("tqdm", reason="tqdm is in the test extra")
+    tqdm = component.module("tqdm")
     bar = single.progress(range(7), desc="load")
     assert isinstance(bar, tqdm.tqdm)
     assert list(bar) == list(range(7))
@@ -105,7 +106,7 @@ def _bars_over_a_prepared_loader(acc):
 def test_rank_0_shows_bars_over_prepared_loaders_and_the_steps_stay_the_same(capfd):
     """A real launch; rank_prefix tells whose lines are whose. 10 batches of 2 over 2 ranks: 5 steps per rank,
     accumulating 2: gradients sync on steps 2, 4 and on the epoch's last step."""
-    pytest.importorskip("tqdm", reason="tqdm is in the test extra")
+    component.module("tqdm")
     acc = Accelerator(nprocs=2, compute_setup="cpu", gradient_accumulation_steps=2, rank_prefix=True, timeout=60)
     for runs in acc.distribute(_bars_over_a_prepared_loader, all_results=True)(acc):
         assert [sync for _, sync in runs["bare"]] == [False, True, False, True, True]

@@ -15,6 +15,7 @@ import pytest
 
 from qaccel.trainer import plots
 from qaccel.trainer.tracking import Axis, TrackingTool, make_tracker
+from support import component
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,9 +40,8 @@ def _figure():
 
 
 def _needs(tool):
-    pytest.importorskip({"tensorboard": "tensorboard", "mlflow": "mlflow", "csv": "csv"}[tool],
-                        reason=f"{tool} is in the test extra")
-    pytest.importorskip("matplotlib", reason="matplotlib is in the test extra")
+    component.module(tool)
+    component.module("matplotlib")
 
 
 def _read(tool, folder, state):
@@ -285,7 +285,7 @@ HISTORY = [{"step": s, "train_loss": 2.0 / s, "train_accuracy": s / 10} | ({"val
 
 
 def test_curves_writes_a_png_of_losses_and_metrics(tmp_path):
-    image = pytest.importorskip("matplotlib.image", reason="matplotlib is in the test extra")
+    image = component.module("matplotlib.image")
     path = plots.curves(HISTORY, tmp_path / "plots" / "curves.png")
     assert path == tmp_path / "plots" / "curves.png" and path.read_bytes().startswith(PNG)
     pixels = image.imread(path)
