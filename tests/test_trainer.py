@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import functools
 import os
 
 import pytest
@@ -96,11 +97,42 @@ def test_two_ranks_return_what_they_trained_equal_to_one_process_and_to_the_loop
     assert float(rows[3]["train_loss"]) < float(rows[1]["train_loss"])
 
 
-def test_a_second_fit_continues_the_folders_checkpoints_and_ends_where_one_long_fit_ends(tmp_path):
-    first = _trainer(_config(tmp_path, nprocs=2, max_iter=2, checkpoint_every=1, write_every=1))
+def _note_batch(path, trainer, config, tracker):
+    """A train_batch_end callback: rank 0 notes (attempt, epoch, batch) of every batch it trains in ``path``."""
+    if trainer.accelerator.is_main_process:
+        with open(path, "a") as f:
+            f.write(f"{trainer.accelerator.restart_count} {trainer.opt_result.iteration} {trainer.global_step}\n")
+
+
+def _noted(path):
+    return [tuple(map(int, line.split())) for line in path.read_text().splitlines()]
+
+
+def _untouched(folder):
+    """Each file under ``folder``: its inode and modification time, which a rewrite would change."""
+    return {p.relative_to(folder): (p.stat().st_ino, p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
+
+
+def test_a_second_fit_continues_the_folders_checkpoints_and_ends_where_one_long_fit_ends(tmp_path, capfd):
+    """The second fit trains epochs 3 and 4 only, from the first fit's checkpoint, which it leaves as it was; a fit
+    from scratch would end with the same parameters (seeded, no shuffling), so what it trained is what tells."""
+    noted = tmp_path / "batches"
+    fields = dict(nprocs=2, checkpoint_every=1, write_every=1, rank_prefix=True, callbacks=[  # ranks' lines: to capfd
+        Callback("train_batch_end", 1, functools.partial(_note_batch, noted))])
+    first = _trainer(_config(tmp_path, max_iter=2, **fields))
     first.fit()
-    more = _trainer(_config(tmp_path, nprocs=2, max_iter=4, checkpoint_every=1, write_every=1))
+    assert _noted(noted) == [(0, epoch, batch) for epoch in (1, 2) for batch in range(4 * epoch - 3, 4 * epoch + 1)]
+    kept = _untouched(first.log_folder / "checkpoints")
+    noted.unlink()
+    capfd.readouterr()
+    more = _trainer(_config(tmp_path, max_iter=4, **fields))
     more.fit()
+    assert f"qaccel: resumed {first.log_folder / 'checkpoints' / 'checkpoint_00000008'} after epoch 2 of 4" \
+        in capfd.readouterr().err
+    assert _noted(noted) == [(0, epoch, batch) for epoch in (3, 4) for batch in range(4 * epoch - 3, 4 * epoch + 1)], \
+        "the second fit trained epochs 3 and 4 only"
+    assert {name: kept[name] for name in kept} == {name: _untouched(more.log_folder / "checkpoints")[name]
+                                                   for name in kept}, "the first fit's checkpoints untouched"
     straight = _trainer(_config(tmp_path, nprocs=2, max_iter=4, checkpoint_every=1, write_every=1,
                                 log_folder=tmp_path / "straight"))
     straight.fit()
@@ -273,11 +305,20 @@ def _fail_once_in_epoch_3(trainer, config, tracker):
 
 
 def test_a_restarted_fit_continues_its_checkpoint_and_tracker_to_the_uninterrupted_result(tmp_path, capfd):
+    """Attempt 0 fails at epoch 3's first batch; attempt 1 resumes from the checkpoint after epoch 2 and trains
+    epochs 3 and 4 only (one from scratch would end with the same parameters: what it trained is what tells)."""
+    noted = tmp_path / "batches"
     fields = dict(nprocs=2, max_iter=4, checkpoint_every=1, write_every=1)
     failing = Callback("train_batch_end", 1, _fail_once_in_epoch_3)
-    restarted = _trainer(_config(tmp_path, max_restarts=1, callbacks=[failing], **fields))
+    note = Callback("train_batch_end", 1, functools.partial(_note_batch, noted))
+    restarted = _trainer(_config(tmp_path, max_restarts=1, rank_prefix=True, callbacks=[note, failing], **fields))
     restarted.fit()
-    assert "restarting all 2 ranks (restart 1 of 1)" in capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert "restarting all 2 ranks (restart 1 of 1)" in err
+    assert f"qaccel: resumed {restarted.log_folder / 'checkpoints' / 'checkpoint_00000008'} after epoch 2 of 4" in err
+    assert [entry for entry in _noted(noted) if entry[0] == 1] == [
+        (1, epoch, batch) for epoch in (3, 4) for batch in range(4 * epoch - 3, 4 * epoch + 1)], \
+        "the second attempt trained epochs 3 and 4 only"
     straight = _trainer(_config(tmp_path, log_folder=tmp_path / "straight", **fields))
     straight.fit()
     assert torch.equal(_params(restarted.model), _params(straight.model))
