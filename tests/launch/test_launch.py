@@ -142,12 +142,15 @@ def test_exception_type_rank_and_remote_traceback(acc, tmp_path):
 
 
 def test_peer_blocked_in_barrier_is_stopped_quickly(acc, tmp_path):
+    """Rank 0 waits in a barrier that rank 1's death cannot break (on the caller's rendezvous store, as torch's
+    store-based barriers wait, for the 60 s of the store's timeout): only the caller stopping it ends it in time.
+    (A gloo barrier would raise by itself once rank 1's connection closed.)"""
     def fail_while_peer_waits(a):
         _record_pid(tmp_path, a.rank)
         if a.rank == 1:
             time.sleep(0.3)
             raise KeyError("missing-key")
-        a.wait_for_everyone()
+        torch.distributed.distributed_c10d._get_default_store().wait(["a key no rank sets"])
         time.sleep(120)
 
     start = time.monotonic()
