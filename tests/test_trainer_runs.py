@@ -7,6 +7,7 @@ job finds its own run folder."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import sys
 import time
@@ -49,6 +50,18 @@ def _result(proc):
     return results[0]
 
 
+def _took_the_rest(text, folder, log, start=0):
+    """The run numbered ``start`` in ``log`` (BATCH_LOG) said it resumed from <folder>/checkpoints/checkpoint_S and
+    trained batches S+1..18 only. A rerun that retrained from scratch would end with the same parameters (seeded)
+    and, after TensorBoard drops the steps written again, the same events: what it trained is what tells."""
+    found = re.findall(rf"qaccel: resumed {re.escape(str(folder / 'checkpoints'))}/checkpoint_(\d{{8}}) after", text)
+    assert len(found) == 1, text
+    saved = int(found[0])
+    assert 0 < saved < 18, saved
+    trained = [int(line.split()[1]) for line in log.read_text().splitlines() if int(line.split()[0]) == start]
+    assert trained == list(range(saved + 1, 19)), f"resumed after batch {saved}, then trained {trained}"
+
+
 def _reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reference")
     result = _result(run_script(SCRIPT, str(tmp / "run"), EPOCHS, cwd=tmp, timeout=200))
@@ -76,8 +89,9 @@ def test_sigterm_saves_and_a_rerun_ends_bitwise_where_the_uninterrupted_fit_ends
     assert first.returncode == 128 + signal.SIGTERM, first.stdout + first.stderr
     assert first.stderr.count("qaccel: stopped by SIGTERM after saving state to") == 1, first.stderr
     assert "epoch 3 done" not in first.stderr, "stopped mid-run"
-    second = run_script(SCRIPT, str(tmp_path / "run"), EPOCHS, cwd=tmp_path, timeout=200)
-    assert second.stderr.count(f"qaccel: resumed {tmp_path / 'run' / 'checkpoints'}/checkpoint_") == 1, second.stderr
+    second = run_script(SCRIPT, str(tmp_path / "run"), EPOCHS, cwd=tmp_path, timeout=200,
+                        env=script_env(BATCH_LOG=str(tmp_path / "batches")))
+    _took_the_rest(second.stderr, tmp_path / "run", tmp_path / "batches")
     result, scalars = reference
     assert _result(second) == result
     for tag in ("train_loss", "val_loss"):
@@ -104,7 +118,9 @@ def test_sigterm_and_a_rerun_with_mlflow_continue_one_run_with_every_epoch_and_b
     first = signal_when(cmd, signal.SIGTERM, "epoch 1 done", env=env, cwd=tmp_path, timeout=200)
     assert first.returncode == 128 + signal.SIGTERM, first.stdout + first.stderr
     assert "epoch 3 done" not in first.stderr, "stopped mid-run"
-    second = run_script(SCRIPT, str(tmp_path / "run"), EPOCHS, cwd=tmp_path, timeout=200, env=env)
+    second = run_script(SCRIPT, str(tmp_path / "run"), EPOCHS, cwd=tmp_path, timeout=200,
+                        env={**env, "BATCH_LOG": str(tmp_path / "batches")})
+    _took_the_rest(second.stderr, tmp_path / "run", tmp_path / "batches")
     result, scalars = reference
     assert _result(second) == result
     history = _mlflow_history(tmp_path / "run")
@@ -124,9 +140,9 @@ def test_torchrun_max_restarts_restarts_a_failed_fit_which_continues_its_checkpo
     """Rank 1 raises in epoch 2 of the first attempt; torchrun restarts both ranks, which continue the checkpoint of
     epoch 1 and end where the uninterrupted fit ends, with each epoch and batch tracked once."""
     proc = run_torchrun(SCRIPT, str(tmp_path / "run"), EPOCHS, "0", "9", cwd=tmp_path, timeout=200,
-                        torchrun_args=("--max-restarts", "1"))
+                        torchrun_args=("--max-restarts", "1"), env=script_env(BATCH_LOG=str(tmp_path / "batches")))
     assert "failing on purpose at batch 9" in proc.stderr, proc.stderr
-    assert proc.stderr.count(f"qaccel: resumed {tmp_path / 'run' / 'checkpoints'}/checkpoint_") == 1, proc.stderr
+    _took_the_rest(proc.stderr, tmp_path / "run", tmp_path / "batches", start=1)
     result, scalars = reference
     assert _result(proc) == result
     assert _scalars(tmp_path / "run", "train_loss") == scalars["train_loss"]
@@ -140,7 +156,9 @@ def test_ctrl_c_saves_every_rank_and_a_rerun_ends_bitwise_where_the_uninterrupte
     assert "qaccel: Ctrl-C: every rank finishes what it is doing, saves its state and stops" in first.stderr
     assert first.stderr.count("KeyboardInterrupt") == 1 and "the ranks saved their state to" in first.stderr
     assert "epoch 3 done" not in first.stderr, "stopped mid-run"
-    second = run_script(SCRIPT, str(tmp_path / "run"), EPOCHS, cwd=tmp_path, timeout=200)
+    second = run_script(SCRIPT, str(tmp_path / "run"), EPOCHS, cwd=tmp_path, timeout=200,
+                        env=script_env(BATCH_LOG=str(tmp_path / "batches")))
+    _took_the_rest(second.stderr, tmp_path / "run", tmp_path / "batches")
     assert _result(second) == reference[0]
     assert _scalars(tmp_path / "run", "train_loss") == reference[1]["train_loss"]
 
@@ -153,7 +171,9 @@ def test_ctrl_c_to_torchrun_saves_every_rank_and_a_rerun_ends_bitwise(reference,
     assert first.returncode != 0
     assert first.stderr.count("qaccel: stopped by SIGINT after saving state to") == 1, first.stderr
     assert "epoch 3 done" not in first.stderr, "stopped mid-run"
-    second = run_torchrun(SCRIPT, str(tmp_path / "run"), EPOCHS, cwd=tmp_path, timeout=200)
+    second = run_torchrun(SCRIPT, str(tmp_path / "run"), EPOCHS, cwd=tmp_path, timeout=200,
+                          env=script_env(BATCH_LOG=str(tmp_path / "batches")))
+    _took_the_rest(second.stderr, tmp_path / "run", tmp_path / "batches")
     assert _result(second) == reference[0]
 
 
@@ -169,8 +189,9 @@ def test_ctrl_c_to_srun_with_disable_status_saves_every_rank_and_a_rerun_ends_bi
     assert first.returncode != 0, first.stderr
     assert first.stderr.count("qaccel: stopped by SIGINT after saving state to") == 1, first.stderr
     assert "epoch 3 done" not in first.stderr, "stopped mid-run"
-    second = slurm_cluster.srun(srun[1:], timeout=150, env=slurm_env(slurm_cluster), cwd=tmp_path)
-    assert f"qaccel: resumed {tmp_path / 'run' / 'checkpoints'}/checkpoint_" in second.stderr, second.stderr
+    second = slurm_cluster.srun(srun[1:], timeout=150, env={**slurm_env(slurm_cluster),
+                                                            "BATCH_LOG": str(tmp_path / "batches")}, cwd=tmp_path)
+    _took_the_rest(second.stderr, tmp_path / "run", tmp_path / "batches")
     assert _result(second) == reference[0]
 
 
@@ -180,7 +201,7 @@ def test_a_slurm_warning_requeues_and_the_requeued_job_finds_its_run_folder_and_
     """slurm/requeue.sbatch running the Trainer script with qadence's default folders (a new subfolder of the root
     per run): USR1 mid-run saves and requeues; the requeued job finds its own subfolder (named after the job),
     continues its checkpoint and tracker, and ends where the uninterrupted fit ends."""
-    env = slurm_env(slurm_cluster)
+    env = {**slurm_env(slurm_cluster), "BATCH_LOG": str(tmp_path / "batches")}
     out = tmp_path / "job.out"
     job = slurm_cluster.sbatch(REPO / "slurm" / "requeue.sbatch",
                                ["--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1", f"--output={out}"],
@@ -199,7 +220,7 @@ def test_a_slurm_warning_requeues_and_the_requeued_job_finds_its_run_folder_and_
     assert text.count("qaccel: stopped by SIGUSR1") == 1 and "the SLURM job was requeued" in text, text
     [folder] = (tmp_path / "runs").iterdir()
     assert folder.name.endswith(f"_{job}"), "the job's own subfolder"
-    assert f"qaccel: resumed {folder / 'checkpoints'}/checkpoint_" in text, text
+    _took_the_rest(text, folder, tmp_path / "batches", start=1)
     assert [json.loads(line[len("RESULT "):]) for line in text.splitlines() if line.startswith("RESULT ")] \
         == [reference[0]]
     result, scalars = reference

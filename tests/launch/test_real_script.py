@@ -72,7 +72,7 @@ def test_torchrun_restarts_resume_bitwise(reference, tmp_path):
     proc = run_torchrun(REAL, "--ckpt", str(tmp_path / "ckpt"), "--crash-at", "0:3,1:2",
                         torchrun_args=("--max-restarts", "2"), env=real_env(), cwd=tmp_path, timeout=250)
     result = checked(proc)
-    assert (result["attempt"], result["resumed"]) == ("2", True), result
+    assert (result["attempt"], result["resumed"], result["trained"]) == ("2", True, 12), "from step 6 to 18"
     assert "rank 1 crashes at epoch 0 batch 3 on purpose" in proc.stderr
     assert "rank 1 crashes at epoch 1 batch 2 on purpose" in proc.stderr
     assert result["hash"] == reference
@@ -89,7 +89,7 @@ def test_torchrun_resumes_past_a_damaged_newest_checkpoint_bitwise(reference, tm
     damaged.write_bytes(damaged.read_bytes()[:100])
     proc = run_torchrun(REAL, "--ckpt", str(tmp_path / "ckpt"), env=real_env(), cwd=tmp_path, timeout=200)
     result = checked(proc)
-    assert result["resumed"] and result["hash"] == reference
+    assert result["resumed"] and result["trained"] == 12 and result["hash"] == reference, "from step 6 to 18"
     assert proc.stderr.count("resume() skipped 1 damaged checkpoint(s)") == 1, proc.stderr
     assert f"{damaged.name} is 100 bytes long" in proc.stderr
     for rank in (0, 1):
@@ -102,7 +102,7 @@ def test_plain_max_restarts_resume_bitwise(reference, tmp_path):
     proc = run_script(REAL, "--ckpt", str(tmp_path / "ckpt"), "--crash-at", "0:3,1:2", "--max-restarts", "2",
                       env=real_env(), cwd=tmp_path, timeout=250)
     result = checked(proc)
-    assert (result["attempt"], result["resumed"]) == ("2", True), result
+    assert (result["attempt"], result["resumed"], result["trained"]) == ("2", True, 12), "from step 6 to 18"
     assert "RuntimeError: rank 1 crashes at epoch 0 batch 3 on purpose" in proc.stderr
     assert "RuntimeError: rank 1 crashes at epoch 1 batch 2 on purpose" in proc.stderr
     assert "qaccel: rank 1 failed (RuntimeError); restarting all 2 ranks (restart 1 of 2)" in proc.stderr
@@ -137,6 +137,7 @@ def _stopped_then_resumed(cmd, sig, tmp_path, env, exitcode):
     second = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=200)
     for rank in range(2):
         assert f"rank {rank} resumed from {saved} at epoch" in second.stderr, second.stderr
+    assert checked(second)["trained"] == 18 - int(saved[-8:]), "the second run took only the steps left"
     return second
 
 
@@ -192,6 +193,7 @@ def test_slurm_usr1_warning_saves_requeues_and_resumes_bitwise(reference, slurm_
     [result] = result_lines(text)
     assert (result["rank"], result["world"], result["workers"]) == (0, 2, [0, 1]), result
     assert result["hash"] == reference and result["resumed"], result
+    assert result["trained"] == 18 - int(saved[-8:]), "the requeued run took only the steps left"
 
 
 

@@ -9,7 +9,8 @@ the newest checkpoint, and on SIGTERM (or SLURM's USR1) every rank finishes what
 ``--strategy fsdp`` shards it with FSDP2;
 ``--split-batches`` makes the loader's batch of 8 the batch of all ranks together; ``--record DIR`` writes the
 samples each rank trains on, per epoch, to a file of its own there. It prints one RESULT line (rank 0) with a hash
-of the final parameters' bytes (and, with ``--record``, the parameters).
+of the final parameters' bytes, the steps this run took itself (``trained``) and, with ``--record``, the
+parameters.
 """
 
 import argparse
@@ -59,6 +60,7 @@ def train(args, acc):
     crashes = [tuple(map(int, point.split(":"))) for point in args.crash_at.split(",") if point]
     crash = crashes[attempt] if attempt < len(crashes) else None
     workers = set()
+    trained = 0  # steps this run took itself: a run that resumed nothing would take all of them again
     for epoch in range(loader.epoch, args.epochs):
         loss = torch.tensor(float("nan"))  # a run stopped after an epoch's last step resumes with none of it left
         for i, (x, y, worker, index) in enumerate(loader):
@@ -72,6 +74,7 @@ def train(args, acc):
             optimizer.zero_grad()
             acc.backward(loss)
             optimizer.step()
+            trained += 1
             workers.update(worker.tolist())
             time.sleep(0.0 if resumed else args.step_sleep)
         log.info("rank %d epoch %d loss %.6f", acc.rank, epoch + 1, loss.item())
@@ -87,6 +90,7 @@ def train(args, acc):
         "resumed": resumed is not None,
         "attempt": str(attempt),
         "step": acc.step,
+        "trained": trained,
         **({"params": params.tolist()} if args.record else {}),
     }
 

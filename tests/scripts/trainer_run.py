@@ -6,7 +6,9 @@ each epoch ends.
 Arguments: LOG_FOLDER EPOCHS [STEP_SLEEP [FAIL_AT]]: the run's folder (``root=DIR``: qadence's default, a new
 subfolder of DIR per run), the epochs, seconds slept per training batch (so that a signal lands mid-run), and a
 training batch at which rank 1 raises in the first attempt (to be restarted). TRACKING in the environment picks the
-tracking tool (default: tensorboard); EPOCH_END_S makes the train_epoch_end callback take that many seconds."""
+tracking tool (default: tensorboard); EPOCH_END_S makes the train_epoch_end callback take that many seconds;
+BATCH_LOG names a file where rank 0 notes each batch it trains: the run's start (restarts and SLURM requeues so far)
+and the batch's number in the fit."""
 
 import hashlib
 import json
@@ -40,6 +42,10 @@ class Points(Dataset):
 
 def slow(trainer, config, tracker):
     time.sleep(float(sys.argv[3]) if len(sys.argv) > 3 else 0.0)
+    if os.environ.get("BATCH_LOG") and trainer.accelerator.is_main_process:  # what this run trained itself
+        start = trainer.accelerator.restart_count + int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+        with open(os.environ["BATCH_LOG"], "a") as log:
+            log.write(f"{start} {trainer.global_step}\n")
     first_attempt = trainer.accelerator.restart_count == 0
     if len(sys.argv) > 4 and first_attempt and trainer.accelerator.rank == 1 and trainer.global_step == int(sys.argv[4]):
         raise RuntimeError(f"failing on purpose at batch {trainer.global_step}")
