@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from support.procs import script_env, torchrun_cmd
+from support.procs import REPO, script_env, torchrun_cmd
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -49,6 +49,19 @@ def test_smoke_test_passes_and_counts():
     for name in ("launch", "all-reduce", "broadcast", "result", "error path"):
         assert f"PASS {name}" in proc.stdout
     assert proc.stdout.strip().splitlines()[-1] == "qaccel test: 5 passed, 0 failed"
+
+
+def test_smoke_test_checks_hold_under_python_O():
+    """python -O strips assert statements: every check of qaccel test is one that still runs there."""
+    code = ("from qaccel import cli\n"
+            "try:\n    cli._expect(False, 'a wrong result')\nexcept cli.CheckFailed as exc:\n    print('caught', exc)")
+    proc = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=60,
+                          env=script_env())
+    assert proc.stdout.strip() == "caught a wrong result", proc.stdout + proc.stderr
+    assert "assert " not in (REPO / "qaccel" / "cli.py").read_text(), "an assert would vanish under -O"
+    passed = subprocess.run([sys.executable, "-O", "-m", "qaccel", "test", "--nprocs", "2", "--compute-setup", "cpu"],
+                            capture_output=True, text=True, timeout=120, env=script_env())
+    assert passed.stdout.strip().splitlines()[-1] == "qaccel test: 5 passed, 0 failed", passed.stdout + passed.stderr
 
 
 def test_bad_arguments_exit_2_with_message():
