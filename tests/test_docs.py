@@ -1,7 +1,14 @@
 """The documentation site builds with ``mkdocs build --strict`` (a broken link or anchor, a page missing from the
 nav, a docstring that does not render, or an option table qaccel cannot give fails), and the Python on its pages
-works: a block that is a complete script (it has ``if __name__ == "__main__":``) runs with ``python`` and exits 0,
-and every other block compiles.
+works. Every python block is one of three kinds:
+
+- a complete script (it has ``if __name__ == "__main__":``): it runs with ``python`` and exits 0;
+- a fragment, marked by the line ``<!-- fragment -->`` right before its fence: it compiles;
+- a file of the repository shown with ``--8<-- "path"``: its own tests run it.
+
+A block that is none of these fails. In every block, the names of qaccel it uses must exist: attributes of an
+Accelerator (``acc.x``, ``accelerator.x``, ``Accelerator.x``) and of ``qaccel`` (``qaccel.x``), what is imported from
+qaccel, and the keyword arguments of qaccel's classes and functions it calls.
 
 Without MkDocs installed (``pip install -e ".[docs]"``, or the ``test`` extra) the build test is skipped saying so,
 or fails under CI=true, as the tests of support/component.py do for a missing SLURM.
@@ -9,7 +16,10 @@ or fails under CI=true, as the tests of support/component.py do for a missing SL
 
 from __future__ import annotations
 
+import ast
+import importlib
 import importlib.metadata
+import inspect
 import os
 import re
 import subprocess
@@ -29,16 +39,22 @@ MAIN_GUARD = 'if __name__ == "__main__":'
 # A fenced python block, also one indented inside a list item: its closing fence has the opening one's indent.
 FENCE = re.compile(r"^(?P<indent>[ \t]*)```python[^\n]*\n(?P<code>.*?)^(?P=indent)```[ \t]*$", re.S | re.M)
 DOCS_PACKAGES = ("mkdocs", "mkdocs-material", "mkdocstrings", "mkdocstrings-python")
+FRAGMENT = "<!-- fragment -->"  # the line right before a block's fence that marks it as a fragment
+INCLUDE = "--8<--"  # pymdownx.snippets: the block shows a file of the repository
+ACCELERATOR_NAMES = ("acc", "accelerator", "Accelerator")  # how the pages name an Accelerator (or its class)
+ACCELERATE_ARGUMENTS = ("cpu", "dataloader_config", "gradient_accumulation_plugin")  # Accelerator(**...) takes them
 
 
-def _blocks() -> list[tuple[str, str]]:
-    """(page:line, code) of every python block on the site's pages, dedented to its fence."""
+def _blocks() -> list[tuple[str, str, bool]]:
+    """(page:line, code, marked as a fragment) of every python block on the site's pages, dedented to its fence."""
     found = []
     for page in sorted(DOCS.rglob("*.md")):
         text = page.read_text()
         for match in FENCE.finditer(text):
             line = text.count("\n", 0, match.start()) + 1
-            found.append((f"{page.relative_to(DOCS)}:{line}", textwrap.dedent(match.group("code"))))
+            before = text[:match.start()].rstrip("\n").rpartition("\n")[2].strip()
+            found.append((f"{page.relative_to(DOCS)}:{line}", textwrap.dedent(match.group("code")),
+                          before == FRAGMENT))
     return found
 
 
@@ -48,9 +64,59 @@ def _readme_quick_start() -> str:
     return re.search(r"```python\n(.*?)```", readme[readme.index("## Quick start"):], re.S).group(1)
 
 
-BLOCKS = _blocks()
+MARKED = _blocks()
+BLOCKS = [(name, code) for name, code, _ in MARKED]
 # Complete scripts, less the README's quick start that the Getting started page repeats: test_readme.py runs that.
 SCRIPTS = [(name, code) for name, code in BLOCKS if MAIN_GUARD in code and code != _readme_quick_start()]
+
+
+def _qaccel_callable(func: ast.expr) -> object | None:
+    """The function a call calls, when it is one of qaccel's names: ``Accelerator(...)``, ``qaccel.SlurmCluster(...)``;
+    None otherwise."""
+    import qaccel
+
+    if isinstance(func, ast.Name) and func.id in qaccel.__all__:
+        return getattr(qaccel, func.id)
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "qaccel":
+        return getattr(qaccel, func.attr, None)
+    return None
+
+
+def _unknown_names(code: str) -> list[str]:
+    """The names of qaccel that ``code`` uses and qaccel does not have."""
+    import qaccel
+
+    unknown = []
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            owner = node.value.id
+            if owner in ACCELERATOR_NAMES and not hasattr(qaccel.Accelerator, node.attr):
+                unknown.append(f"{owner}.{node.attr}: no Accelerator.{node.attr}")
+            elif owner == "qaccel" and not hasattr(qaccel, node.attr):
+                unknown.append(f"qaccel.{node.attr}: not in qaccel")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            module_name = node.module if isinstance(node, ast.ImportFrom) else None
+            for alias in node.names:
+                name = module_name or alias.name
+                if name.split(".")[0] != "qaccel":
+                    continue
+                try:
+                    module = importlib.import_module(name)
+                except ImportError as e:
+                    unknown.append(f"import {name}: {e}")
+                    continue
+                if module_name is not None and not hasattr(module, alias.name):
+                    unknown.append(f"from {name} import {alias.name}: {name} has no {alias.name}")
+        elif isinstance(node, ast.Call) and (callee := _qaccel_callable(node.func)) is not None:
+            parameters = inspect.signature(callee).parameters
+            allowed = {n for n, p in parameters.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+            if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+                if callee is not qaccel.Accelerator:
+                    continue
+                allowed |= set(ACCELERATE_ARGUMENTS)
+            unknown += [f"{ast.unparse(node.func)}({k.arg}=...): no such argument"
+                        for k in node.keywords if k.arg is not None and k.arg not in allowed]
+    return unknown
 
 
 def _env() -> dict[str, str]:
@@ -96,6 +162,35 @@ def test_every_python_block_compiles():
         except SyntaxError as e:
             errors.append(f"docs/{name}: {e}")
     assert not errors, "\n".join(errors)
+
+
+def test_every_python_block_is_a_script_a_fragment_or_a_file_of_the_repository():
+    """So that no block is left untested by mistake: a block that does not run must say it is a fragment."""
+    wrong = []
+    for name, code, fragment in MARKED:
+        if code.strip().startswith(INCLUDE):
+            if fragment:
+                wrong.append(f"docs/{name}: a file shown with {INCLUDE} is not a fragment")
+        elif fragment and MAIN_GUARD in code:
+            wrong.append(f"docs/{name}: marked {FRAGMENT}, but it has {MAIN_GUARD!r} and runs as a script")
+        elif not fragment and MAIN_GUARD not in code:
+            wrong.append(f"docs/{name}: neither a complete script (with {MAIN_GUARD!r}) nor marked as a fragment "
+                         f"(a line {FRAGMENT} right before its fence)")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_python_blocks_name_only_what_qaccel_has():
+    unknown = [f"docs/{name}: {problem}" for name, code in BLOCKS if not code.strip().startswith(INCLUDE)
+               for problem in _unknown_names(code)]
+    assert not unknown, "\n".join(unknown)
+
+
+def test_the_name_check_finds_what_qaccel_does_not_have():
+    """The check itself: a fragment naming what is not there is caught, one naming what is there passes."""
+    assert _unknown_names("acc.prepare(model)\nqaccel.Preempted\nfrom qaccel import Trainer\n"
+                          "Accelerator(nprocs=2, cpu=True)\nqaccel.SlurmCluster(nodes=2)") == []
+    assert len(_unknown_names("accelerator.init_trackers('run')\nqaccel.Nothing\nfrom qaccel import nothing\n"
+                              "Accelerator(log_with='tensorboard')\nTrainConfig(epochs=3)")) == 5
 
 
 def test_every_file_of_the_repository_the_pages_name_exists():
