@@ -11,7 +11,7 @@ digits_run in the working directory) and --tracking {tensorboard,mlflow,csv} (de
 The run's folder holds checkpoints/ (one per epoch), tracking/ (the tracker's files) and curves.png (the training
 and validation curves). Running again with the same --log-folder continues from its newest checkpoint: give a
 larger --epochs to train further. Needs scikit-learn for the data, matplotlib for curves.png and the tracker's
-package: pip install "qaccel[examples]".
+package: pip install -e '.[examples]' from qaccel's checkout.
 """
 
 from __future__ import annotations

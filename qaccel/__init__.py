@@ -1,4 +1,4 @@
-"""qaccel: turn a plain PyTorch training function into multi-process, multi-GPU, multi-node training.
+"""qaccel: turn a plain PyTorch training function into multi-process training, on CPUs or GPUs, on one node or many.
 
 Layers, each importing only the ones below it:
 

@@ -426,8 +426,8 @@ def _cluster(cluster: Any, nprocs: int) -> SlurmCluster | None:
     try:
         import submitit  # noqa: F401 - the job goes through it
     except ImportError:
-        raise ImportError("cluster= submits through submitit, which is not installed: pip install 'qaccel[slurm]' "
-                          "(or pip install submitit)") from None
+        raise ImportError("cluster= submits through submitit, which is not installed: pip install submitit (from "
+                          "qaccel's checkout: pip install -e '.[slurm]')") from None
     return cluster
 
 

@@ -1,7 +1,7 @@
 """Progress over a loop, shown once: rank 0 draws a bar, the other ranks iterate silently (N bars on one terminal
 are unreadable).
 
-The bar is tqdm's when tqdm is installed (the optional extra ``qaccel[progress]``); without it, a plain status line
+The bar is tqdm's when tqdm is installed (``pip install tqdm``; the ``progress`` extra); without it, a plain status line
 on stderr every STATUS_INTERVAL_S seconds and at the end, so a log file gets a few lines, not a redraw per batch.
 Either way the wrapper only iterates the loader the normal way, so a prepared loader's epoch marks (the last batch
 syncs gradients) and its stop points are untouched.

@@ -79,7 +79,7 @@ class TrainConfig:
     verbose: bool = True
     """Print metrics (``print_every``) and the progress bar."""
     tracking_tool: TrackingTool | str = TrackingTool.TENSORBOARD
-    """``tensorboard`` (the ``qaccel[tensorboard]`` extra), ``mlflow`` (``qaccel[mlflow]``) or ``csv``."""
+    """``tensorboard`` (``pip install tensorboard``), ``mlflow`` (``pip install mlflow-skinny``) or ``csv``."""
     hyperparams: dict[str, Any] = field(default_factory=dict)
     """Hyperparameters logged once to the tracker."""
     plotting_functions: tuple[Callable[[torch.nn.Module, int], tuple[str, Any]], ...] = ()

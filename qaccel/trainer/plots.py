@@ -1,6 +1,6 @@
 """The training curves as a PNG: the losses in one panel, the other metrics in a second.
 
-matplotlib is optional (``pip install "qaccel[plots]"``). The figure is drawn on matplotlib's non-interactive Agg
+matplotlib is optional (``pip install matplotlib``). The figure is drawn on matplotlib's non-interactive Agg
 canvas directly, without pyplot: the user's backend choice and pyplot's list of open figures are left alone, and
 nothing needs closing.
 """

@@ -454,7 +454,7 @@ class Trainer:
     def _write_curves(self) -> None:
         assert self.log_folder is not None
         if self.history and plots.curves(self.history, self.log_folder / "curves.png") is None:
-            print("qaccel: no curves.png: install matplotlib (pip install \"qaccel[plots]\") to get one", flush=True)
+            print("qaccel: no curves.png: install matplotlib (pip install matplotlib) to get one", flush=True)
 
 
 def _fit_on_rank(trainer: Trainer, folder: Path | None) -> dict[str, Any]:

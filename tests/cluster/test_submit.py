@@ -201,8 +201,8 @@ def test_without_submitit_cluster_says_what_to_install():
             "from qaccel import Accelerator, SlurmCluster\n"
             "Accelerator(nprocs=2, compute_setup='cpu', cluster=SlurmCluster(nodes=2))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert "ImportError: cluster= submits through submitit, which is not installed: pip install " \
-           "'qaccel[slurm]'" in proc.stderr, proc.stderr
+    assert "ImportError: cluster= submits through submitit, which is not installed: pip install submitit (from " \
+           "qaccel's checkout: pip install -e '.[slurm]')" in proc.stderr, proc.stderr
 
 
 def test_minutes_reads_slurm_time_limits():

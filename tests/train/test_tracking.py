@@ -277,7 +277,8 @@ def test_a_missing_optional_dependency_names_the_extra_to_install(tool, tmp_path
         "except ImportError as exc:",
         "    print(exc)",
     ]), tmp_path)
-    assert f'pip install "qaccel[{tool}]"' in out
+    package = {"tensorboard": "tensorboard", "mlflow": "mlflow-skinny"}[tool]
+    assert f"pip install {package} (from qaccel's checkout: pip install -e '.[{tool}]')" in out, out
 
 
 HISTORY = [{"step": s, "train_loss": 2.0 / s, "train_accuracy": s / 10} | ({"val_loss": 2.5 / s} if s % 3 == 0 else {})
