@@ -8,7 +8,8 @@ works. Every python block is one of three kinds:
 
 A block that is none of these fails. In every block, the names of qaccel it uses must exist: attributes of an
 Accelerator (``acc.x``, ``accelerator.x``, ``Accelerator.x``) and of ``qaccel`` (``qaccel.x``), what is imported from
-qaccel, and the keyword arguments of qaccel's classes and functions it calls.
+qaccel, and the keyword arguments of qaccel's classes and functions it calls. An error message a page quotes is one
+of qaccel's own, values filled in.
 
 Without MkDocs installed (``pip install -e ".[docs]"``, or the ``test`` extra) the build test is skipped saying so,
 or fails under CI=true, as the tests of support/component.py do for a missing SLURM.
@@ -210,3 +211,67 @@ def test_complete_script_runs(name, code, tmp_path):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=200, env=_env(),
                           cwd=tmp_path)
     assert proc.returncode == 0, f"docs/{name} exited with {proc.returncode}:\n{proc.stdout}{proc.stderr}"
+
+
+# An error message quoted on a page: a line (in a text block, or in backquotes) that starts with an exception's name.
+QUOTED_ERROR = re.compile(r"(?:^|`)(?:qaccel\.errors\.)?(?P<type>[A-Z]\w*(?:Error|Exception)): "
+                          r"(?:\[Errno \d+\] )?(?P<text>[^`\n]+)", re.M)
+# Messages of torch's, which the pages quote to say what qaccel adds to them: not qaccel's text.
+FOREIGN = ("[../", "[enforce fail")
+MIN_FIXED = 20  # characters of fixed text a quote must match in one of qaccel's messages
+
+
+def _templates() -> list[list[str]]:
+    """qaccel's string literals and f-strings as their fixed parts, in order (a value goes between two parts)."""
+    found = []
+    for path in (REPO / "qaccel").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.JoinedStr):
+                parts, fixed = [], ""
+                for value in node.values:
+                    if isinstance(value, ast.Constant):
+                        fixed += value.value
+                    else:
+                        parts.append(fixed)
+                        fixed = ""
+                found.append(parts + [fixed])
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                found.append([node.value])
+    return found
+
+
+def _quotes(text: str, templates: list[list[str]]) -> bool:
+    """Whether ``text`` (the start of a message, maybe cut where the page wraps it) is one of the templates with
+    values filled in, as far as it goes: the first parts of one match it, with at least MIN_FIXED fixed characters."""
+    for parts in templates:
+        for count in range(len(parts), 0, -1):
+            if sum(len(part) for part in parts[:count]) < MIN_FIXED:
+                break
+            pattern = ".+?".join(re.escape(" ".join(part.split())) for part in parts[:count])
+            if re.match(pattern, text):
+                return True
+    return False
+
+
+def test_error_messages_quoted_in_the_pages_are_the_ones_qaccel_raises():
+    """A page that quotes an error (`CheckpointError: checkpoint ... is damaged: ...`) quotes qaccel's own words, as
+    one of its messages gives them with the values filled in."""
+    templates = _templates()
+    quoted, wrong = 0, []
+    for page in sorted([*DOCS.rglob("*.md"), REPO / "README.md"]):
+        for match in QUOTED_ERROR.finditer(page.read_text()):
+            text = " ".join(match.group("text").split())
+            if any(mark in text for mark in FOREIGN):
+                continue
+            quoted += 1
+            if not _quotes(text, templates):
+                wrong.append(f"{page.relative_to(REPO)}: {match.group('type')}: {text}")
+    assert quoted >= 5, "few quoted errors found: is the pattern still right?"
+    assert not wrong, "not qaccel's words:\n" + "\n".join(wrong)
+
+
+def test_the_quote_check_tells_qaccels_words_from_others():
+    templates = [["checkpoint ", " was written by ", " rank", " with gradient accumulation ", ""]]
+    assert _quotes("checkpoint /a/checkpoint_9 was written by 4 ranks with gradient accumulation 1:", templates)
+    assert _quotes("checkpoint /a/checkpoint_9 was written by 4 ranks with", templates), "cut where the page wraps"
+    assert not _quotes("checkpoint /a/checkpoint_9 was saved by 4 ranks with gradient accumulation 1", templates)
