@@ -451,6 +451,15 @@ class LocalSlurm:
                 raise SlurmError("munged did not start:\n" + self.log_tails())
             time.sleep(0.02)
 
+    @staticmethod
+    def _first_job_id() -> int:
+        """Where this cluster's job ids start: 100 apart for each pytest-xdist worker (one cluster each). A job
+        without MASTER_PORT rendezvouses on 15000 + its id's last four digits, so two workers' clusters both
+        counting from 1 gave their concurrent jobs the same port (a rank then met the other job's store)."""
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+        index = int(worker[2:]) if worker[2:].isdigit() else 0
+        return 10000 + 100 * (index % 99) + 1
+
     def _write_conf(self) -> None:
         assert self.root is not None and self.conf is not None
         R = self.root
@@ -495,6 +504,7 @@ class LocalSlurm:
             "SchedulerType=sched/backfill",
             "SchedulerParameters=batch_sched_delay=0,sched_min_interval=0",
             "KillWait=2",
+            f"FirstJobId={self._first_job_id()}",
             "MinJobAge=120",
             "MailProg=/bin/true",
             "AccountingStorageType=accounting_storage/none",
