@@ -11,6 +11,10 @@ per-batch curve, e.g. WriteMetrics at ``train_batch_end``), kept apart so neithe
 TensorBoard writes batches to a run of its own (the ``batches`` subfolder), CSV to ``batches.csv``, MLflow under
 names starting ``batch/``.
 
+Every tracker also has the methods of qadence's writer (BaseWriter), with qadence's meaning, so that a qadence
+callback calling ``writer.write(...)``, ``writer.plot(...)`` or ``writer.log_model(...)`` runs unchanged on the tracker
+the Trainer passes it; ranks other than 0 get a NullTracker, which writes nothing.
+
 A resumed run continues the one it resumes: ``open`` takes what ``state()`` returned there, and the first step (and
 batch) it will write; what the previous attempt wrote at that step or later is dropped, so the curves have no step
 twice.
@@ -27,17 +31,22 @@ import itertools
 import json
 import os
 import socket
+import sys
+import tempfile
 import time
 import urllib.parse
 import urllib.request
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol
 
-from qaccel.storage import write_bytes
+from qaccel.storage import save, write_bytes
 
 if TYPE_CHECKING:
     import matplotlib.figure
+    import torch
+
+    PlottingFunction = Callable[[torch.nn.Module, int], tuple[str, matplotlib.figure.Figure]]
 
 
 class TrackingTool(enum.StrEnum):
@@ -58,6 +67,7 @@ class Axis(enum.StrEnum):
 
 
 BATCH_PREFIX = "batch/"  # MLflow: the names of per-batch metrics start with it
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".svg", ".pdf")  # a figure named with one is stored under that name
 
 
 class Tracker(Protocol):
@@ -82,14 +92,37 @@ class Tracker(Protocol):
         that log_metrics has not written in this session is written at the last step."""
 
     def log_figure(self, name: str, figure: matplotlib.figure.Figure, step: int) -> None:
-        """Write ``figure`` as a PNG image named ``name`` at ``step``; the figure stays open (the caller's to
-        close)."""
+        """Write ``figure`` named ``name`` at ``step``; the figure stays open (the caller's to close).
+
+        TensorBoard: a PNG image whose tag is ``name``. MLflow and CSV store a file: a ``name`` ending with an image
+        suffix (.png, .jpg, .jpeg, .svg, .pdf) is the file's name as it is, in that format (a later figure of the
+        same name replaces it); any other gets the step and .png: f"{name}_{step}.png" (MLflow),
+        f"{name}_{step:08d}.png" (CSV)."""
 
     def state(self) -> dict[str, Any]:
         """What a resumed run needs to continue this one (e.g. {"run_id": ...}); JSON-serialisable."""
 
     def close(self) -> None:
         """Flush and close; safe to call twice."""
+
+    # qadence's writer (BaseWriter), for qadence callbacks that call the tracker they get as ``writer``:
+
+    def write(self, iteration: int, metrics: dict[str, Any]) -> None:
+        """qadence's ``writer.write``: ``metrics`` at epoch ``iteration`` (log_metrics); numbers or 0-dim tensors."""
+
+    def print_metrics(self, result: Any) -> None:
+        """qadence's ``writer.print_metrics``: print the OptimizeResult's rank, device, iteration and metrics in
+        qadence's line format (on any rank)."""
+
+    def plot(self, model: torch.nn.Module, iteration: int, plotting_functions: Iterable[PlottingFunction]) -> None:
+        """qadence's ``writer.plot``: ``name, figure = fn(model, iteration)`` for each function, the figure written
+        by log_figure at ``iteration`` and then closed if pyplot made it."""
+
+    def log_model(self, model: torch.nn.Module, train_dataloader: Any = None, val_dataloader: Any = None,
+                  test_dataloader: Any = None) -> None:
+        """qadence's ``writer.log_model``: keep the model's weights with the run (the data loaders are not used).
+        MLflow: its state_dict as the artifact model/state_dict.pt; CSV: model.pt in the folder; TensorBoard cannot
+        and warns."""
 
 
 def make_tracker(tool: TrackingTool | str) -> Tracker:
@@ -114,12 +147,62 @@ def _optional(module: str, extra: str, package: str) -> Any:
                           f"checkout: pip install -e '.[{extra}]'); or track to csv, which needs nothing") from exc
 
 
-def _png(figure: matplotlib.figure.Figure) -> bytes:
-    """The figure as PNG bytes. savefig draws on a canvas of its own for the file and leaves the figure's canvas (an
-    interactive backend's, in a notebook) as it was."""
+def _png(figure: matplotlib.figure.Figure, image_format: str = "png") -> bytes:
+    """The figure as PNG bytes (or another ``image_format`` of savefig's). savefig draws on a canvas of its own for
+    the file and leaves the figure's canvas (an interactive backend's, in a notebook) as it was."""
     buffer = io.BytesIO()
-    figure.savefig(buffer, format="png")
+    figure.savefig(buffer, format=image_format)
     return buffer.getvalue()
+
+
+def _figure_file(name: str, step: str) -> str:
+    """The file a figure named ``name`` is stored in: ``name`` itself when it ends with an image suffix (qadence's
+    plotting functions name theirs e.g. "error_epoch_2.png"), else ``name`` with the step (as written) and .png."""
+    return name if name.lower().endswith(IMAGE_SUFFIXES) else f"{name}_{step}.png"
+
+
+def close_figure(figure: Any) -> None:
+    """Close ``figure`` if pyplot made it: a pyplot figure stays open (and they pile up, each holding its memory)
+    until closed; one made as matplotlib.figure.Figure(), or by anything else, is left alone."""
+    pyplot = sys.modules.get("matplotlib.pyplot")  # not imported: pyplot made no figure
+    if pyplot is not None:
+        pyplot.close(figure)
+
+
+def print_metrics(result: Any) -> None:
+    """qadence's BaseWriter.print_metrics, line for line: the first metric whose name contains "loss" (any case)
+    first, titled, then the others."""
+    loss_key = next((k for k in result.metrics if "loss" in k.lower()), None)
+    initial = f"P {result.rank: >2}|{result.device: <7}| Iteration {result.iteration: >7}| "
+    if loss_key:
+        loss_value = result.metrics[loss_key]
+        msg = initial + f"{loss_key.title()}: {loss_value:.7f} -"
+    else:
+        msg = initial + "Loss: None -"
+    msg += " ".join([f"{k}: {v:.7f}" for k, v in result.metrics.items() if k != loss_key])
+    print(msg)
+
+
+def _state_dict(model: torch.nn.Module) -> dict[str, Any]:
+    """The user's module's state_dict (inside a DDP wrapper), its tensors on the CPU so that the file loads without
+    the GPU. A model sharded by strategy='fsdp' holds only this rank's shards: TypeError."""
+    import torch
+
+    from qaccel.train.prepare import unwrap_model
+    from qaccel.train.sharding import is_sharded
+
+    model = unwrap_model(model)
+    if is_sharded(model):
+        raise TypeError(f"log_model cannot log a model sharded by strategy='fsdp' ({type(model).__name__}): rank 0 "
+                        "holds only its shards; save a checkpoint instead (SaveCheckpoint, trainer.save_checkpoint())")
+    return {name: value.detach().cpu() if isinstance(value, torch.Tensor) else value
+            for name, value in model.state_dict().items()}
+
+
+def _number(value: Any) -> float:
+    """A metric's value as a float: a number, or a one-element tensor (qadence's metrics are 0-dim tensors), through
+    item(), which, unlike float(), takes one that requires grad without a warning."""
+    return float(value.item() if hasattr(value, "item") else value)
 
 
 def _param(value: Any) -> bool | int | float | str:
@@ -128,8 +211,9 @@ def _param(value: Any) -> bool | int | float | str:
 
 
 class _Opened:
-    """What every tracker does alike: the step last written, the check that open() came first, and the files of a
-    tracker whose run is its folder (one per axis), closed by close()."""
+    """What every tracker does alike: the step last written, the check that open() came first, the files of a
+    tracker whose run is its folder (one per axis), closed by close(), and qadence's writer methods but log_model,
+    each through the tracker's own methods."""
 
     def __init__(self) -> None:
         self._opened = False
@@ -153,7 +237,7 @@ class _Opened:
 
     def _wrote(self, metrics: dict[str, float], step: int, axis: Axis) -> dict[str, float]:
         self._check_open()
-        values = {name: float(value) for name, value in metrics.items()}
+        values = {name: _number(value) for name, value in metrics.items()}
         if axis is Axis.EPOCH:  # log_hyperparams's results go on the epochs' curves
             self._step = step
             self._written.update(values)
@@ -161,7 +245,24 @@ class _Opened:
 
     def _unwritten(self, metrics: dict[str, float] | None) -> dict[str, float]:
         """The results of log_hyperparams this session has no curve for: they are written at the last step."""
-        return {name: float(value) for name, value in (metrics or {}).items() if name not in self._written}
+        return {name: _number(value) for name, value in (metrics or {}).items() if name not in self._written}
+
+    # qadence's writer methods (the Tracker protocol says what each does), written through the tracker's own.
+
+    def write(self, iteration: int, metrics: dict[str, Any]) -> None:
+        self.log_metrics(metrics, iteration)  # type: ignore[attr-defined]
+
+    def print_metrics(self, result: Any) -> None:
+        print_metrics(result)
+
+    def plot(self, model: torch.nn.Module, iteration: int, plotting_functions: Iterable[PlottingFunction]) -> None:
+        self._check_open()
+        for function in plotting_functions:
+            name, figure = function(model, iteration)
+            try:
+                self.log_figure(name, figure, iteration)  # type: ignore[attr-defined]
+            finally:
+                close_figure(figure)
 
 
 class TensorBoardTracker(_Opened):
@@ -201,7 +302,8 @@ class TensorBoardTracker(_Opened):
         # Into this run's own file (torch's add_hparams would start a run of its own in a subfolder): the HPARAMS
         # dashboard shows the folder's run with its hyperparameters and the last values of the metrics named here.
         epochs = self._files[Axis.EPOCH]
-        for summary in hparams({k: _param(v) for k, v in hyperparams.items()}, dict(metrics or {})):
+        for summary in hparams({k: _param(v) for k, v in hyperparams.items()},
+                               {k: _number(v) for k, v in (metrics or {}).items()}):
             epochs.write(summary=summary)
         epochs.scalars(self._unwritten(metrics), self._step)
 
@@ -215,6 +317,14 @@ class TensorBoardTracker(_Opened):
         width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")  # the IHDR chunk
         image = Summary.Image(height=height, width=width, colorspace=4, encoded_image_string=png)
         self._files[Axis.EPOCH].write(step, Summary(value=[Summary.Value(tag=name, image=image)]))
+
+    def log_model(self, model: torch.nn.Module, train_dataloader: Any = None, val_dataloader: Any = None,
+                  test_dataloader: Any = None) -> None:
+        """TensorBoard has nowhere to keep a model: nothing is logged, and a warning says so (as qadence logs one)."""
+        self._check_open()
+        warnings.warn("TensorBoard cannot log a model: nothing was logged. Track to mlflow (the state_dict as an "
+                      "artifact) or csv (model.pt in the tracking folder), or save a checkpoint (SaveCheckpoint, "
+                      "trainer.save_checkpoint())", stacklevel=2)
 
 
 _FILE_NUMBERS = itertools.count()  # as TensorBoard numbers a process's event files
@@ -383,7 +493,22 @@ class MlflowTracker(_Opened):
 
     def log_figure(self, name: str, figure: matplotlib.figure.Figure, step: int) -> None:
         self._check_open()
-        self._client.log_figure(self._run_id, figure, f"{name}_{step}.png")
+        self._client.log_figure(self._run_id, figure, _figure_file(name, str(step)))  # savefig: the suffix's format
+
+    def log_model(self, model: torch.nn.Module, train_dataloader: Any = None, val_dataloader: Any = None,
+                  test_dataloader: Any = None) -> None:
+        """The model's state_dict (torch.save) as the run's artifact model/state_dict.pt; ``torch.load`` it into the
+        model's class. Not qadence's ``mlflow.pytorch.log_model``: that call, as qadence makes it (no input example),
+        fails with MLflow 3.17 (mlflow-skinny 3.17.2: its default pt2 format traces the model on an example input),
+        and it logs to MLflow's global active run, which this tracker leaves alone. The data loaders are not used
+        (qadence infers a signature from the training one)."""
+        self._check_open()
+        import torch
+
+        with tempfile.TemporaryDirectory(prefix="qaccel-model-") as folder:
+            path = Path(folder) / "state_dict.pt"
+            torch.save(_state_dict(model), path)  # a file of its own: the artifact store copies it
+            self._client.log_artifact(self._run_id, str(path), "model")
 
     def state(self) -> dict[str, Any]:
         return {} if self._run_id is None else {"run_id": self._run_id}
@@ -427,7 +552,8 @@ class CsvTracker(_Opened):
     written): a column ``step`` and one per metric name (a new name adds a column, and the file is rewritten with
     it); a row per log_metrics call, blank where that call had no value. Rows are appended and flushed; a rewrite
     replaces the file atomically. Hyperparameters go to folder/"hyperparams.json", figures to
-    folder/"plots"/f"{name}_{step:08d}.png"."""
+    folder/"plots"/f"{name}_{step:08d}.png" (folder/"plots"/name for a name ending with an image suffix), the model of
+    log_model to folder/"model.pt" (its state_dict)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -451,14 +577,47 @@ class CsvTracker(_Opened):
         path = self._folder / "hyperparams.json"
         content = json.loads(path.read_text()) if path.exists() else {}
         content = {"hyperparams": content.get("hyperparams", {}) | {k: _param(v) for k, v in hyperparams.items()},
-                   "metrics": content.get("metrics", {}) | {k: float(v) for k, v in (metrics or {}).items()}}
+                   "metrics": content.get("metrics", {}) | {k: _number(v) for k, v in (metrics or {}).items()}}
         write_bytes(json.dumps(content, indent=2).encode() + b"\n", path, durable=False)
 
     def log_figure(self, name: str, figure: matplotlib.figure.Figure, step: int) -> None:
         self._check_open()
-        path = self._folder / "plots" / f"{name}_{step:08d}.png"
+        path = self._folder / "plots" / _figure_file(name, f"{step:08d}")
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_bytes(_png(figure), path, durable=False)
+        write_bytes(_png(figure, path.suffix[1:].lower()), path, durable=False)
+
+    def log_model(self, model: torch.nn.Module, train_dataloader: Any = None, val_dataloader: Any = None,
+                  test_dataloader: Any = None) -> None:
+        """The model's state_dict (torch.save) in folder/"model.pt", replaced atomically; the data loaders are not
+        used."""
+        self._check_open()
+        save(_state_dict(model), self._folder / "model.pt")
+
+
+class NullTracker(_Opened):
+    """The tracker of the ranks that do not write (all but rank 0): every method does nothing, opened or not (plot
+    does not call the plotting functions), but print_metrics, which prints as on rank 0. A qadence callback calling
+    ``writer.write(...)`` on every rank runs there too."""
+
+    def open(self, folder: Path, run_name: str, resume: dict[str, Any] | None, start_step: int,
+             start_batch: int = 0) -> None:
+        self._opened = True
+
+    def log_metrics(self, metrics: dict[str, float], step: int, axis: Axis = Axis.EPOCH) -> None:
+        pass
+
+    def log_hyperparams(self, hyperparams: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
+        pass
+
+    def log_figure(self, name: str, figure: matplotlib.figure.Figure, step: int) -> None:
+        pass
+
+    def plot(self, model: torch.nn.Module, iteration: int, plotting_functions: Iterable[PlottingFunction]) -> None:
+        pass
+
+    def log_model(self, model: torch.nn.Module, train_dataloader: Any = None, val_dataloader: Any = None,
+                  test_dataloader: Any = None) -> None:
+        pass
 
 
 class _CsvFile:

@@ -1,5 +1,6 @@
 """The Trainer's experiment trackers (TensorBoard, MLflow, CSV) and its curves PNG: what they write is read back with
-each tool's own reader, while the run lives and after it, and a resumed run continues with every step once."""
+each tool's own reader, while the run lives and after it, and a resumed run continues with every step once; qadence's
+writer methods (write, plot, log_hyperparams, log_model, print_metrics) on every tracker, NullTracker's included."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 
 from qaccel.trainer import plots
-from qaccel.trainer.tracking import Axis, TrackingTool, make_tracker
+from qaccel.trainer.tracking import (Axis, CsvTracker, MlflowTracker, NullTracker, TensorBoardTracker, Tracker,
+                                     TrackingTool, make_tracker)
 from support import component
 
 pytestmark = pytest.mark.timeout(120)
@@ -322,3 +325,167 @@ def test_tensorboard_resumed_within_the_same_second_still_reads_the_new_file_las
     second.close()
     assert _read("tensorboard", tmp_path, {})[0]["train_loss"] == [(1, 11.0), (2, 12.0), (3, 13.0), (4, 104.0),
                                                                    (5, 105.0), (6, 106.0)]
+
+
+def _qadence_plots(figures):
+    """Two plotting functions as qadence's examples write them: one names its figure with the epoch and .png, made
+    with pyplot; the other a plain name. ``figures`` collects what they made."""
+    pyplot = component.module("matplotlib.pyplot")
+
+    def error(model, iteration):
+        figure = pyplot.figure(figsize=(2, 1.5), dpi=50)
+        figure.gca().plot([float(p.detach().sum()) for p in model.parameters()])
+        figures.append(figure)
+        return f"error_epoch_{iteration}.png", figure
+
+    def curve(model, iteration):
+        figures.append(_figure())
+        return "curve", figures[-1]
+
+    return error, curve
+
+
+@pytest.mark.parametrize("tool", ["tensorboard", "mlflow", "csv"])
+def test_a_qadence_callbacks_writer_calls_read_back_with_each_tools_reader(tool, tmp_path):
+    """What qadence's callbacks call on their ``writer``: the metrics at the epoch given (tensors accepted), each
+    figure under the name its function gave (no step added to a name with an image suffix), the hyperparameters,
+    the model's weights (TensorBoard: a warning, nothing logged); pyplot's figures closed once written."""
+    _needs(tool)
+    import torch
+
+    pyplot = component.module("matplotlib.pyplot")
+    model = torch.nn.Linear(3, 2)
+    tracker = make_tracker(tool)
+    tracker.open(tmp_path, "run", None, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a tensor that requires grad, as qadence passes it: no warning either
+        tracker.write(3, {"train_loss": torch.tensor(0.25, requires_grad=True) * 2})
+    figures = []
+    tracker.plot(model, 2, _qadence_plots(figures))
+    tracker.log_hyperparams({"lr": 0.1})
+    if tool == "tensorboard":
+        with pytest.warns(UserWarning, match=r"TensorBoard cannot log a model: nothing was logged\. Track to mlflow"):
+            tracker.log_model(model)
+    else:
+        tracker.log_model(model)
+    tracker.close()
+
+    assert not pyplot.fignum_exists(figures[0].number)  # pyplot's closed; the other is left to its maker
+    metrics, hparams, _ = _read(tool, tmp_path, tracker.state())
+    assert metrics == {"train_loss": [(3, 0.5)]}
+    assert hparams == {"lr": "0.1" if tool == "mlflow" else 0.1}
+    if tool == "tensorboard":
+        images = _read(tool, tmp_path, {})[2]
+        assert sorted(images) == [("curve", 2), ("error_epoch_2.png", 2)]
+        assert all(png.startswith(PNG) for png in images.values())
+        assert not (tmp_path / "batches").exists()  # write() is on the epochs' axis
+        assert [p.name for p in tmp_path.iterdir() if not p.name.startswith("events.out.tfevents.")] == []
+        return
+    if tool == "mlflow":
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient((tmp_path / "mlruns").absolute().as_uri())
+        run_id = tracker.state()["run_id"]
+        assert sorted(a.path for a in client.list_artifacts(run_id)) == ["curve_2.png", "error_epoch_2.png", "model"]
+        assert [a.path for a in client.list_artifacts(run_id, "model")] == ["model/state_dict.pt"]
+        files = {name: Path(client.download_artifacts(run_id, name, str(tmp_path / "download")))
+                 for name in ("curve_2.png", "error_epoch_2.png", "model/state_dict.pt")}
+        weights = files.pop("model/state_dict.pt")
+    else:
+        files = {p.name: p for p in (tmp_path / "plots").iterdir()}
+        assert sorted(files) == ["curve_00000002.png", "error_epoch_2.png"]
+        weights = tmp_path / "model.pt"
+    assert all(path.read_bytes().startswith(PNG) for path in files.values())
+    loaded = torch.load(weights, weights_only=True)
+    assert loaded.keys() == model.state_dict().keys()
+    assert all(torch.equal(loaded[name], value) for name, value in model.state_dict().items())
+
+
+@pytest.mark.parametrize("tool", ["mlflow", "csv"])
+def test_a_figure_named_with_an_image_suffix_is_stored_in_that_format_under_that_name(tool, tmp_path):
+    _needs(tool)
+    tracker = make_tracker(tool)
+    tracker.open(tmp_path, "run", None, 0)
+    for name in ("a.svg", "b.PDF", "c.jpg", "d.jpeg", "e"):
+        tracker.log_figure(name, _figure(), 7)
+    tracker.close()
+    if tool == "mlflow":
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient((tmp_path / "mlruns").absolute().as_uri())
+        run_id = tracker.state()["run_id"]
+        names = sorted(a.path for a in client.list_artifacts(run_id))
+        files = {name: Path(client.download_artifacts(run_id, name, str(tmp_path / "download"))) for name in names}
+    else:
+        files = {p.name: p for p in (tmp_path / "plots").iterdir()}
+    starts = {"a.svg": b"<?xml", "b.PDF": b"%PDF", "c.jpg": b"\xff\xd8\xff", "d.jpeg": b"\xff\xd8\xff",
+              "e_7.png" if tool == "mlflow" else "e_00000007.png": PNG}
+    assert {name: path.read_bytes()[:len(starts[name])] for name, path in files.items()} == starts
+
+
+@pytest.fixture(scope="module")
+def qadence_writer():
+    """qadence's own TensorBoardWriter (its print_metrics is BaseWriter's) and OptimizeResult: imported once for
+    the module (about 5 s)."""
+    writers = component.module("qadence.ml_tools.callbacks.writer_registry")
+    return writers.TensorBoardWriter(), component.module("qadence.ml_tools.data").OptimizeResult
+
+
+def test_print_metrics_prints_qadences_line_on_every_tracker_opened_or_not(qadence_writer, capsys, tmp_path):
+    import torch
+
+    from qaccel.trainer.callbacks import OptimizeResult
+
+    writer, QadenceResult = qadence_writer
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cases = [
+        (12, {"train_accuracy": 0.875, "train_loss": 0.123456789, "val_loss": 2.5}, 0, "cpu"),
+        (1234567, {"val_mse": 3.0, "val_r2": -0.5}, 3, "cuda:1"),
+        (0, {}, 1, "cuda:0"),
+        (5, {"Train_Loss": torch.tensor(0.25), "grad_norm": torch.tensor(1.5)}, 12, "mps"),  # qadence's tensors
+    ]
+    opened = make_tracker("csv")
+    opened.open(tmp_path, "run", None, 0)
+    trackers = [TensorBoardTracker(), MlflowTracker(), CsvTracker(), opened, NullTracker()]
+    for iteration, metrics, rank, device in cases:
+        qadence_result = QadenceResult(iteration, model, optimizer, metrics=metrics, rank=rank, device=device)
+        writer.print_metrics(qadence_result)
+        expected = capsys.readouterr().out
+        assert expected.count("\n") == 1 and f"Iteration {iteration: >7}|" in expected
+        for tracker in trackers:
+            for result in (qadence_result, OptimizeResult(iteration, model, optimizer, metrics=metrics, rank=rank,
+                                                          device=device)):
+                tracker.print_metrics(result)
+                assert capsys.readouterr().out == expected, (type(tracker).__name__, type(result).__module__)
+    opened.close()
+
+
+def test_null_tracker_does_nothing_opened_or_not_and_calls_no_plotting_function(tmp_path, capsys):
+    import torch
+
+    def plotting_function(model, iteration):
+        raise AssertionError("NullTracker called a plotting function")
+
+    model = torch.nn.Linear(1, 1)
+    for opened in (False, True):
+        tracker = NullTracker()
+        if opened:
+            tracker.open(tmp_path / "run", "run", None, 0)
+        tracker.write(1, {"train_loss": torch.tensor(0.5)})
+        tracker.log_metrics({"train_loss": 0.5}, 2, Axis.BATCH)
+        tracker.plot(model, 1, (plotting_function,))
+        tracker.log_figure("curve", object(), 1)
+        tracker.log_hyperparams({"lr": 0.1}, {"train_loss": 0.5})
+        tracker.log_model(model, None, None, None)
+        assert tracker.state() == {}
+        tracker.close()
+        tracker.close()
+    assert list(tmp_path.iterdir()) == [] and capsys.readouterr().out == ""
+
+
+def test_every_tracker_has_every_method_of_the_protocol_qadences_writer_methods_included():
+    methods = {name for name in vars(Tracker) if not name.startswith("_")}
+    assert {"write", "print_metrics", "plot", "log_hyperparams", "log_model"} <= methods
+    for tracker in (TensorBoardTracker, MlflowTracker, CsvTracker, NullTracker):
+        assert all(callable(getattr(tracker, name, None)) for name in methods), tracker.__name__
