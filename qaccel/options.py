@@ -104,7 +104,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("backend", None, "`None`, `gloo`, `nccl`, `mpi`", "`None`: nccl for GPU, gloo for CPU; `mpi` only if "
            "torch was built with it", keyword_only=False),
     Option("dtype", None, "a floating-point or complex `torch.dtype`, or `None`", "cast models and the "
-           "floating-point tensors of batches to it", keyword_only=False),
+           "floating-point tensors of batches to it; complex tensors stay complex at its precision",
+           keyword_only=False),
     Option("timeout", 1800.0, "seconds or a `timedelta`", "how long a collective or the rendezvous may wait "
            "before failing (and saying where each rank is)"),
     Option("start_method", "forkserver", "`forkserver`, `spawn`", "how a plain launch starts ranks: forked from a "

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
+import warnings
 
 import torch
 import pytest
@@ -19,6 +22,7 @@ from torch.utils.data import (
 
 from qaccel import Accelerator
 from qaccel.train.data import BatchShard
+from support.component import module
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -413,6 +417,155 @@ def test_float64_and_complex128_models_train_on_two_ranks(dtype, complex_model):
     for param_dtype, state_dtype, x_dtype, _ in out:
         assert (param_dtype, state_dtype, x_dtype) == (str(dtype), str(dtype), real)
     torch.testing.assert_close(out[0][3], out[1][3], atol=0, rtol=0)  # DDP keeps ranks identical
+
+
+class MixedModel(torch.nn.Module):
+    """A complex parameter and buffer next to a real parameter and an integer buffer."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.z = torch.nn.Parameter(torch.randn(3, dtype=torch.complex64, generator=g))
+        self.w = torch.nn.Parameter(torch.randn(3, generator=g))
+        self.register_buffer("phase", torch.randn(3, dtype=torch.complex128, generator=g))
+        self.register_buffer("count", torch.arange(3))
+
+    def forward(self, x):
+        return ((x.to(self.z.dtype) * self.z * self.phase).abs() * self.w).sum()
+
+
+DISCARDS = "discards the imaginary part"
+
+
+@contextlib.contextmanager
+def _caught_warnings():
+    """Every warning, torch's included: torch warns of a discarded imaginary part once per process otherwise."""
+    was = torch.is_warn_always_enabled()
+    torch.set_warn_always(True)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield caught
+    finally:
+        torch.set_warn_always(was)
+
+
+def _whole(tensor):
+    """A sharded (fsdp) tensor in full; any other as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _wide(tensor):
+    """Complex tensors as complex128, to compare them: torch compares no complex32."""
+    return tensor.to(torch.complex128) if tensor.is_complex() else tensor
+
+
+def _prepare_mixed(a):
+    model = MixedModel()
+    before = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    params = list(model.parameters())
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    with _caught_warnings() as caught:
+        model, optimizer = a.prepare(model, optimizer)
+    after = {name: _whole(t) for name, t in model.state_dict().items()}
+    return {
+        "dtypes": {name: t.dtype for name, t in after.items()},
+        "values_kept": all(torch.equal(_wide(after[name]), _wide(t.to(after[name].dtype)))
+                           for name, t in before.items()),
+        "imaginary": [bool(_wide(after[name]).imag.abs().sum() > 0) for name in ("z", "phase")],
+        "same_parameters": all(p is q for p, q in zip(model.parameters(), params)),
+        "optimizer_points_at_them": all(p is q for p, q in zip(optimizer.param_groups[0]["params"],
+                                                               model.parameters())),
+        "discard_warnings": [str(w.message) for w in caught if DISCARDS in str(w.message)],
+    }
+
+
+@pytest.mark.parametrize("dtype, real, complex_", [
+    (torch.float64, torch.float64, torch.complex128),
+    (torch.float32, torch.float32, torch.complex64),
+    (torch.float16, torch.float16, torch.complex32),
+    (torch.complex128, torch.float64, torch.complex128),
+    (torch.complex64, torch.float32, torch.complex64),
+])
+def test_dtype_keeps_complex_tensors_complex_at_its_precision(dtype, real, complex_):
+    with _caught_warnings() as caught:  # what Module.to does, and prepare() must not
+        MixedModel().to(dtype=torch.float64)
+    assert any(DISCARDS in str(w.message) for w in caught), "the check below would see the warning"
+    a = Accelerator(nprocs=1, compute_setup="cpu", dtype=dtype)
+    out = a.distribute(_prepare_mixed)(a)
+    assert out["dtypes"] == {"z": complex_, "w": real, "phase": complex_, "count": torch.int64}
+    assert out["values_kept"] and out["imaginary"] == [True, True]
+    assert out["same_parameters"] and out["optimizer_points_at_them"], \
+        "optimizers point at the Parameter objects: prepare() must keep them"
+    assert out["discard_warnings"] == []
+
+
+@pytest.mark.parametrize("dtype, real, complex_", [(torch.float64, torch.float64, torch.complex128),
+                                                   (torch.complex64, torch.float32, torch.complex64)])
+def test_dtype_keeps_complex_tensors_complex_under_fsdp(dtype, real, complex_):
+    a = Accelerator(nprocs=1, compute_setup="cpu", dtype=dtype, strategy="fsdp")
+    out = a.distribute(_prepare_mixed)(a)
+    assert out["dtypes"] == {"z": complex_, "w": real, "phase": complex_, "count": torch.int64}
+    assert out["values_kept"] and out["imaginary"] == [True, True]
+    assert out["optimizer_points_at_them"]  # at the sharded Parameters fully_shard put in place of the cast ones
+    assert out["discard_warnings"] == []
+
+
+def test_a_dtype_without_a_complex_match_is_refused_naming_the_tensor():
+    bf16 = Accelerator(nprocs=1, compute_setup="cpu", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"MixedModel\.z \(torch\.complex64\).*use dtype=torch\.float32"):
+        bf16.distribute(lambda a: a.prepare(MixedModel()))(bf16)
+
+
+def _qcl_qnn(qd):
+    """qadence's QCL tutorial model (docs/tutorials/qml/qcl.md), on 2 qubits with a depth-1 ansatz."""
+    feature_map = qd.tag(qd.kron(qd.RX(i, qd.FeatureParameter("phi")) for i in range(2)), "feature_map")
+    ansatz = qd.tag(qd.hea(2, depth=1), "ansatz")
+    circuit = qd.QuantumCircuit(2, feature_map, ansatz)
+    return qd.QNN(circuit, [qd.hamiltonian_factory(2, detuning=qd.Z)])
+
+
+def _qcl_steps(model, optimizer, batches, prepare_batch=lambda batch: batch):
+    losses = []
+    for batch in batches:
+        x, y = prepare_batch(batch)
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(values=x).squeeze(), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, x.dtype
+
+
+def _qcl_prepared(a, model, batches):
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.25)
+    model, optimizer = a.prepare(model, optimizer)
+    return _qcl_steps(model, optimizer, batches, a.prepare_batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.complex128])
+def test_qadence_qcl_qnn_trains_with_dtype_as_by_hand(dtype):
+    qd = module("qadence")
+    torch.manual_seed(0)
+    model = _qcl_qnn(qd)
+    by_hand = copy.deepcopy(model)
+    x = torch.rand(2, 8) * 2 * math.pi  # float32 data: prepare_batch casts it
+    batches = [(x[i], torch.sin(x[i])) for i in range(2)]
+    a = Accelerator(nprocs=1, compute_setup="cpu", dtype=dtype)
+    losses, x_dtype = a.distribute(_qcl_prepared)(a, model, batches)
+    # by hand, as qadence casts: the model to the complex dtype (QuantumModel.to keeps its parameters real), the
+    # data to the real one (qadence's data_dtype)
+    real = dtype.to_real() if dtype.is_complex else dtype
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Complex modules are a new feature", UserWarning)
+        by_hand.to(dtype={torch.float64: torch.complex128, torch.float32: torch.complex64}[real])
+    optimizer = torch.optim.Adam(by_hand.parameters(), lr=0.25)
+    want, _ = _qcl_steps(by_hand, optimizer, [(x.to(real), y.to(real)) for x, y in batches])
+    assert x_dtype == real
+    assert all(math.isfinite(loss) for loss in losses)
+    assert losses == pytest.approx(want, abs=1e-12, rel=0)
+    assert {p.dtype for p in model.parameters()} == {real}
+    assert {b.dtype for b in model.buffers()} == {real.to_complex()}
 
 
 def test_prepare_in_the_caller_of_a_multi_rank_launch_is_refused():
