@@ -2,7 +2,8 @@
 
 Layers, each importing only the ones below it:
 
-- ``trainer``: qadence's Trainer (``Trainer``, ``TrainConfig``, ``qaccel.callbacks``), built on the facade;
+- ``trainer``: qadence's Trainer (``Trainer``, ``TrainConfig``, ``qaccel.callbacks``, ``qaccel.data``, qadence's
+  checkpoint files and parameter helpers), built on the facade;
 - ``accelerator`` (the facade users hold) and ``cli`` (``qaccel env``, ``qaccel test``);
 - ``launch``: starting ranks (a plain launch) or running in place (torchrun, srun), and bringing results back;
 - ``train``: what runs inside a rank's training function: prepare, data, the step, precision, checkpoints;
@@ -17,11 +18,18 @@ from qaccel.errors import CheckpointError, CollectiveMismatchError, Preempted, Q
 from qaccel.options import DataLoaderConfiguration, GradientAccumulationPlugin, SlurmCluster
 from qaccel.train.batch_size import find_executable_batch_size, should_reduce_batch_size
 from qaccel.train.checkpoint import consolidate
+from qaccel.train.loaders import DictDataLoader, InfiniteTensorDataset, to_dataloader
+from qaccel.trainer.callbacks import OptimizeResult
 from qaccel.trainer.config import TrainConfig
+from qaccel.trainer.parameters import get_parameters, num_parameters, set_parameters
+from qaccel.trainer.saveload import load_checkpoint, load_model, write_checkpoint
 from qaccel.trainer.trainer import Trainer
 
 __all__ = [
     "Accelerator", "DataLoaderConfiguration", "GradientAccumulationPlugin", "Preempted", "consolidate", "CheckpointError", "CollectiveMismatchError",
     "QaccelError", "RankError", "RankKilledError", "SlurmCluster", "TrainConfig", "Trainer", "__version__",
     "find_executable_batch_size", "should_reduce_batch_size",
+    # qadence's ml_tools names
+    "DictDataLoader", "InfiniteTensorDataset", "OptimizeResult", "get_parameters", "load_checkpoint", "load_model",
+    "num_parameters", "set_parameters", "to_dataloader", "write_checkpoint",
 ]

@@ -4,7 +4,9 @@ from qaccel.trainer.callbacks import (
     Callback,
     EarlyStopping,
     GradientMonitoring,
+    LoadCheckpoint,
     LogHyperparameters,
+    LogModelTracker,
     LRSchedulerCosineAnnealing,
     LRSchedulerCyclic,
     LRSchedulerStepDecay,
@@ -18,7 +20,8 @@ from qaccel.trainer.callbacks import (
 )
 
 __all__ = [
-    "Callback", "EarlyStopping", "GradientMonitoring", "LogHyperparameters", "LRSchedulerCosineAnnealing",
+    "Callback", "EarlyStopping", "GradientMonitoring", "LoadCheckpoint", "LogHyperparameters", "LogModelTracker",
+    "LRSchedulerCosineAnnealing",
     "LRSchedulerCyclic", "LRSchedulerStepDecay", "OptimizeResult", "PlotMetrics", "PrintMetrics",
     "SaveBestCheckpoint", "SaveCheckpoint", "Stage", "WriteMetrics",
 ]

@@ -86,7 +86,7 @@ def test_two_ranks_return_what_they_trained_equal_to_one_process_and_to_the_loop
     acc = Accelerator(nprocs=2, compute_setup="cpu")
     hand = _model()
     state = acc.distribute(_by_hand)(acc, hand, torch.optim.Adam(hand.parameters(), lr=0.05),
-                                     DataLoader(_data(), batch_size=8), 3)
+                                     DataLoader(_data(), batch_size=8), 4)  # epochs 0 .. max_iter
     hand.load_state_dict(state)
     torch.testing.assert_close(_params(model), _params(hand), atol=1e-6, rtol=0)
 
@@ -114,22 +114,23 @@ def _untouched(folder):
 
 
 def test_a_second_fit_continues_the_folders_checkpoints_and_ends_where_one_long_fit_ends(tmp_path, capfd):
-    """The second fit trains epochs 3 and 4 only, from the first fit's checkpoint, which it leaves as it was; a fit
+    """The second fit (a new Trainer, a larger max_iter) trains epochs 3 and 4 only, from the first fit's checkpoint,
+    which it leaves as it was; a fit
     from scratch would end with the same parameters (seeded, no shuffling), so what it trained is what tells."""
     noted = tmp_path / "batches"
     fields = dict(nprocs=2, checkpoint_every=1, write_every=1, rank_prefix=True, callbacks=[  # ranks' lines: to capfd
         Callback("train_batch_end", 1, functools.partial(_note_batch, noted))])
     first = _trainer(_config(tmp_path, max_iter=2, **fields))
     first.fit()
-    assert _noted(noted) == [(0, epoch, batch) for epoch in (1, 2) for batch in range(4 * epoch - 3, 4 * epoch + 1)]
+    assert _noted(noted) == [(0, epoch, batch) for epoch in (0, 1, 2) for batch in range(4 * epoch + 1, 4 * epoch + 5)]
     kept = _untouched(first.log_folder / "checkpoints")
     noted.unlink()
     capfd.readouterr()
     more = _trainer(_config(tmp_path, max_iter=4, **fields))
     more.fit()
-    assert f"qaccel: resumed {first.log_folder / 'checkpoints' / 'checkpoint_00000008'} after epoch 2 of 4" \
-        in capfd.readouterr().err
-    assert _noted(noted) == [(0, epoch, batch) for epoch in (3, 4) for batch in range(4 * epoch - 3, 4 * epoch + 1)], \
+    assert f"qaccel: resumed {first.log_folder / 'checkpoints' / 'checkpoint_00000012'} after epoch 2 (training " \
+        "epochs 3-4 next)" in capfd.readouterr().err
+    assert _noted(noted) == [(0, epoch, batch) for epoch in (3, 4) for batch in range(4 * epoch + 1, 4 * epoch + 5)], \
         "the second fit trained epochs 3 and 4 only"
     assert {name: kept[name] for name in kept} == {name: _untouched(more.log_folder / "checkpoints")[name]
                                                    for name in kept}, "the first fit's checkpoints untouched"
@@ -138,17 +139,20 @@ def test_a_second_fit_continues_the_folders_checkpoints_and_ends_where_one_long_
     straight.fit()
     assert torch.equal(_params(more.model), _params(straight.model)), "bitwise the same as one fit of 4 epochs"
     assert [int(r["step"]) for r in _tracked(more.log_folder)] == [1, 2, 3, 4], "each epoch tracked once"
-    assert [h["step"] for h in more.history] == [1, 2, 3, 4]
+    assert [h["step"] for h in more.history] == [0, 1, 2, 3, 4]
     assert sorted(p.name for p in (more.log_folder / "checkpoints").iterdir()) == [
-        f"checkpoint_{steps:08d}" for steps in (4, 8, 12, 16)]
+        f"checkpoint_{steps:08d}" for steps in (4, 8, 12, 16, 20)], "after each epoch, 0 to 4"
 
 
 def test_early_stopping_stops_every_rank_after_the_same_epoch(tmp_path):
     stop = EarlyStopping(on="val_epoch_end", called_every=1, monitor="val_loss", patience=1, mode="max")
     trainer = _trainer(_config(tmp_path, nprocs=2, max_iter=10, val_every=1, callbacks=[stop]))
     trainer.fit()
-    # epoch 1's check sets the best; epoch 2's val_loss is lower, which mode="max" counts as no improvement
-    assert [h["step"] for h in trainer.history] == [0, 1, 2]
+    # epoch 1's check sets the best (epoch 0's validation, before training, calls no callback); the first later
+    # val_loss not above the best so far is no improvement for mode="max", and patience=1 stops there
+    losses = [h["val_loss"] for h in trainer.history]
+    stop = next(epoch for epoch in range(2, 11) if losses[epoch] <= max(losses[1:epoch]))
+    assert [h["step"] for h in trainer.history] == list(range(stop + 1))
 
 
 def _raise_on_rank_1(trainer, config, tracker):
@@ -184,7 +188,7 @@ def test_validation_and_test_are_exact_means_over_every_sample_of_an_uneven_set(
     assert metrics["test_loss"] == pytest.approx(expected, rel=1e-6), "each sample once, weighted by its batch"
     assert trainer.history[-1]["val_loss"] == pytest.approx(expected, rel=1e-6)
     kept = sorted(p.name for p in (trainer.log_folder / "checkpoints").iterdir() if not p.name.startswith("."))
-    assert len(kept) == 2 and kept[-1].endswith("12"), f"the 2 newest of 3 stay: {kept}"
+    assert kept == ["checkpoint_00000012", "checkpoint_00000016"], f"the 2 newest of 4 stay: {kept}"
 
 
 def test_test_with_split_batches_counts_the_real_part_of_a_partly_padded_batch(tmp_path):
@@ -200,7 +204,7 @@ def test_test_with_split_batches_counts_the_real_part_of_a_partly_padded_batch(t
 
 
 @pytest.mark.parametrize("fields, exc, message", [
-    ({"max_iter": 0}, ValueError, "TrainConfig.max_iter must be an int >= 1; got 0"),
+    ({"max_iter": -1}, ValueError, "TrainConfig.max_iter must be an int >= 0; got -1"),
     ({"val_every": -1}, ValueError, "TrainConfig.val_every must be an int >= 0; got -1"),
     ({"tracking_tool": "wandb"}, ValueError, "TrainConfig.tracking_tool must be one of 'tensorboard', 'mlflow', 'csv'"),
     ({"lr_scheduler_step": "step"}, ValueError, "TrainConfig.lr_scheduler_step must be one of 'epoch', 'batch'"),
@@ -246,9 +250,9 @@ def test_mlflow_continues_the_same_run_after_a_second_fit(tmp_path, monkeypatch)
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert len(runs) == 1, "the second fit continued the first's run"
     history = client.get_metric_history(runs[0].info.run_id, "train_loss")
-    assert sorted(m.step for m in history) == [1, 2, 3, 4]
+    assert sorted(m.step for m in history) == [1, 2, 3, 4], "epoch 0 is not written, as in qadence"
     assert [m.value for m in sorted(history, key=lambda m: m.step)] == pytest.approx(
-        [h["train_loss"] for h in trainer.history], rel=1e-6)
+        [h["train_loss"] for h in trainer.history if h["step"]], rel=1e-6)
 
 
 def test_the_curves_are_drawn_and_plots_logged(tmp_path):
@@ -264,17 +268,18 @@ def test_the_curves_are_drawn_and_plots_logged(tmp_path):
     trainer.fit()
     assert (trainer.log_folder / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     plots = sorted(p.name for p in (trainer.log_folder / "tracking" / "plots").iterdir())
-    assert plots == [f"weights_{epoch:08d}.png" for epoch in (1, 2, 3)]
+    assert plots == [f"weights_{epoch:08d}.png" for epoch in (0, 1, 2, 3)], "where training starts, then each epoch"
 
 
-@pytest.mark.parametrize("accumulate, updates", [(1, 4), (2, 2)])
+@pytest.mark.parametrize("accumulate, updates", [(1, 8), (2, 4)])
 def test_a_scheduler_stepped_per_batch_steps_once_per_optimizer_update(tmp_path, accumulate, updates):
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     config = _config(tmp_path, nprocs=2, max_iter=1, lr_scheduler_step="batch", gradient_accumulation_steps=accumulate)
     Trainer(model, optimizer, config, "mse", DataLoader(_data(), batch_size=8), lr_scheduler=scheduler).fit()
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** updates), "64 samples, 16 a round: 4 rounds"
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** updates), \
+        "epochs 0 and 1, each of 64 samples, 16 a round: 4 rounds"
     assert scheduler.last_epoch == updates
 
 
@@ -315,9 +320,10 @@ def test_a_restarted_fit_continues_its_checkpoint_and_tracker_to_the_uninterrupt
     restarted.fit()
     err = capfd.readouterr().err
     assert "restarting all 2 ranks (restart 1 of 1)" in err
-    assert f"qaccel: resumed {restarted.log_folder / 'checkpoints' / 'checkpoint_00000008'} after epoch 2 of 4" in err
+    assert f"qaccel: resumed {restarted.log_folder / 'checkpoints' / 'checkpoint_00000012'} after epoch 2 (training " \
+        "epochs 3-4 next)" in err
     assert [entry for entry in _noted(noted) if entry[0] == 1] == [
-        (1, epoch, batch) for epoch in (3, 4) for batch in range(4 * epoch - 3, 4 * epoch + 1)], \
+        (1, epoch, batch) for epoch in (3, 4) for batch in range(4 * epoch + 1, 4 * epoch + 5)], \
         "the second attempt trained epochs 3 and 4 only"
     straight = _trainer(_config(tmp_path, log_folder=tmp_path / "straight", **fields))
     straight.fit()
@@ -349,25 +355,29 @@ def test_per_batch_writes_go_on_the_batch_axis_and_called_every_counts_batches(t
 
     callbacks = [GradientMonitoring(), WriteMetrics("train_batch_end", called_every=3)]
     trainer = _trainer(_config(tmp_path, nprocs=2, max_iter=2, write_every=1, callbacks=callbacks))
-    trainer.fit()  # 64 samples, 8 per batch, 2 ranks: 4 batches an epoch
+    trainer.fit()  # 64 samples, 8 per batch, 2 ranks: 4 batches an epoch, epochs 0 to 2
     with open(trainer.log_folder / "tracking" / "batches.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert [int(row["step"]) for row in rows] == [1, 2, 3, 3, 4, 5, 6, 6, 7, 8], "each batch, and every third twice"
-    grads = [row for row in rows if row["grad_max/0.weight"]]
-    assert len(grads) == 8 and all(float(row["grad_max/0.weight"]) > 0 for row in grads), "each step's gradients"
+    assert [int(row["step"]) for row in rows] == [step for batch in range(1, 13)
+                                                  for step in [batch] * (2 if batch % 3 == 0 else 1)], \
+        "each batch, and every third twice"
+    grads = [row for row in rows if row["0.weight_max"]]
+    assert len(grads) == 12 and all(float(row["0.weight_max"]) > float(row["0.weight_min"]) for row in grads), \
+        "each step's gradients, under qadence's names"
+    assert {name for name in rows[0] if name.startswith("0.weight")} == {f"0.weight_{s}" for s in ("mean", "std", "max", "min")}
     losses = [(int(row["step"]), float(row["train_loss"])) for row in rows if row["train_loss"]]
-    assert [step for step, _ in losses] == [3, 6] and all(loss > 0 for _, loss in losses)
+    assert [step for step, _ in losses] == [3, 6, 9, 12] and all(loss > 0 for _, loss in losses)
     epochs = _tracked(trainer.log_folder)
-    assert [int(row["step"]) for row in epochs] == [1, 2] and not any("grad_max/0.weight" in row for row in epochs)
+    assert [int(row["step"]) for row in epochs] == [1, 2] and not any("0.weight_max" in row for row in epochs)
 
 
 def test_a_fit_continues_on_fewer_ranks_with_its_global_batch_kept_and_ends_as_a_straight_fit(tmp_path):
-    """4 ranks x 4 samples for an epoch, then 2 ranks (keep_global_batch: 2 micro-steps per update) for two more:
-    the parameters of 3 epochs on 4 ranks."""
+    """4 ranks x 4 samples for epochs 0 and 1, then 2 ranks (keep_global_batch: 2 micro-steps per update) for
+    epochs 2 and 3: the parameters of epochs 0 to 3 on 4 ranks."""
     straight, _ = _trainer(_config(tmp_path, nprocs=4, log_folder=tmp_path / "straight"), batch_size=4).fit()
     options = {"checkpoint_every": 1, "keep_global_batch": True}
     _trainer(_config(tmp_path, nprocs=4, max_iter=1, **options), batch_size=4).fit()
     trainer = _trainer(_config(tmp_path, nprocs=2, **options), batch_size=4)
     model, _ = trainer.fit()
     torch.testing.assert_close(_params(model), _params(straight), atol=1e-5, rtol=1e-5)
-    assert len(trainer.history) == 3, "the first fit's epoch came back with the checkpoint"
+    assert [h["step"] for h in trainer.history] == [0, 1, 2, 3], "the first fit's epochs came back with the checkpoint"

@@ -24,7 +24,7 @@ from qaccel.comm.session import RankContext
 
 if TYPE_CHECKING:
     from qaccel.train.registry import Registry
-from qaccel.train import batch, dispatch, stopping, uneven
+from qaccel.train import batch, dispatch, loaders, stopping, uneven
 
 # DataLoader arguments carried over as they are; batch_size, shuffle, sampler and drop_last live in the batch sampler.
 _CARRIED = (
@@ -259,6 +259,9 @@ class PreparedDataLoader(DataLoader):
             raise ValueError(f"split_batches=True slices the batches of a map-style dataset; this DataLoader has "
                              f"{what}: leave split_batches off for it")
         if isinstance(dataset, IterableDataset):
+            if isinstance(dataset, loaders.InfiniteTensorDataset):  # its order from the generator every rank shares
+                dataset = copy.copy(dataset)
+                dataset.generator = self._generator
             super().__init__(dataset, batch_size=loader.batch_size, drop_last=loader.drop_last, **kwargs)
             self._iterable = True
             return

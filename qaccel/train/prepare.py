@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 from qaccel.comm import collectives, session
 from qaccel.comm.session import RankContext
 from qaccel.options import Config, MixedPrecision, Strategy
-from qaccel.train import data, precision, sharding, stopping
+from qaccel.train import data, loaders, precision, sharding, stopping
 from qaccel.train.gradients import PreparedOptimizer
 from qaccel.train.registry import Registry
 from qaccel.train.schedulers import PreparedScheduler
@@ -38,6 +38,9 @@ def prepare_one(obj: Any, ctx: RankContext, config: Config, registry: Registry) 
         prepared = PreparedOptimizer(prepare_optimizer(obj), registry)
         registry.optimizers.append(prepared)
         return prepared
+    if isinstance(obj, loaders.DictDataLoader):
+        return loaders.DictDataLoader({name: prepare_one(loader, ctx, config, registry)
+                                       for name, loader in obj.dataloaders.items()})
     if isinstance(obj, DataLoader) and not isinstance(obj, data.PreparedDataLoader):
         seed = collectives.broadcast(data.shared_seed(obj), 0, ctx)
         loader = data.PreparedDataLoader(obj, ctx, seed, registry, config.split_batches, config.even_batches,

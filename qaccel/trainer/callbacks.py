@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import enum
 import math
-import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -48,7 +47,8 @@ class Stage(enum.StrEnum):
 @dataclass
 class OptimizeResult:
     """Where training is, for callbacks: the epoch (``iteration``), the model and optimizer, the latest loss and
-    metrics (``train_*``, ``val_*`` or ``test_*``, as plain floats), ``batch`` and ``extra`` for callbacks' own use.
+    metrics (``train_*``, ``val_*`` or ``test_*``, as plain floats), ``extra`` for callbacks' own use, the rank and
+    its device (qadence's fields, in its order), and ``batch``.
 
     At batch stages, ``batch`` is the batch's number (from 1): counted over the whole fit in training (resumed fits
     included), within the pass in validation and test; the loss and metrics are the batch's. At other stages they
@@ -61,9 +61,9 @@ class OptimizeResult:
     loss: float | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
-    batch: int = 0
     rank: int = 0
     device: str = "cpu"
+    batch: int = 0
 
 
 CallbackFunction = Callable[["Trainer", "TrainConfig", "Tracker | None"], Any]
@@ -161,15 +161,7 @@ class PlotMetrics(Callback):
     """Log the figures of ``config.plotting_functions`` to the tracker (rank 0)."""
 
     def run_callback(self, trainer: Trainer, config: TrainConfig, tracker: Tracker | None) -> None:
-        if tracker is None:
-            return
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        for plot in config.plotting_functions:
-            name, figure = plot(model, trainer.opt_result.iteration)
-            tracker.log_figure(name, figure, trainer.opt_result.iteration)
-            pyplot = sys.modules.get("matplotlib.pyplot")
-            if pyplot is not None:
-                pyplot.close(figure)  # a figure made with pyplot stays open, and they pile up, until closed
+        trainer._plot()
 
 
 class LogHyperparameters(Callback):
@@ -193,6 +185,29 @@ class SaveBestCheckpoint(Callback):
     def run_callback(self, trainer: Trainer, config: TrainConfig, tracker: Tracker | None) -> None:
         if trainer.validation_improved:
             trainer.save_checkpoint(best=True)
+
+
+class LoadCheckpoint(Callback):
+    """Load the newest checkpoint qadence's way (``model_*_ckpt_*.pt`` and ``opt_*_ckpt_*.pt`` in
+    ``config.log_folder``, as qadence's Trainer and ``write_checkpoint`` write them) into the model and optimizer,
+    on every rank; returns ``(model, optimizer, iteration)``. A fit continues such a folder by itself."""
+
+    def run_callback(self, trainer: Trainer, config: TrainConfig, tracker: Tracker | None) -> Any:
+        from qaccel.trainer import saveload
+
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+        return saveload.load_checkpoint(config.log_folder, model, optimizer, device=trainer.accelerator.device)
+
+
+class LogModelTracker(Callback):
+    """Log the model to the tracker (rank 0): MLflow logs it with its signature, CSV writes ``model.pt``;
+    TensorBoard has no place for it and says so."""
+
+    def run_callback(self, trainer: Trainer, config: TrainConfig, tracker: Tracker | None) -> None:
+        if tracker is not None and trainer.accelerator.is_main_process:
+            tracker.log_model(trainer.accelerator.unwrap_model(trainer.model), trainer.train_dataloader,
+                              trainer.val_dataloader, trainer.test_dataloader)
 
 
 class EarlyStopping(Callback):
@@ -292,8 +307,9 @@ class LRSchedulerCosineAnnealing(_Schedule):
 
 
 class GradientMonitoring(Callback):
-    """Write each parameter's gradient mean, standard deviation and largest magnitude to the tracker (rank 0): per
-    batch by default, on the batch axis."""
+    """Write each parameter's gradient statistics, ``<name>_mean``, ``_std``, ``_max`` and ``_min`` (qadence's
+    names), to the tracker (rank 0): per batch by default, on the batch axis; at an epoch stage, the epoch's last
+    update's gradients, at the epoch."""
 
     def __init__(self, on: Stage | str = Stage.TRAIN_BATCH_END, called_every: int = 1) -> None:
         super().__init__(on, called_every)
@@ -302,20 +318,21 @@ class GradientMonitoring(Callback):
         named = [(n, p.grad) for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()
                  if p.grad is not None]
         sharded = any(hasattr(grad, "full_tensor") for _, grad in named)  # gathering a shard is a collective
-        if tracker is None and not sharded:
+        if not trainer.accelerator.is_main_process and not sharded:
             return
         stats: dict[str, float] = {}
         for name, grad in named:
             grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
-            stats[f"grad_mean/{name}"] = grad.mean().item()
-            stats[f"grad_std/{name}"] = grad.std().item() if grad.numel() > 1 else 0.0
-            stats[f"grad_max/{name}"] = grad.abs().max().item()
-        if tracker is not None:
-            trainer.write_metrics(stats)
+            stats[f"{name}_mean"] = grad.mean().item()
+            stats[f"{name}_std"] = grad.std().item() if grad.numel() > 1 else math.nan
+            stats[f"{name}_max"] = grad.max().item()
+            stats[f"{name}_min"] = grad.min().item()
+        trainer.write_metrics(stats)
 
 
 __all__ = [
-    "Callback", "EarlyStopping", "GradientMonitoring", "LogHyperparameters", "LRSchedulerCosineAnnealing",
+    "Callback", "EarlyStopping", "GradientMonitoring", "LoadCheckpoint", "LogHyperparameters", "LogModelTracker",
+    "LRSchedulerCosineAnnealing",
     "LRSchedulerCyclic", "LRSchedulerStepDecay", "OptimizeResult", "PlotMetrics", "PrintMetrics",
     "SaveBestCheckpoint", "SaveCheckpoint", "Stage", "WriteMetrics",
 ]

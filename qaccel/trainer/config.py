@@ -42,7 +42,8 @@ class TrainConfig:
     """
 
     max_iter: int = 10000
-    """Training epochs."""
+    """The last epoch: epochs 0 .. max_iter are trained (max_iter + 1 passes, as in qadence; the metrics of epoch
+    0, trained from the untouched model, are recorded but neither printed nor written, as qadence does)."""
     print_every: int = 0
     """Print the epoch's metrics every this many epochs (with ``verbose``)."""
     write_every: int = 0
@@ -116,7 +117,7 @@ class TrainConfig:
     cluster: options.SlurmCluster | None = None
 
     def __post_init__(self) -> None:
-        _count("max_iter", self.max_iter, 1)
+        _count("max_iter", self.max_iter, 0)
         _count("batch_size", self.batch_size, 1)
         for name in ("print_every", "write_every", "checkpoint_every", "plot_every", "val_every"):
             _count(name, getattr(self, name), 0)

@@ -9,24 +9,30 @@ once and agreed, so the ranks never part ways.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import inspect
+import itertools
 import math
 import os
+import pickle
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
+from torch.utils.data import DataLoader, Dataset
 
 from qaccel.accelerator import Accelerator
 from qaccel.environment import detect
 from qaccel.nested import map_leaves
 from qaccel.options import Strategy
-from qaccel.train import sharding
+from qaccel.train import loaders, sharding
 from qaccel.trainer import plots
 from qaccel.trainer.callbacks import (
     Callback,
     LogHyperparameters,
+    LogModelTracker,
     OptimizeResult,
     PlotMetrics,
     PrintMetrics,
@@ -35,9 +41,10 @@ from qaccel.trainer.callbacks import (
     WriteMetrics,
 )
 from qaccel.trainer.config import SchedulerStep, TrainConfig
-from qaccel.trainer.tracking import Axis, Tracker, make_tracker
+from qaccel.trainer.tracking import Axis, NullTracker, Tracker, make_tracker
 
 LossFunction = Callable[[torch.nn.Module, Any], tuple[torch.Tensor, dict[str, Any]]]
+OptimizeStep = Callable[..., tuple[torch.Tensor, dict[str, Any]]]
 CHECKPOINTS = "checkpoints"
 BEST = "best"
 
@@ -66,13 +73,15 @@ class _State:
     checkpointing, so a resumed fit (mid-epoch included, after a stop on a signal too) continues exactly."""
 
     def __init__(self, callbacks: list[Callback]) -> None:
-        self.epochs_done = 0
+        self.epochs_done = 0  # epochs 0 .. epochs_done - 1 are trained
+        self.end = 0  # the fit trains epochs up to end - 1
         self.global_step = 0  # training batches done, over every epoch
         self.history: list[dict[str, float]] = []
         self.best_val = math.inf
         self.sums: dict[str, Any] = {}  # name -> a number or a 0-dim tensor on the device (summed without a sync)
         self.batches = 0
         self.tracker: dict[str, Any] | None = None
+        self.nevergrad: bytes | None = None  # gradient-free: the optimizer and its candidate, pickled
         self._callbacks = callbacks  # whose state_dict() goes into the checkpoint with this
 
     def state_dict(self) -> dict[str, Any]:
@@ -89,28 +98,37 @@ class _State:
 
 
 class Trainer:
-    """Train ``model`` with ``optimizer`` as ``config`` says, on ``config.nprocs`` ranks.
+    """Train ``model`` with ``optimizer`` as ``config`` says, on ``config.nprocs`` ranks (qadence's Trainer).
 
     Args:
         model: the model (a plain ``torch.nn.Module``).
-        optimizer: its optimizer.
+        optimizer: its torch optimizer, or a nevergrad optimizer for gradient-free training
+            (``Trainer.set_use_grad(False)`` first, or ``with trainer.disable_grad_opt(ng_optimizer):``).
         config: a TrainConfig.
         loss_fn: ``"mse"``, ``"cross_entropy"`` or ``fn(model, batch) -> (loss, metrics)``; metrics are a dict of
-            numbers or scalar tensors, logged as ``train_<name>``, ``val_<name>`` or ``test_<name>``.
-        train_dataloader: the training DataLoader (or pass it to fit()).
+            numbers or scalar tensors, logged as ``train_<name>``, ``val_<name>`` or ``test_<name>``. Without a
+            training loader, ``batch`` is None: the function makes its own points.
+        train_dataloader: the training DataLoader, a ``DictDataLoader``, or None (then ``loss_fn(model, None)`` once
+            per epoch); or pass it to fit().
         val_dataloader: the validation DataLoader (or pass it to fit()).
         test_dataloader: the test DataLoader (or pass it to test()).
+        optimize_step: ``fn(model, optimizer, loss_fn, xs, device, dtype) -> (loss, metrics)``, one training step
+            of your own (qadence's argument); by default qaccel's, which accumulates gradients, scales fp16 losses
+            and passes a closure to optimizers that need one (LBFGS).
+        max_batches: at most this many batches per epoch; from a loader with no length (an infinite one) an epoch
+            takes ``max_batches`` batches, by default one (qadence's rule).
         lr_scheduler: an LR scheduler of ``optimizer``, stepped per epoch or per optimizer update
             (``config.lr_scheduler_step``).
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig,
+    _use_grad: bool = True  # gradient-based training; set_use_grad() changes it for every Trainer, as in qadence
+
+    def __init__(self, model: torch.nn.Module, optimizer: Any, config: TrainConfig,
                  loss_fn: str | LossFunction = "mse", train_dataloader: Any = None, val_dataloader: Any = None,
-                 test_dataloader: Any = None, *, lr_scheduler: Any = None) -> None:
+                 test_dataloader: Any = None, optimize_step: OptimizeStep | None = None,
+                 max_batches: int | None = None, *, lr_scheduler: Any = None) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"Trainer(model=...) takes a torch.nn.Module; got {type(model).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"Trainer(optimizer=...) takes a torch.optim.Optimizer; got {type(optimizer).__name__}")
         if not isinstance(config, TrainConfig):
             raise TypeError(f"Trainer(config=...) takes a qaccel.TrainConfig; got {type(config).__name__}")
         if isinstance(loss_fn, str):
@@ -120,13 +138,21 @@ class Trainer:
             loss_fn = LOSSES[loss_fn]
         elif not callable(loss_fn):
             raise TypeError(f"loss_fn must be a name or a function fn(model, batch) -> (loss, metrics); got {loss_fn!r}")
+        if optimize_step is not None and not callable(optimize_step):
+            raise TypeError("optimize_step must be a function fn(model, optimizer, loss_fn, xs, device, dtype) -> "
+                            f"(loss, metrics); got {optimize_step!r}")
+        if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int)
+                                        or max_batches < 1):
+            raise ValueError(f"max_batches must be an int >= 1 or None; got {max_batches!r}")
         if lr_scheduler is not None and not hasattr(lr_scheduler, "step"):
             raise TypeError(f"lr_scheduler must be an LR scheduler of the optimizer; got {lr_scheduler!r}")
-        self.model, self.optimizer, self.config, self.loss_fn = model, optimizer, config, loss_fn
+        self.model, self.config, self.loss_fn = model, config, loss_fn
+        self.optimizer = optimizer
         self.train_dataloader, self.val_dataloader, self.test_dataloader = train_dataloader, val_dataloader, test_dataloader
-        self.lr_scheduler = lr_scheduler
+        self.optimize_step, self.max_batches, self.lr_scheduler = optimize_step, max_batches, lr_scheduler
         self.accelerator = Accelerator(**config.accelerator_options())
         self.opt_result = OptimizeResult(0, model, optimizer)
+        self.current_epoch = 0  # the epoch being trained, or the last one trained
         self.log_folder: Path | None = None  # the run's folder, once fit() chose it
         self.history: list[dict[str, float]] = []  # every epoch's metrics, with its "step"
         self.validation_improved = False
@@ -136,35 +162,130 @@ class Trainer:
         self._stop_reason: str | None = None
         self._at: Stage | None = None  # the stage whose callbacks run
         self._per_batch: set[str] = set()  # phases ("train", "val", "test") with a callback at a batch stage
+        self._fitted = False  # a fit of this Trainer ended: the next one trains max_iter + 1 more epochs
+        self._ng_params: Any = None  # gradient-free: nevergrad's current candidate
+
+    # ---- qadence's switches between gradient-based and gradient-free training ----
+
+    @property
+    def use_grad(self) -> bool:
+        """Whether training follows gradients (a torch optimizer) or not (a nevergrad optimizer)."""
+        return self._use_grad
+
+    @use_grad.setter
+    def use_grad(self, use_grad: bool) -> None:
+        if not isinstance(use_grad, bool):
+            raise TypeError(f"use_grad must be True or False; got {use_grad!r}")
+        self._use_grad = use_grad
+
+    @classmethod
+    def set_use_grad(cls, value: bool) -> None:
+        """Gradient-based (True) or gradient-free (False) training for every Trainer made from now on."""
+        if not isinstance(value, bool):
+            raise TypeError(f"use_grad must be True or False; got {value!r}")
+        cls._use_grad = value
+
+    @property
+    def optimizer(self) -> Any:
+        return self._optimizer
+
+    @optimizer.setter
+    def optimizer(self, optimizer: Any) -> None:
+        if self.use_grad and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"Trainer(optimizer=...) takes a torch.optim.Optimizer (gradient-free training takes a "
+                            f"nevergrad optimizer: set_use_grad(False) first); got {type(optimizer).__name__}")
+        if not self.use_grad:
+            if not (hasattr(optimizer, "ask") and hasattr(optimizer, "tell")):
+                raise TypeError(f"gradient-free training (use_grad=False) takes a nevergrad optimizer; got "
+                                f"{type(optimizer).__name__}")
+            import nevergrad
+
+            from qaccel.trainer.parameters import get_parameters
+
+            optimizer.budget = self.config.max_iter  # as qadence sets it
+            optimizer.enable_pickling()  # it travels to the ranks and into checkpoints
+            self._ng_params = nevergrad.p.Array(init=get_parameters(self.model).detach().numpy())
+        self._optimizer = optimizer
+
+    @contextlib.contextmanager
+    def enable_grad_opt(self, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
+        """Within the block, train with gradients, with ``optimizer`` (or the Trainer's own)."""
+        with self._grad_mode(True, optimizer):
+            yield
+
+    @contextlib.contextmanager
+    def disable_grad_opt(self, optimizer: Any = None) -> Iterator[None]:
+        """Within the block, train without gradients, with the nevergrad ``optimizer`` (or the Trainer's own)."""
+        with self._grad_mode(False, optimizer):
+            yield
+
+    @contextlib.contextmanager
+    def _grad_mode(self, use_grad: bool, optimizer: Any) -> Iterator[None]:
+        mode, previous = self.use_grad, self._optimizer
+        try:
+            self.use_grad = use_grad
+            self.optimizer = optimizer if optimizer is not None else previous
+            yield
+        finally:
+            self.use_grad = mode
+            self._optimizer = previous
 
     @property
     def global_step(self) -> int:
         """Training batches done, over every epoch of the fit (a resumed fit continues the count)."""
         return self._state.global_step
 
+    @property
+    def num_training_batches(self) -> int:
+        """Batches an epoch takes from the training loader (1 without one)."""
+        return _batches(self.train_dataloader, self.max_batches)
+
+    @property
+    def num_validation_batches(self) -> int:
+        return _batches(self.val_dataloader, self.max_batches)
+
+    @property
+    def num_test_batches(self) -> int:
+        return _batches(self.test_dataloader, self.max_batches)
+
     # ---- what users call ----
 
-    def fit(self, train_dataloader: Any = None, val_dataloader: Any = None) -> tuple[torch.nn.Module,
-                                                                                     torch.optim.Optimizer]:
-        """Train; return the model and optimizer, holding what the ranks trained."""
+    def fit(self, train_dataloader: Any = None, val_dataloader: Any = None) -> tuple[torch.nn.Module, Any]:
+        """Train epochs 0 .. ``max_iter``; return the model and optimizer, holding what the ranks trained.
+
+        A second fit of the same Trainer continues where the first ended (its folder, its checkpoint) and trains
+        ``max_iter + 1`` more epochs, as in qadence."""
         self.train_dataloader = train_dataloader if train_dataloader is not None else self.train_dataloader
         self.val_dataloader = val_dataloader if val_dataloader is not None else self.val_dataloader
-        if self.train_dataloader is None:
-            raise ValueError("fit() needs a train_dataloader (here or in Trainer(...))")
+        for name in ("train_dataloader", "val_dataloader"):
+            loader = getattr(self, name)
+            if loader is not None and not isinstance(loader, (DataLoader, loaders.DictDataLoader)):
+                raise TypeError(f"{name} must be a torch DataLoader or a qaccel DictDataLoader; got "
+                                f"{type(loader).__name__}")
         if self.config.val_every and self.val_dataloader is None:
             raise ValueError("TrainConfig.val_every > 0 needs a val_dataloader (in fit() or Trainer(...))")
+        if self.optimize_step is not None and self.config.gradient_accumulation_steps > 1:
+            raise ValueError("optimize_step=... is one whole step of your own; gradient accumulation "
+                             f"(gradient_accumulation_steps={self.config.gradient_accumulation_steps}) needs "
+                             "qaccel's: leave optimize_step out, or set gradient_accumulation_steps=1")
         launching = detect().kind.creates_processes and self.config.nprocs > 1
         folder = self._choose_folder() if launching else None  # in place: rank 0 chooses, inside the session
         trained = self.accelerator.distribute(_fit_on_rank)(self, folder)
         if launching:  # the ranks trained copies: give their results to the caller's own objects
             self.model.load_state_dict(trained["model"])
             optimizer_state = trained["optimizer"]
-            if self.accelerator.strategy is Strategy.FSDP:  # keyed by parameter name: key it by position
-                optimizer_state = sharding.by_index(optimizer_state, self.model, self.optimizer)
-            self.optimizer.load_state_dict(optimizer_state)
+            if self.use_grad:
+                if self.accelerator.strategy is Strategy.FSDP:  # keyed by parameter name: key it by position
+                    optimizer_state = sharding.by_index(optimizer_state, self.model, self._optimizer)
+                self._optimizer.load_state_dict(optimizer_state)
+            else:
+                self._optimizer, self._ng_params = pickle.loads(optimizer_state)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.load_state_dict(trained["lr_scheduler"])
         self.history, self.log_folder = trained["history"], trained["log_folder"]
+        self.current_epoch, self._fitted = trained["epoch"], True
+        self._state.global_step = trained["global_step"]
+        self.config.log_folder = self.log_folder  # as qadence: the run's folder, where a second fit continues
         return self.model, self.optimizer
 
     def test(self, test_dataloader: Any = None) -> dict[str, float]:
@@ -181,7 +302,7 @@ class Trainer:
     def write_metrics(self, metrics: dict[str, float]) -> None:
         """Write metrics to the tracker (rank 0; nothing elsewhere): from a callback at a training batch stage at
         the batch's number on the tracker's batch axis, otherwise at the current epoch."""
-        if self.tracker is None:
+        if self.tracker is None or not self.accelerator.is_main_process:
             return
         values = {k: float(v) for k, v in metrics.items()}
         if self._at in (Stage.TRAIN_BATCH_START, Stage.TRAIN_BATCH_END):
@@ -191,7 +312,8 @@ class Trainer:
 
     def save_checkpoint(self, best: bool = False) -> str:
         """Save a checkpoint in the run's folder (every rank): numbered, or the ``best`` one."""
-        assert self.log_folder is not None
+        if self.log_folder is None:
+            raise RuntimeError("save_checkpoint() saves into the run's folder: call it during fit()")
         if best:
             return self.accelerator.save_state(self.log_folder / BEST)
         return self.accelerator.save_state()
@@ -202,89 +324,145 @@ class Trainer:
         acc, config = self.accelerator, self.config
         if folder is None:
             folder = acc.broadcast(self._choose_folder() if acc.is_main_process else None)
-        self.log_folder = folder
+        self.log_folder = config.log_folder = folder
         folder.mkdir(parents=True, exist_ok=True)
         if config.seed is not None:
             acc.set_seed(config.seed)
-        user_model, user_optimizer = self.model, self.optimizer
-        prepared = acc.prepare(self.model, self.optimizer, self.train_dataloader,
+        user_model, user_optimizer = self.model, self._optimizer
+        train = self.train_dataloader if self.train_dataloader is not None else _no_data(acc.world_size)
+        prepared = acc.prepare(self.model, self._optimizer, train,
                                *([self.val_dataloader] if self.val_dataloader is not None else []),
                                *([self.lr_scheduler] if self.lr_scheduler is not None else []))
-        self.model, self.optimizer, train_loader = prepared[:3]
+        self.model, self._optimizer, train_loader = prepared[:3]
         val_loader = prepared[3] if self.val_dataloader is not None else None
         self._callbacks[:] = self._make_callbacks()
         self._per_batch = {c.on.value.split("_")[0] for c in self._callbacks if c.on.per_batch}
         self._stop_reason = None
         self._state = _State(self._callbacks)  # a fit starts from its folder's checkpoint, or from nothing
+        if not self.use_grad:
+            self._state.nevergrad = pickle.dumps((self._optimizer, self._ng_params))
         acc.register_for_checkpointing(self._state)
         resumed = acc.resume(folder / CHECKPOINTS, keep=config.keep_checkpoints)
         state = self._state
+        if resumed is None:
+            resumed = self._continue_qadence(folder, train_loader)
+        if not self.use_grad and state.nevergrad is not None:
+            self._optimizer, self._ng_params = pickle.loads(state.nevergrad)
+        if resumed is None or (state.epochs_done >= state.end and not self._fitted):
+            state.end = config.max_iter + 1
+        elif state.epochs_done >= state.end:  # a later fit of this Trainer: max_iter + 1 more epochs
+            state.end = state.epochs_done + config.max_iter + 1
         if resumed is not None and acc.is_main_process:
-            print(f"qaccel: resumed {resumed} after epoch {state.epochs_done} of {config.max_iter}"
-                  + (f" (and {state.batches} batches of the next)" if state.batches else ""), file=sys.stderr,
+            print(f"qaccel: resumed {resumed} after epoch {state.epochs_done - 1} (training epochs "
+                  f"{state.epochs_done}-{state.end - 1} next)"
+                  + (f" and {state.batches} batches of the next" if state.batches else ""), file=sys.stderr,
                   flush=True)
         self._open_tracker(resumed)
         try:
             self._train(train_loader, val_loader)
         finally:
-            if self.tracker is not None:
-                self.tracker.close()
+            self.tracker.close()
         self.history = state.history
         if acc.is_main_process:
             self._write_curves()
         if config.log_model:
             acc.save_model(self.model, folder)
+        if self.use_grad:
+            optimizer_state = self._optimizer.state_dict() if acc.strategy is Strategy.DDP \
+                else sharding.full_optimizer_state_dict(self.model, self._optimizer.optimizer)
+        else:
+            optimizer_state = pickle.dumps((self._optimizer, self._ng_params))
         result = {
             "model": acc.get_state_dict(self.model),
-            "optimizer": self.optimizer.state_dict() if acc.strategy is Strategy.DDP
-            else sharding.full_optimizer_state_dict(self.model, self.optimizer.optimizer),
+            "optimizer": optimizer_state,
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "history": state.history,
             "log_folder": folder,
+            "epoch": self.current_epoch,
+            "global_step": state.global_step,
         }
-        self.model, self.optimizer = user_model, user_optimizer  # in place, the user's own objects, trained
+        self.model, self._optimizer = user_model, user_optimizer  # in place, the user's own objects, trained
+        self._fitted = True
         return result
+
+    def _continue_qadence(self, folder: Path, train_loader: Any) -> str | None:
+        """Continue a run qadence's Trainer checkpointed in ``folder`` (its ``model_*_ckpt_*.pt`` files): its model
+        and optimizer, every rank, from the epoch after the checkpoint's. None when there is none."""
+        from qaccel.trainer import saveload
+
+        if not any(folder.glob("model_*_ckpt_*.pt")):
+            return None
+        device = self.accelerator.device
+        model_file = saveload.get_latest_checkpoint_name(folder, "model", device)
+        model = self.accelerator.unwrap_model(self.model)
+        _, iteration = saveload.load_model(folder, model, model_file, device)
+        if self.use_grad:
+            saveload.load_optimizer(folder, self._optimizer.optimizer, device=device)
+        if isinstance(iteration, int):
+            self._state.epochs_done = iteration + 1
+            for loader in _prepared_loaders(train_loader):
+                loader.set_epoch(iteration + 1)
+        return str(folder / model_file)
 
     def _train(self, train_loader: Any, val_loader: Any) -> None:
         acc, config, state = self.accelerator, self.config, self._state
         self._stage(Stage.TRAIN_START)
         if config.val_every and state.epochs_done == 0 and state.batches == 0 and not state.history:
             self._validate(val_loader, 0)  # where training starts from
-        epochs = range(train_loader.epoch, config.max_iter)
-        for epoch in acc.progress(epochs, desc="epochs") if config.verbose else epochs:
-            iteration = epoch + 1
-            self.opt_result = OptimizeResult(iteration, self.model, self.optimizer, rank=acc.rank,
+        epochs = range(train_loader.epoch, state.end)
+        iteration, metrics = state.epochs_done - 1, {}
+        for iteration in acc.progress(epochs, desc="epochs") if config.verbose else epochs:
+            self.current_epoch = iteration
+            self.opt_result = OptimizeResult(iteration, self.model, self._optimizer, rank=acc.rank,
                                              device=str(acc.device))
             self._stage(Stage.TRAIN_EPOCH_START)
-            for batch in train_loader:
+            for batch in _epoch_of(train_loader, self.max_batches):
                 self._train_batch(batch)
             metrics = self._epoch_means()
             if self.lr_scheduler is not None and config.lr_scheduler_step is SchedulerStep.EPOCH:
                 self.lr_scheduler.step()
             self._end_epoch(iteration, metrics)
             self._stage(Stage.TRAIN_EPOCH_END)
-            if config.val_every and iteration % config.val_every == 0:
+            if config.val_every and iteration and iteration % config.val_every == 0:
                 self._validate(val_loader, iteration)
             if config.trainstop_criterion is not None and acc.is_main_process and config.trainstop_criterion(self):
                 self.request_stop("trainstop_criterion returned True")
             stop = self._agreed_stop()
-            state.epochs_done = iteration
+            state.epochs_done = iteration + 1
+            last = state.epochs_done == state.end
+            if not self.use_grad:
+                state.nevergrad = pickle.dumps((self._optimizer, self._ng_params))
             if config.checkpoint_every and not config.checkpoint_best_only and (
-                    iteration % config.checkpoint_every == 0 or stop or iteration == config.max_iter):
+                    iteration % config.checkpoint_every == 0 or stop or last):
                 self.save_checkpoint()
             if stop:
                 acc.print(f"qaccel: training stopped after epoch {iteration}: {stop}")
                 break
+        # qadence writes and plots the last epoch's results at the end, where the frequencies left it out
+        self.opt_result = OptimizeResult(iteration, self.model, self._optimizer, metrics.get("train_loss"), metrics,
+                                         rank=acc.rank, device=str(acc.device))
+        if metrics and config.write_every and iteration % config.write_every:
+            self.write_metrics(metrics)
+        if config.plot_every and config.plotting_functions and iteration % config.plot_every:
+            self._plot()
         self._stage(Stage.TRAIN_END)
 
     def _train_batch(self, batch: Any) -> None:
         acc, state = self.accelerator, self._state
         self.opt_result.batch = state.global_step + 1
         self._stage(Stage.TRAIN_BATCH_START)
-        with acc.accumulate(self.model):
-            loss, metrics = self.loss_fn(self.model, acc.prepare_batch(batch))
-            acc.backward(loss)
-            self.optimizer.step()
+        batch = acc.prepare_batch(batch)
+        if self.use_grad:
+            # Gradients are zeroed before a step, not after, so the last update's stay for the callbacks at the
+            # batch's and the epoch's end (GradientMonitoring); between the micro-steps of an accumulation the
+            # prepared optimizer's zero_grad does nothing.
+            self._optimizer.zero_grad()
+            with acc.accumulate(self.model):
+                step = self.optimize_step or self._optimize_step
+                loss, metrics = step(model=self.model, optimizer=self._optimizer, loss_fn=self.loss_fn, xs=batch,
+                                     device=acc.device, dtype=_data_dtype(acc.dtype))
+        else:
+            loss, metrics = self._gradient_free_step(batch)
         if (self.lr_scheduler is not None and self.config.lr_scheduler_step is SchedulerStep.BATCH
                 and acc.sync_gradients and not acc.optimizer_step_was_skipped):
             self.lr_scheduler.step()
@@ -295,12 +473,48 @@ class Trainer:
         state.global_step += 1
         if "train" in self._per_batch:  # floats wait for the device: only when a callback reads them
             self._show_batch("train", values)
-        self._stage(Stage.TRAIN_BATCH_END)  # before zero_grad: batch-end callbacks see the step's gradients
-        self.optimizer.zero_grad()  # a no-op on accumulation steps, as the prepared optimizer's step
+        self._stage(Stage.TRAIN_BATCH_END)
+
+    def _optimize_step(self, model: torch.nn.Module, optimizer: Any, loss_fn: LossFunction, xs: Any,
+                       device: Any = None, dtype: Any = None) -> tuple[torch.Tensor, dict[str, Any]]:
+        """qaccel's training step: the loss, its backward (scaled, divided over accumulation steps), the update.
+        An optimizer that needs a closure (LBFGS) gets one, evaluated as often as it asks, as qadence does."""
+        acc = self.accelerator
+        out: list[Any] = []
+
+        def closure() -> torch.Tensor:
+            if out:  # evaluated again (LBFGS): gradients of this evaluation only
+                optimizer.zero_grad()
+            loss, metrics = loss_fn(model, xs)
+            acc.backward(loss)
+            out[:] = [loss, metrics]
+            return loss
+
+        if acc.sync_gradients and _needs_closure(optimizer):
+            optimizer.step(closure)
+        else:
+            closure()
+            optimizer.step()
+        return out[0], out[1]
+
+    def _gradient_free_step(self, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
+        """One nevergrad step (qadence's update_ng_parameters): the loss at the current candidate is told (its
+        mean over the ranks, so every rank's optimizer takes the same path) and the next candidate asked for."""
+        from qaccel.trainer.parameters import set_parameters
+
+        with torch.no_grad():
+            loss, metrics = self.loss_fn(self.model, batch)
+        value = float(self.accelerator.reduce(loss.detach().reshape(()), reduction="mean")) \
+            if self.accelerator.world_size > 1 else float(loss)
+        self._optimizer.tell(self._ng_params, value)
+        self._ng_params = self._optimizer.ask()
+        set_parameters(self.accelerator.unwrap_model(self.model), torch.as_tensor(self._ng_params.value))
+        return loss, metrics
 
     def _validate(self, loader: Any, iteration: int) -> None:
         acc, state = self.accelerator, self._state
-        self.opt_result = OptimizeResult(iteration, self.model, self.optimizer, rank=acc.rank, device=str(acc.device))
+        self.opt_result = OptimizeResult(iteration, self.model, self._optimizer, rank=acc.rank,
+                                         device=str(acc.device))
         self._stage(Stage.VAL_EPOCH_START)
         sums, samples = self._evaluate(self.model, loader, "val")
         if self.config.all_reduce_metrics:
@@ -321,7 +535,7 @@ class Trainer:
     def _test(self) -> dict[str, float]:
         acc = self.accelerator
         model, loader = acc.prepare(self.model, self.test_dataloader)
-        self.opt_result = OptimizeResult(0, model, self.optimizer, rank=acc.rank, device=str(acc.device))
+        self.opt_result = OptimizeResult(0, model, self._optimizer, rank=acc.rank, device=str(acc.device))
         sums, samples = self._summed(*self._evaluate(model, loader, "test"))
         return {name: float(total) / max(samples, 1.0) for name, total in sums.items()}
 
@@ -333,14 +547,15 @@ class Trainer:
         start, end = Stage(f"{phase}_batch_start"), Stage(f"{phase}_batch_end")
         sums: dict[str, Any] = {}
         samples = 0
+        padded = isinstance(loader, DataLoader)  # a DictDataLoader's batches are counted whole
         model.eval()
         try:
             with torch.no_grad():
-                for number, batch in enumerate(loader, 1):
+                for number, batch in enumerate(_epoch_of(loader, self.max_batches), 1):
                     self.opt_result.batch = number
                     self._stage(start)
                     batch = acc.prepare_batch(batch)
-                    size, padding = _batch_size(batch), acc.padding_in_batch
+                    size, padding = _batch_size(batch), acc.padding_in_batch if padded else 0
                     if 0 < padding < size:  # the real samples only (all padding: run it, as a sharded model needs)
                         batch, size = map_leaves(batch, lambda t: t[:size - padding]), size - padding
                     elif padding:
@@ -369,9 +584,11 @@ class Trainer:
     # ---- helpers ----
 
     def _make_callbacks(self) -> list[Callback]:
-        """The callbacks the config's fields ask for, then the user's own (as qadence orders them)."""
+        """The user's callbacks, then the ones the config's fields ask for (qadence's order)."""
         config = self.config
-        made: list[Callback] = []
+        made: list[Callback] = list(config.callbacks)
+        if config.plotting_functions:
+            made.append(PlotMetrics(Stage.TRAIN_START, 1))  # qadence plots where training starts
         if config.checkpoint_best_only:
             made.append(SaveBestCheckpoint(Stage.VAL_EPOCH_END, 1))
         if config.verbose and config.print_every:
@@ -384,7 +601,9 @@ class Trainer:
             made.append(PlotMetrics(Stage.TRAIN_EPOCH_END, config.plot_every))
         if config.hyperparams:
             made.append(LogHyperparameters(Stage.TRAIN_END, 1))
-        return made + list(config.callbacks)
+        if config.log_model:
+            made.append(LogModelTracker(Stage.TRAIN_END, 1))
+        return made
 
     def _stage(self, when: Stage) -> None:
         self._at = when
@@ -393,6 +612,11 @@ class Trainer:
                 callback(when, self, self.config, self.tracker)
         finally:
             self._at = None
+
+    def _plot(self) -> None:
+        if self.accelerator.is_main_process:
+            model = self.accelerator.unwrap_model(self.model)
+            self.tracker.plot(model, self.opt_result.iteration, self.config.plotting_functions)
 
     def _epoch_means(self) -> dict[str, float]:
         state = self._state
@@ -441,13 +665,15 @@ class Trainer:
         return root / f"{existing + 1}_{stamp}_{job or format(os.getpid(), 'x')}"
 
     def _open_tracker(self, resumed: str | None) -> None:
+        """Rank 0's tracker; the other ranks get one that writes nothing, so callbacks call it on every rank."""
         acc, state = self.accelerator, self._state
         if not acc.is_main_process:
+            self.tracker = NullTracker()
             return
         self.tracker = make_tracker(self.config.tracking_tool)
         assert self.log_folder is not None
         self.tracker.open(self.log_folder / "tracking", self.log_folder.name, state.tracker,
-                          start_step=state.epochs_done + 1 if resumed else 0,
+                          start_step=state.epochs_done if resumed else 0,
                           start_batch=state.global_step + 1 if resumed else 0)
         state.tracker = self.tracker.state()
 
@@ -483,9 +709,79 @@ def _number(name: str, value: Any) -> Any:
 
 
 def _batch_size(batch: Any) -> int:
-    first = batch[0] if isinstance(batch, (list, tuple)) else next(iter(batch.values())) if isinstance(batch, dict) \
-        else batch
-    return len(first) if hasattr(first, "__len__") else 1
+    """Samples in a batch: the first dimension of its first tensor (1 for a batch without tensors, e.g. None)."""
+    if isinstance(batch, torch.Tensor):
+        return len(batch) if batch.dim() else 1
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for item in items:
+        if isinstance(item, (torch.Tensor, dict, list, tuple)):
+            return _batch_size(item)
+    return 1
+
+
+class _NoData(Dataset):
+    """A Trainer's epoch without a training loader: one None per rank, so loss_fn(model, None) runs once per
+    epoch, and the epoch goes through a prepared loader like any other (resume, stop check points)."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+
+    def __len__(self) -> int:
+        return self.world_size
+
+    def __getitem__(self, index: int) -> None:
+        return None
+
+
+def _none(batch: list[None]) -> None:
+    return None
+
+
+def _no_data(world_size: int) -> DataLoader:
+    return DataLoader(_NoData(world_size), batch_size=1, collate_fn=_none)
+
+
+def _epoch_of(loader: Any, max_batches: int | None) -> Iterable[Any]:
+    """The batches one epoch takes from ``loader`` (loaders.batches_per_epoch): the loader itself when that is all
+    of it, else its first ones, the epoch then ended (so a prepared loader records it as done)."""
+    count = loaders.batches_per_epoch(loader, max_batches)
+    try:
+        if len(loader) <= count:
+            return loader
+    except TypeError:
+        pass
+    return _first(loader, count)
+
+
+def _first(loader: Any, count: int) -> Iterator[Any]:
+    batches = iter(loader)
+    try:
+        yield from itertools.islice(batches, count)
+    finally:
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()
+
+
+def _batches(loader: Any, max_batches: int | None) -> int:
+    return 1 if loader is None else loaders.batches_per_epoch(loader, max_batches)
+
+
+def _prepared_loaders(loader: Any) -> list[Any]:
+    """The prepared loaders in a training loader (a DictDataLoader's own)."""
+    return list(loader.dataloaders.values()) if isinstance(loader, loaders.DictDataLoader) else [loader]
+
+
+def _needs_closure(optimizer: Any) -> bool:
+    """Whether the optimizer's step() requires a closure (LBFGS's does; Adam's takes an optional one)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    parameter = inspect.signature(type(inner).step).parameters.get("closure")
+    return parameter is not None and parameter.default is inspect.Parameter.empty
+
+
+def _data_dtype(dtype: torch.dtype | None) -> torch.dtype | None:
+    """The dtype data is cast to (qadence's data_dtype): a complex model dtype's real counterpart."""
+    return dtype.to_real() if dtype is not None and dtype.is_complex else dtype
 
 
 def _lower(val_loss: float, best: float, epsilon: float) -> bool:

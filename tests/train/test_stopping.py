@@ -148,13 +148,15 @@ def test_a_signal_while_a_checkpoint_is_written_stops_once_it_is_complete(uninte
 
 def test_a_signal_during_a_slow_trainer_callback_stops_the_fit_after_that_epoch(uninterrupted, tmp_path):
     """A Trainer fit whose train_epoch_end callback takes 0.4 s, a checkpoint every epoch: SIGTERM as epoch 3's
-    callback starts stops it before epoch 4's first batch, and a second fit continues to the uninterrupted one."""
+    callback starts (epochs count from 0: 24 steps done) stops it before epoch 4's first batch, and a second fit
+    continues to the uninterrupted one."""
     folder = tmp_path / "fit"
     env = real_env(EPOCH_END_S="0.4")
     _stopped(_command("python", TRAINER, str(folder), "6", tmp_path=tmp_path), "epoch 3 done", env, tmp_path,
-             "python", folder / "checkpoints" / "checkpoint_00000018", 0.4 + AGREE_AND_SAVE_S)
+             "python", folder / "checkpoints" / "checkpoint_00000024", 0.4 + AGREE_AND_SAVE_S)
     final = _rerun(_command("python", TRAINER, str(folder), "6", tmp_path=tmp_path), real_env(), tmp_path,
-                   f"qaccel: resumed {folder / 'checkpoints' / 'checkpoint_00000018'} after epoch 3 of 6")
+                   f"qaccel: resumed {folder / 'checkpoints' / 'checkpoint_00000024'} after epoch 3 (training epochs "
+                   "4-6 next)")
     assert final == uninterrupted["fit 6"]
 
 

@@ -1,0 +1,96 @@
+"""qadence's data helpers: ``DictDataLoader`` (several named loaders, one batch of each per step),
+``InfiniteTensorDataset`` (samples drawn without end, reshuffled at every pass) and ``to_dataloader``.
+
+They keep qadence's meaning, so a qadence script runs with its imports changed, and prepare() knows them: it
+prepares each loader of a DictDataLoader, and an InfiniteTensorDataset draws its order from the prepared loader's
+generator, shared by every rank and seeded per epoch, so the ranks read one stream (each keeps every N-th batch)
+and a resumed epoch reads the stream it stopped in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+
+@dataclass
+class DictDataLoader:
+    """A dict of DataLoaders iterated together: each step gives ``{name: batch of that loader}``; an epoch ends
+    with the shortest loader (qadence's ``DictDataLoader``)."""
+
+    dataloaders: dict[str, Any]
+    iters: dict[str, Iterator[Any]] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dataloaders, dict) or not self.dataloaders:
+            raise TypeError(f"DictDataLoader(dataloaders=...) takes a non-empty dict name -> DataLoader; "
+                            f"got {self.dataloaders!r}")
+
+    def __iter__(self) -> DictDataLoader:
+        self.close()
+        self.iters = {name: iter(loader) for name, loader in self.dataloaders.items()}
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        try:
+            return {name: next(batches) for name, batches in self.iters.items()}
+        except StopIteration:
+            self.close()  # the longer loaders' epochs end here too (a prepared loader records where it is)
+            raise
+
+    def __len__(self) -> int:
+        """Steps in an epoch: the shortest loader's length (TypeError when a loader has none, as a stream)."""
+        return min(len(loader) for loader in self.dataloaders.values())
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the first loader (prepared loaders all count alike)."""
+        return next(iter(self.dataloaders.values())).epoch
+
+    def close(self) -> None:
+        """End the epoch under way of every loader (a generator's close; a plain DataLoader iterator is dropped)."""
+        for batches in self.iters.values():
+            if hasattr(batches, "close"):
+                batches.close()
+        self.iters = {}
+
+
+class InfiniteTensorDataset(IterableDataset):
+    """Samples of ``tensors`` (indexed along their first dimension) without end: every pass over them in a new
+    random order (qadence's ``InfiniteTensorDataset``). The order is drawn from ``generator``, or from torch's
+    global RNG; prepare() gives it the prepared loader's, the same on every rank."""
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+            raise TypeError("InfiniteTensorDataset(*tensors) takes one or more tensors")
+        self.tensors = tensors
+        self.indices = list(range(tensors[0].size(0)))
+        self.generator: torch.Generator | None = None
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        sizes = {t.size(0) for t in self.tensors}
+        if len(sizes) != 1:
+            raise ValueError(f"InfiniteTensorDataset's tensors differ in their first dimension: {sorted(sizes)}")
+        while True:
+            for index in torch.randperm(len(self.indices), generator=self.generator).tolist():
+                yield tuple(t[self.indices[index]] for t in self.tensors)
+
+
+def to_dataloader(*tensors: torch.Tensor, batch_size: int = 1, infinite: bool = False) -> DataLoader:
+    """A DataLoader of ``tensors`` in batches of ``batch_size``: once through, in order (a TensorDataset), or,
+    with ``infinite``, without end in random order (an InfiniteTensorDataset)."""
+    dataset = InfiniteTensorDataset(*tensors) if infinite else TensorDataset(*tensors)
+    return DataLoader(dataset, batch_size=batch_size)
+
+
+def batches_per_epoch(loader: Any, max_batches: int | None) -> int:
+    """The batches a Trainer's epoch takes from ``loader`` (qadence's rule): all of a loader with a length, at most
+    ``max_batches``; from a stream (no length, e.g. an infinite loader) ``max_batches``, by default one."""
+    try:
+        length = len(loader)
+    except TypeError:
+        return max_batches or 1
+    return length if max_batches is None else min(length, max_batches)
