@@ -23,6 +23,7 @@ from qaccel.trainer.callbacks import OptimizeResult
 from qaccel.trainer.config import TrainConfig
 from qaccel.trainer.parameters import get_parameters, num_parameters, set_parameters
 from qaccel.trainer.saveload import load_checkpoint, load_model, write_checkpoint
+from qaccel.trainer.steps import default_optimize_step
 from qaccel.trainer.trainer import Trainer
 
 __all__ = [
@@ -30,6 +31,6 @@ __all__ = [
     "QaccelError", "RankError", "RankKilledError", "SlurmCluster", "TrainConfig", "Trainer", "__version__",
     "find_executable_batch_size", "should_reduce_batch_size",
     # qadence's ml_tools names
-    "DictDataLoader", "InfiniteTensorDataset", "OptimizeResult", "get_parameters", "load_checkpoint", "load_model",
+    "DictDataLoader", "InfiniteTensorDataset", "OptimizeResult", "default_optimize_step", "get_parameters", "load_checkpoint", "load_model",
     "num_parameters", "set_parameters", "to_dataloader", "write_checkpoint",
 ]

@@ -28,7 +28,7 @@ from qaccel.environment import detect
 from qaccel.nested import map_leaves
 from qaccel.options import Strategy
 from qaccel.train import loaders, sharding
-from qaccel.trainer import plots
+from qaccel.trainer import plots, steps
 from qaccel.trainer.callbacks import (
     Callback,
     LogHyperparameters,
@@ -149,7 +149,9 @@ class Trainer:
         self.model, self.config, self.loss_fn = model, config, loss_fn
         self.optimizer = optimizer
         self.train_dataloader, self.val_dataloader, self.test_dataloader = train_dataloader, val_dataloader, test_dataloader
-        self.optimize_step, self.max_batches, self.lr_scheduler = optimize_step, max_batches, lr_scheduler
+        # qadence's default step, passed as its tutorials do: the Trainer's own, which extends it
+        self.optimize_step = None if optimize_step is steps.optimize_step else optimize_step
+        self.max_batches, self.lr_scheduler = max_batches, lr_scheduler
         self.accelerator = Accelerator(**config.accelerator_options())
         self.opt_result = OptimizeResult(0, model, optimizer)
         self.current_epoch = 0  # the epoch being trained, or the last one trained

@@ -1,0 +1,46 @@
+"""qadence's training steps (``qadence.ml_tools.optimize_step``), for scripts that call or pass them.
+
+``optimize_step`` passed to a qaccel Trainer (as qadence's tutorials pass it) selects the Trainer's own step, which
+is this step with gradient accumulation and fp16 loss scaling added; called by hand it is qadence's step as it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from qaccel.trainer.parameters import set_parameters
+
+
+def optimize_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., Any], xs: Any,
+                  device: Any = None, dtype: Any = None) -> tuple[torch.Tensor, dict[str, Any]]:
+    """One update: ``optimizer.step(closure)``, the closure zeroing the gradients and back-propagating
+    ``loss_fn(model, xs)``; returns the loss and metrics (qadence's default step, LBFGS included)."""
+    loss, metrics = None, {}
+
+    def closure() -> float:
+        nonlocal loss, metrics
+        optimizer.zero_grad()
+        loss, metrics = loss_fn(model, xs)
+        loss.backward(retain_graph=True)
+        return loss.item()
+
+    optimizer.step(closure)
+    return loss, metrics
+
+
+def update_ng_parameters(model: torch.nn.Module, optimizer: Any, loss_fn: Callable[..., Any], data: Any,
+                         ng_params: Any) -> tuple[Any, dict[str, Any], Any]:
+    """One gradient-free update with a nevergrad optimizer: tell it the loss at ``ng_params``, ask for the next
+    candidate and set the model's parameters to it; returns the loss, metrics and the new candidate."""
+    loss, metrics = loss_fn(model, data)
+    optimizer.tell(ng_params, float(loss))
+    ng_params = optimizer.ask()
+    set_parameters(model, torch.as_tensor(ng_params.value))
+    return loss, metrics, ng_params
+
+
+default_optimize_step = optimize_step
+
+__all__ = ["default_optimize_step", "optimize_step", "update_ng_parameters"]
