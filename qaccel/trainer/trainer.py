@@ -418,7 +418,7 @@ class Trainer:
             self.opt_result = OptimizeResult(iteration, self.model, self._optimizer, rank=acc.rank,
                                              device=str(acc.device))
             self._stage(Stage.TRAIN_EPOCH_START)
-            for batch in _epoch_of(train_loader, self.max_batches):
+            for batch in _epoch_of(train_loader, self.max_batches, state.batches):
                 self._train_batch(batch)
             metrics = self._epoch_means()
             if self.lr_scheduler is not None and config.lr_scheduler_step is SchedulerStep.EPOCH:
@@ -743,16 +743,17 @@ def _no_data(world_size: int) -> DataLoader:
     return DataLoader(_NoData(world_size), batch_size=1, collate_fn=_none)
 
 
-def _epoch_of(loader: Any, max_batches: int | None) -> Iterable[Any]:
-    """The batches one epoch takes from ``loader`` (loaders.batches_per_epoch): the loader itself when that is all
-    of it, else its first ones, the epoch then ended (so a prepared loader records it as done)."""
+def _epoch_of(loader: Any, max_batches: int | None, done: int = 0) -> Iterable[Any]:
+    """The batches one epoch takes from ``loader`` (loaders.batches_per_epoch), ``done`` of them taken before a
+    resume: the loader itself when that is all of it (a resumed prepared loader passes over what was done), else
+    its next ones, the epoch then ended (so a prepared loader records it as done)."""
     count = loaders.batches_per_epoch(loader, max_batches)
     try:
         if len(loader) <= count:
             return loader
     except TypeError:
         pass
-    return _first(loader, count)
+    return _first(loader, count - done)
 
 
 def _first(loader: Any, count: int) -> Iterator[Any]:
