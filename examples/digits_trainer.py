@@ -85,7 +85,7 @@ def main() -> None:
     config = TrainConfig(
         nprocs=2,  # under torchrun or srun the launcher's world size wins
         compute_setup="cpu",
-        max_iter=args.epochs,
+        max_iter=args.epochs - 1,  # the last epoch: epochs count from 0, as in qadence
         val_every=1,  # and once before training, at step 0
         print_every=1,
         write_every=1,

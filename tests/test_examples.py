@@ -113,23 +113,24 @@ def test_classify_cnn_evaluates_every_sample_once_and_saves_once_into_the_workin
 
 
 def _trained_digits(out, epochs, first=1):
-    """digits_trainer.py's run: epochs ``first``..``epochs`` printed (train and validation), the final validation
+    """digits_trainer.py's run of ``--epochs`` ``epochs`` (epochs 0 .. epochs - 1, counted as qadence does; epoch 0 is
+    not printed nor written): epochs ``first``..``epochs - 1`` printed (train and validation), the final validation
     accuracy printed once and at least 90 %, and the run's folder (printed) holding a PNG of the curves, checkpoints
     and TensorBoard files with train_loss at every epoch and val_loss at every epoch and before training (step 0),
     each step once. Returns the run's folder."""
     for phase in ("train", "val"):
         printed = [int(n) for n in re.findall(rf"^epoch (\d+): {phase}_accuracy ", out, re.M)]
-        assert printed == list(range(first, epochs + 1)), out
+        assert printed == list(range(first, epochs)), out
     assert out.count("validation accuracy") == 1, out
     accuracy = re.search(r"^validation accuracy ([\d.]+)% after epoch (\d+)$", out, re.M)
-    assert accuracy and float(accuracy.group(1)) >= 90 and int(accuracy.group(2)) == epochs, out
+    assert accuracy and float(accuracy.group(1)) >= 90 and int(accuracy.group(2)) == epochs - 1, out
     assert out.count("run folder: ") == 1, out
     folder = Path(re.search(r"^run folder: (.+) \(curves\.png", out, re.M).group(1))
     assert (folder / "curves.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     assert any((folder / "checkpoints").iterdir())
     steps = _tensorboard_steps(folder / "tracking")
-    assert steps["train_loss"] == list(range(1, epochs + 1)), steps
-    assert steps["val_loss"] == list(range(epochs + 1)), steps
+    assert steps["train_loss"] == list(range(1, epochs)), steps
+    assert steps["val_loss"] == list(range(epochs)), steps
     return folder
 
 
@@ -144,17 +145,18 @@ def _tensorboard_steps(path):
 
 
 def test_digits_trainer_continues_its_run_from_the_checkpoint(tmp_path):
-    """Under python: a run of 4 epochs, then the same folder with --epochs 6 trains, prints and tracks epochs 5 and
-    6 only; TensorBoard has every step once, and the second run's event file holds only its own steps."""
+    """Under python: a run of 4 epochs (0 to 3), then the same folder with --epochs 6 trains, prints and tracks
+    epochs 4 and 5 only; TensorBoard has every step once, and the second run's event file holds only its own
+    steps."""
     _needs("digits_trainer.py")
     cmd = [sys.executable, DIGITS, "--log-folder", "run"]
     folder = _trained_digits(_run([*cmd, "--epochs", "4"], tmp_path), 4)
     assert folder == tmp_path.resolve() / "run"
     first = set((folder / "tracking").iterdir())
     again = _run([*cmd, "--epochs", "6"], tmp_path)
-    assert _trained_digits(again, 6, first=5) == folder
+    assert _trained_digits(again, 6, first=4) == folder
     (added,) = set((folder / "tracking").iterdir()) - first
-    assert _tensorboard_steps(added) == {"train_loss": [5, 6], "val_loss": [5, 6]}
+    assert _tensorboard_steps(added) == {"train_loss": [4, 5], "val_loss": [4, 5]}
 
 
 def test_digits_trainer_under_torchrun(tmp_path):
