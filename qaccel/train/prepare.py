@@ -16,6 +16,7 @@ from qaccel.options import Config, MixedPrecision, Strategy
 from qaccel.train import data, loaders, precision, sharding, stopping
 from qaccel.train.gradients import PreparedOptimizer
 from qaccel.train.registry import Registry
+from qaccel.train import schedulers
 from qaccel.train.schedulers import PreparedScheduler
 
 
@@ -53,6 +54,7 @@ def prepare_one(obj: Any, ctx: RankContext, config: Config, registry: Registry) 
         return obj
     if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and not any(obj is s for s in registry.schedulers):
         registry.schedulers.append(obj)
+        schedulers.track_optimizer_steps(obj)
         if config.step_scheduler_with_optimizer:
             return PreparedScheduler(obj, registry, 1 if config.split_batches else ctx.world_size)
     return obj

@@ -8,6 +8,8 @@ is already the batch of all ranks). Without the option, a prepared scheduler is 
 
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,3 +45,23 @@ class PreparedScheduler:
 
     def __getattr__(self, name: str) -> Any:  # get_last_lr, last_epoch, optimizer, ...
         return getattr(self.scheduler, name)
+
+
+def track_optimizer_steps(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+    """Mark the scheduler's optimizer's steps again, as the scheduler's constructor did: the mark (a wrapper on the
+    optimizer's ``step``) does not survive pickling, so in a rank the scheduler warned on every ``step()`` that
+    ``optimizer.step()`` had been overridden, and could no longer tell a step called before the optimizer's."""
+    optimizer = scheduler.optimizer
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    owner = weakref.ref(optimizer)
+    step = type(optimizer).step
+
+    @functools.wraps(step)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        optimizer = owner()
+        optimizer._opt_called = True
+        return step(optimizer, *args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper

@@ -74,11 +74,11 @@ def dies(acc):
 
 
 def fit(where, folder):
-    """A Trainer fit of 2 epochs on 2 ranks (here, or on the cluster); its parameters' hash and epochs tracked."""
+    """A Trainer fit of 2 epochs (0 and 1) on 2 ranks (here, or on the cluster); its parameters' hash and epochs."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    config = TrainConfig(nprocs=2, compute_setup="cpu", max_iter=2, log_folder=f"{folder}/{where}", verbose=False,
+    config = TrainConfig(nprocs=2, compute_setup="cpu", max_iter=1, log_folder=f"{folder}/{where}", verbose=False,
                          cluster=SlurmCluster(nodes=2, time="00:10:00", cpus_per_task=1, folder=f"{folder}/jobs")
                          if where == "cluster" else None)
     trainer = Trainer(model, optimizer, config, "mse", DataLoader(Squares(), batch_size=8))
