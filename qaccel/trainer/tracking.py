@@ -270,9 +270,9 @@ class TensorBoardTracker(_Opened):
     the first batch written, or at once when a previous attempt left one).
 
     Each call's values go into one event, written and flushed before the call returns, through TensorBoard's own
-    record writer. torch's SummaryWriter hands each value to a writer thread instead: in a busy rank that costs
-    about 20 times as much per call (333 us inside a rank, benchmarks/trainer.py on 2026-11-24, against 16 us here),
-    which matters when every batch is written.
+    record writer. torch's SummaryWriter hands each value to a writer thread instead, which costs far more per call
+    in a busy rank (docs/benchmarks.md gives the figures and how they were taken), and that matters when every batch
+    is written.
     """
 
     def __init__(self) -> None:
