@@ -197,11 +197,21 @@ def _fail_once_at_step_5(trainer, config, tracker):
         raise RuntimeError("the first attempt fails after step 5")
 
 
-def test_an_infinite_loader_resumed_mid_epoch_continues_the_stream_it_stopped_in(tmp_path):
-    """3 batches an epoch from an infinite loader, a checkpoint after every batch; the first attempt fails after
-    step 5 (epoch 1's second batch) before saving it: the second resumes after step 4, trains steps 5 to 15 only
-    and ends bitwise where the uninterrupted fit ends (a fresh start would end there too: what it trained tells)."""
-    x, y = _points()
+def _loader(kind):
+    if kind == "infinite":
+        return qaccel.to_dataloader(*_points(), batch_size=4, infinite=True)
+    x, y = _points(24)
+    z = torch.linspace(-2, 2, 32, dtype=torch.float64).reshape(-1, 1)
+    return qaccel.DictDataLoader({"fit": DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True),
+                                  "zero": DataLoader(TensorDataset(z), batch_size=2, shuffle=True)})
+
+
+@pytest.mark.parametrize("kind", ["infinite", "dict"])
+def test_a_loader_resumed_mid_epoch_continues_where_it_stopped(tmp_path, kind):
+    """3 batches an epoch (an infinite loader with max_batches=3; a DictDataLoader whose shorter loader gives 3 a
+    rank, both shuffled), a checkpoint after every batch; the first attempt fails after step 5 (epoch 1's second batch) before
+    saving it: the second resumes after step 4, trains steps 5 to 15 only and ends bitwise where the uninterrupted
+    fit ends (a fresh start would end there too: what it trained tells)."""
     noted = tmp_path / "batches"
     save = SaveCheckpoint("train_batch_end", 1)
     runs = {}
@@ -212,8 +222,9 @@ def test_an_infinite_loader_resumed_mid_epoch_continues_the_stream_it_stopped_in
         model = _model()
         config = TrainConfig(max_iter=EPOCHS, log_folder=tmp_path / name, compute_setup="cpu", tracking_tool="csv",
                              verbose=False, nprocs=2, seed=3, max_restarts=restarts, callbacks=callbacks)
-        Trainer(model, torch.optim.Adam(model.parameters(), lr=0.02), config, _mse,
-                qaccel.to_dataloader(x, y, batch_size=4, infinite=True), max_batches=3).fit()
+        Trainer(model, torch.optim.Adam(model.parameters(), lr=0.02), config,
+                _mse if kind == "infinite" else _two_sets, _loader(kind), max_batches=3 if kind == "infinite" else None
+                ).fit()
         runs[name] = model
     lines = [tuple(map(int, line.split())) for line in noted.read_text().splitlines()]
     assert [step for attempt, step in lines if attempt == 1] == list(range(5, 16)), lines
