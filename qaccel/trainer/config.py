@@ -55,7 +55,7 @@ class TrainConfig:
     plot_every: int = 0
     """Call ``plotting_functions`` and log their figures every this many epochs."""
     callbacks: list[Callback] = field(default_factory=list)
-    """Callbacks of your own (see ``qaccel.callbacks``), run after the ones the fields above make."""
+    """Callbacks of your own (see ``qaccel.callbacks``), run before the ones the fields above make (qadence's order)."""
     log_model: bool = False
     """Write the trained model's state dict to the run's folder at the end (``model.pt``)."""
     root_folder: Path = Path("./qml_logs")

@@ -147,6 +147,7 @@ class Trainer:
         if lr_scheduler is not None and not hasattr(lr_scheduler, "step"):
             raise TypeError(f"lr_scheduler must be an LR scheduler of the optimizer; got {lr_scheduler!r}")
         self.model, self.config, self.loss_fn = model, config, loss_fn
+        self._ng_params: Any = None  # gradient-free: nevergrad's current candidate (set with the optimizer)
         self.optimizer = optimizer
         self.train_dataloader, self.val_dataloader, self.test_dataloader = train_dataloader, val_dataloader, test_dataloader
         # qadence's default step, passed as its tutorials do: the Trainer's own, which extends it
@@ -165,7 +166,6 @@ class Trainer:
         self._at: Stage | None = None  # the stage whose callbacks run
         self._per_batch: set[str] = set()  # phases ("train", "val", "test") with a callback at a batch stage
         self._fitted = False  # a fit of this Trainer ended: the next one trains max_iter + 1 more epochs
-        self._ng_params: Any = None  # gradient-free: nevergrad's current candidate
 
     # ---- qadence's switches between gradient-based and gradient-free training ----
 

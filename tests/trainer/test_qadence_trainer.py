@@ -320,8 +320,8 @@ def test_gradient_free_training_with_nevergrad_follows_qadence(qadence, tmp_path
     reference_model = torch.nn.Linear(1, 1).double()
     ng_optimizer = nevergrad.optimizers.NGOpt(parametrization=qaccel.num_parameters(reference_model), budget=EPOCHS)
     ng_optimizer.parametrization.random_state.seed(0)
-    model = copy.deepcopy(reference_model)
-    twin = copy.deepcopy(ng_optimizer)
+    model, initial = copy.deepcopy(reference_model), copy.deepcopy(reference_model)
+    twin, ng_initial = copy.deepcopy(ng_optimizer), copy.deepcopy(ng_optimizer)
     qadence.Trainer.set_use_grad(False)
     try:
         NOTED.clear()
@@ -331,13 +331,22 @@ def test_gradient_free_training_with_nevergrad_follows_qadence(qadence, tmp_path
         losses = list(NOTED)
     finally:
         qadence.Trainer.set_use_grad(True)
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), TrainConfig(
-        max_iter=EPOCHS, log_folder=tmp_path / "qaccel", compute_setup="cpu", tracking_tool="csv", verbose=False),
-        _residual_linear)
-    with trainer.disable_grad_opt(twin):
+    config = TrainConfig(max_iter=EPOCHS, log_folder=tmp_path / "qaccel", compute_setup="cpu", tracking_tool="csv",
+                         verbose=False)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), config, _residual_linear)
+    with trainer.disable_grad_opt(twin):  # one way: a block
         trainer.fit()
     assert [h["train_loss"] for h in trainer.history if h["step"]] == pytest.approx(losses, rel=1e-12)
     torch.testing.assert_close(_params(model), _params(reference_model), **TOL)
+    Trainer.set_use_grad(False)  # the other: every Trainer made from now on
+    try:
+        again = copy.deepcopy(initial)
+        other = Trainer(again, copy.deepcopy(ng_initial), config.__class__(**{**vars(config), "log_folder": tmp_path / "set"}),
+                        _residual_linear)
+        other.fit()
+    finally:
+        Trainer.set_use_grad(True)
+    torch.testing.assert_close(_params(again), _params(reference_model), **TOL)
 
 
 def _residual_linear(model, batch):
