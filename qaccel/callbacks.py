@@ -19,9 +19,11 @@ from qaccel.trainer.callbacks import (
     WriteMetrics,
 )
 
+from qaccel.trainer.tracking import make_tracker as get_writer  # qadence's name: the tracker for a tracking tool
+
 __all__ = [
     "Callback", "EarlyStopping", "GradientMonitoring", "LoadCheckpoint", "LogHyperparameters", "LogModelTracker",
     "LRSchedulerCosineAnnealing",
     "LRSchedulerCyclic", "LRSchedulerStepDecay", "OptimizeResult", "PlotMetrics", "PrintMetrics",
-    "SaveBestCheckpoint", "SaveCheckpoint", "Stage", "WriteMetrics",
+    "SaveBestCheckpoint", "SaveCheckpoint", "Stage", "WriteMetrics", "get_writer",
 ]

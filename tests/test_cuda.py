@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from qaccel import Accelerator, Preempted
+from qaccel import Accelerator, Preempted, TrainConfig, Trainer
 from support import component
 from support.procs import REPO, free_port, run_script, script_env, script_file
 
@@ -291,3 +291,22 @@ def test_a_stop_on_the_gpu_saves_and_a_second_run_continues_bitwise(strategy, tm
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
     with pytest.raises(Preempted, match="checkpoint_00000024"):  # after the last step: a stop all the same
         acc.distribute(_stopped_on_the_gpu)(acc, str(tmp_path / "c"), 0)
+
+
+def test_a_trainer_fit_on_the_gpu_gives_the_model_and_optimizer_back_where_they_were(tmp_path):
+    """nprocs=1 fits in place on the GPU (compute_setup="auto"); the model and its optimizer's state come back to
+    the CPU, where the script made them, so the code after fit() runs on CPU tensors, as after a plain launch."""
+    model = _mlp()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    x = torch.randn(32, 4)
+    trainer = Trainer(model, optimizer, TrainConfig(max_iter=1, log_folder=tmp_path, tracking_tool="csv",
+                                                    verbose=False), "mse",
+                      DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8))
+    seen = []
+    trainer.on_train_start = lambda: seen.append(next(trainer.model.parameters()).device.type)
+    trainer.fit()
+    assert seen == ["cuda"], "trained on the GPU"
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    assert {v.device.type for s in optimizer.state.values() for k, v in s.items() if k != "step"} == {"cpu"}
+    model(x)  # CPU tensors, as the script has them
+    optimizer.step()

@@ -208,7 +208,6 @@ def test_test_with_split_batches_counts_the_real_part_of_a_partly_padded_batch(t
     ({"val_every": -1}, ValueError, "TrainConfig.val_every must be an int >= 0; got -1"),
     ({"tracking_tool": "wandb"}, ValueError, "TrainConfig.tracking_tool must be one of 'tensorboard', 'mlflow', 'csv'"),
     ({"lr_scheduler_step": "step"}, ValueError, "TrainConfig.lr_scheduler_step must be one of 'epoch', 'batch'"),
-    ({"checkpoint_best_only": True}, ValueError, "checkpoint_best_only keeps the best validation: set val_every"),
     ({"callbacks": [print]}, TypeError, "TrainConfig.callbacks must be a list of qaccel.callbacks.Callback"),
     ({"nprocs": 0}, ValueError, "TrainConfig.nprocs must be a positive int; got 0"),
     ({"keep_checkpoints": 0}, ValueError, "TrainConfig.keep_checkpoints must be an int >= 1; got 0"),
@@ -218,6 +217,13 @@ def test_test_with_split_batches_counts_the_real_part_of_a_partly_padded_batch(t
 def test_bad_config_values_fail_at_construction_naming_the_field(fields, exc, message):
     with pytest.raises(exc, match=message.replace("(", r"\(").replace(")", r"\)")):
         TrainConfig(**fields)
+
+
+def test_checkpoint_best_only_without_validation_warns_that_nothing_will_be_saved():
+    with pytest.warns(UserWarning, match="checkpoint_best_only keeps the best validation, and val_every=0 validates "
+                                         "never: no checkpoint will be saved") as caught:
+        TrainConfig(checkpoint_best_only=True)
+    assert caught[0].filename == __file__, "it points at the line that made the config"
 
 
 def test_the_config_holds_every_accelerator_option_with_its_default():

@@ -10,6 +10,7 @@ and a resumed epoch reads the stream it stopped in.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import singledispatch
 from typing import Any, Iterator
 
 import torch
@@ -59,9 +60,10 @@ class DictDataLoader:
 
 
 class InfiniteTensorDataset(IterableDataset):
-    """Samples of ``tensors`` (indexed along their first dimension) without end: every pass over them in a new
-    random order (qadence's ``InfiniteTensorDataset``). The order is drawn from ``generator``, or from torch's
-    global RNG; prepare() gives it the prepared loader's, the same on every rank."""
+    """Samples of ``tensors`` (indexed along their first dimension) without end: each iterator draws a random order
+    and goes through it again and again (qadence's ``InfiniteTensorDataset``). The order is drawn from
+    ``generator``, or from torch's global RNG; prepare() gives it the prepared loader's, the same on every rank and
+    seeded per epoch, so each epoch has an order of its own."""
 
     def __init__(self, *tensors: torch.Tensor) -> None:
         if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
@@ -74,9 +76,10 @@ class InfiniteTensorDataset(IterableDataset):
         sizes = {t.size(0) for t in self.tensors}
         if len(sizes) != 1:
             raise ValueError(f"InfiniteTensorDataset's tensors differ in their first dimension: {sorted(sizes)}")
+        order = [self.indices[i] for i in torch.randperm(len(self.indices), generator=self.generator).tolist()]
         while True:
-            for index in torch.randperm(len(self.indices), generator=self.generator).tolist():
-                yield tuple(t[self.indices[index]] for t in self.tensors)
+            for index in order:
+                yield tuple(t[index] for t in self.tensors)
 
 
 def to_dataloader(*tensors: torch.Tensor, batch_size: int = 1, infinite: bool = False) -> DataLoader:
@@ -94,3 +97,56 @@ def batches_per_epoch(loader: Any, max_batches: int | None) -> int:
     except TypeError:
         return max_batches or 1
     return length if max_batches is None else min(length, max_batches)
+
+
+def data_to_device(xs: Any, *args: Any, **kwargs: Any) -> Any:
+    """``xs`` (a tensor, list, dict, None, or a DataLoader, DictDataLoader or tensor dataset of them) with its tensors
+    moved by ``.to(*args, **kwargs)`` (qadence's ``data_to_device``); a loader comes back rebuilt on its moved
+    dataset, as qadence rebuilds it (default batching)."""
+    return _to_device(xs, *args, **kwargs)
+
+
+@singledispatch
+def _to_device(xs: Any, *args: Any, **kwargs: Any) -> Any:
+    raise ValueError(f"data_to_device cannot move a {type(xs).__name__} (a tensor, list, dict, None, DataLoader, "
+                     f"DictDataLoader or tensor dataset); got it with {args} {kwargs}")
+
+
+@_to_device.register(type(None))
+def _(xs: None, *args: Any, **kwargs: Any) -> None:
+    return None
+
+
+@_to_device.register(torch.Tensor)
+def _(xs: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return xs.to(*args, **kwargs)
+
+
+@_to_device.register(list)
+def _(xs: list, *args: Any, **kwargs: Any) -> list:
+    return [_to_device(x, *args, **kwargs) for x in xs]
+
+
+@_to_device.register(dict)
+def _(xs: dict, *args: Any, **kwargs: Any) -> dict:
+    return {key: _to_device(value, *args, **kwargs) for key, value in xs.items()}
+
+
+@_to_device.register(DataLoader)
+def _(xs: DataLoader, *args: Any, **kwargs: Any) -> DataLoader:
+    return DataLoader(_to_device(xs.dataset, *args, **kwargs))
+
+
+@_to_device.register(DictDataLoader)
+def _(xs: DictDataLoader, *args: Any, **kwargs: Any) -> DictDataLoader:
+    return DictDataLoader({key: _to_device(value, *args, **kwargs) for key, value in xs.dataloaders.items()})
+
+
+@_to_device.register(InfiniteTensorDataset)
+def _(xs: InfiniteTensorDataset, *args: Any, **kwargs: Any) -> InfiniteTensorDataset:
+    return InfiniteTensorDataset(*[t.to(*args, **kwargs) for t in xs.tensors])
+
+
+@_to_device.register(TensorDataset)
+def _(xs: TensorDataset, *args: Any, **kwargs: Any) -> TensorDataset:
+    return TensorDataset(*[t.to(*args, **kwargs) for t in xs.tensors])

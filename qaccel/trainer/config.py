@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import enum
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -131,8 +132,9 @@ class TrainConfig:
         for name in ("validation_criterion", "trainstop_criterion"):
             if getattr(self, name) is not None and not callable(getattr(self, name)):
                 raise TypeError(f"TrainConfig.{name} must be a function or None; got {getattr(self, name)!r}")
-        if self.checkpoint_best_only and not self.val_every:
-            raise ValueError("TrainConfig.checkpoint_best_only keeps the best validation: set val_every > 0 too")
+        if self.checkpoint_best_only and not self.val_every:  # qadence accepts it, and saves nothing: so do we, saying so
+            warnings.warn("TrainConfig.checkpoint_best_only keeps the best validation, and val_every=0 validates "
+                          "never: no checkpoint will be saved (set val_every > 0)", UserWarning, stacklevel=3)
         self.root_folder, self.log_folder = Path(self.root_folder), Path(self.log_folder)
         self.tracking_tool = _member("tracking_tool", self.tracking_tool, TrackingTool)
         self.lr_scheduler_step = _member("lr_scheduler_step", self.lr_scheduler_step, SchedulerStep)

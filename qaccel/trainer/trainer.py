@@ -17,6 +17,7 @@ import math
 import os
 import pickle
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -166,6 +167,7 @@ class Trainer:
         self._at: Stage | None = None  # the stage whose callbacks run
         self._per_batch: set[str] = set()  # phases ("train", "val", "test") with a callback at a batch stage
         self._fitted = False  # a fit of this Trainer ended: the next one trains max_iter + 1 more epochs
+        self._hooked = False  # a subclass's hook takes the batch results of an epoch: keep them
 
     # ---- qadence's switches between gradient-based and gradient-free training ----
 
@@ -250,6 +252,50 @@ class Trainer:
     def num_test_batches(self) -> int:
         return _batches(self.test_dataloader, self.max_batches)
 
+    # ---- qadence's hooks: a subclass overrides them (each batch's results are lists of (loss, metrics)) ----
+
+    def on_train_start(self) -> None:
+        """At the start of training, after the train_start callbacks."""
+
+    def on_train_end(self, train_losses: list[list[tuple[torch.Tensor, Any]]],
+                     val_losses: list[list[tuple[torch.Tensor, Any]]] | None = None) -> None:
+        """At the end of training, before the train_end callbacks: every epoch's batch results of this fit."""
+
+    def on_train_epoch_start(self) -> None:
+        """Before each training epoch (and its callbacks)."""
+
+    def on_train_epoch_end(self, train_epoch_loss_metrics: list[tuple[torch.Tensor, Any]]) -> None:
+        """After each training epoch (and its callbacks): the epoch's batch results."""
+
+    def on_val_epoch_start(self) -> None:
+        """Before each validation."""
+
+    def on_val_epoch_end(self, val_epoch_loss_metrics: list[tuple[torch.Tensor, Any]]) -> None:
+        """After each validation: its batch results."""
+
+    def on_train_batch_start(self, batch: Any) -> None:
+        """Before each training batch, given the batch on the rank's device."""
+
+    def on_train_batch_end(self, train_batch_loss_metrics: tuple[torch.Tensor, Any]) -> None:
+        """After each training batch: its (loss, metrics)."""
+
+    def on_val_batch_start(self, batch: Any) -> None:
+        """Before each validation batch."""
+
+    def on_val_batch_end(self, val_batch_loss_metrics: tuple[torch.Tensor, Any]) -> None:
+        """After each validation batch."""
+
+    def on_test_batch_start(self, batch: Any) -> None:
+        """Before each test batch."""
+
+    def on_test_batch_end(self, test_batch_loss_metrics: tuple[torch.Tensor, Any]) -> None:
+        """After each test batch."""
+
+    def _overrides_a_results_hook(self) -> bool:
+        """Whether a subclass overrides a hook that gets an epoch's batch results: only then are they kept."""
+        return any(getattr(type(self), name) is not getattr(Trainer, name)
+                   for name in ("on_train_end", "on_train_epoch_end", "on_val_epoch_end"))
+
     # ---- what users call ----
 
     def fit(self, train_dataloader: Any = None, val_dataloader: Any = None) -> tuple[torch.nn.Module, Any]:
@@ -297,6 +343,26 @@ class Trainer:
             raise ValueError("test() needs a test_dataloader (here or in Trainer(...))")
         return self.accelerator.distribute(_test_on_rank)(self)
 
+    def get_ic_grad_bounds(self, eta: float, epsilons: torch.Tensor, variation_multiple: int = 20,
+                           dataloader: Any = None) -> tuple[float, float, float]:
+        """qadence's bounds on the gradient norm from the loss landscape's information content around the model's
+        parameters, on the first batch of ``dataloader`` (or the training loader): (max-IC lower bound, max-IC upper
+        bound, sensitivity-IC upper bound). Computed in this process by qadence's own ``InformationContent``, so it
+        needs qadence (``variation_multiple`` is unused, as in qadence)."""
+        try:
+            from qadence.ml_tools.information import InformationContent
+        except ImportError as exc:
+            raise ImportError("Trainer.get_ic_grad_bounds() computes with qadence's InformationContent: pip install "
+                              "qadence") from exc
+        if not self.use_grad:
+            warnings.warn("gradient norm bounds matter for gradient-based training; this Trainer trains without "
+                          "gradients (use_grad=False)", stacklevel=2)
+        loader = dataloader if dataloader is not None else self.train_dataloader
+        batch = None if loader is None else next(iter(loader))
+        content = InformationContent(self.model, self.loss_fn, batch, epsilons)
+        lower, upper = content.get_grad_norm_bounds_max_IC()
+        return lower, upper, content.get_grad_norm_bounds_sensitivity_IC(eta)
+
     def request_stop(self, reason: str) -> None:
         """Stop training after this epoch, on every rank (a callback on any rank may ask)."""
         self._stop_reason = reason
@@ -331,12 +397,14 @@ class Trainer:
         if config.seed is not None:
             acc.set_seed(config.seed)
         user_model, user_optimizer = self.model, self._optimizer
+        where = _device_of(user_model)
         train = self.train_dataloader if self.train_dataloader is not None else _no_data(acc.world_size)
         prepared = acc.prepare(self.model, self._optimizer, train,
                                *([self.val_dataloader] if self.val_dataloader is not None else []),
                                *([self.lr_scheduler] if self.lr_scheduler is not None else []))
         self.model, self._optimizer, train_loader = prepared[:3]
         val_loader = prepared[3] if self.val_dataloader is not None else None
+        self._hooked = self._overrides_a_results_hook()
         self._callbacks[:] = self._make_callbacks()
         self._per_batch = {c.on.value.split("_")[0] for c in self._callbacks if c.on.per_batch}
         self._stop_reason = None
@@ -384,6 +452,10 @@ class Trainer:
             "global_step": state.global_step,
         }
         self.model, self._optimizer = user_model, user_optimizer  # in place, the user's own objects, trained
+        if where is not None and _device_of(user_model) != where:  # back where the user made it, as a launch gives it
+            user_model.to(where)
+            if self.use_grad:
+                user_optimizer.load_state_dict(user_optimizer.state_dict())  # torch moves the state to the parameters
         self._fitted = True
         return result
 
@@ -408,25 +480,36 @@ class Trainer:
 
     def _train(self, train_loader: Any, val_loader: Any) -> None:
         acc, config, state = self.accelerator, self.config, self._state
-        self._stage(Stage.TRAIN_START)
         if config.val_every and state.epochs_done == 0 and state.batches == 0 and not state.history:
-            self._validate(val_loader, 0)  # where training starts from
+            self._validate(val_loader, 0, hooks=False)  # where training starts from (qadence calls no epoch hook)
+        self._stage(Stage.TRAIN_START)
+        self.on_train_start()
+        train_losses: list[list[tuple[torch.Tensor, dict[str, Any]]]] = []  # kept for qadence's hooks only
+        val_losses: list[list[tuple[torch.Tensor, dict[str, Any]]]] = []
         epochs = range(train_loader.epoch, state.end)
         iteration, metrics = state.epochs_done - 1, {}
         for iteration in acc.progress(epochs, desc="epochs") if config.verbose else epochs:
             self.current_epoch = iteration
             self.opt_result = OptimizeResult(iteration, self.model, self._optimizer, rank=acc.rank,
                                              device=str(acc.device))
+            self.on_train_epoch_start()
             self._stage(Stage.TRAIN_EPOCH_START)
+            epoch_results = []
             for batch in _epoch_of(train_loader, self.max_batches, state.batches):
-                self._train_batch(batch)
+                result = self._train_batch(batch)
+                if self._hooked:
+                    epoch_results.append(result)
             metrics = self._epoch_means()
             if self.lr_scheduler is not None and config.lr_scheduler_step is SchedulerStep.EPOCH:
                 self.lr_scheduler.step()
             self._end_epoch(iteration, metrics)
             self._stage(Stage.TRAIN_EPOCH_END)
-            if config.val_every and iteration and iteration % config.val_every == 0:
-                self._validate(val_loader, iteration)
+            self.on_train_epoch_end(epoch_results)
+            train_losses.append(epoch_results)
+            if config.val_every and iteration % config.val_every == 0:
+                # after epoch 0 too, as qadence: callbacks skip epoch 0, and its metrics are neither recorded nor
+                # written (step 0 holds the validation before training)
+                val_losses.append(self._validate(val_loader, iteration, record=iteration > 0))
             if config.trainstop_criterion is not None and acc.is_main_process and config.trainstop_criterion(self):
                 self.request_stop("trainstop_criterion returned True")
             stop = self._agreed_stop()
@@ -447,13 +530,15 @@ class Trainer:
             self.write_metrics(metrics)
         if config.plot_every and config.plotting_functions and iteration % config.plot_every:
             self._plot()
+        self.on_train_end(train_losses, val_losses)
         self._stage(Stage.TRAIN_END)
 
-    def _train_batch(self, batch: Any) -> None:
+    def _train_batch(self, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
         acc, state = self.accelerator, self._state
         self.opt_result.batch = state.global_step + 1
-        self._stage(Stage.TRAIN_BATCH_START)
         batch = acc.prepare_batch(batch)
+        self.on_train_batch_start(batch)
+        self._stage(Stage.TRAIN_BATCH_START)
         if self.use_grad:
             # Gradients are zeroed before a step, not after, so the last update's stay for the callbacks at the
             # batch's and the epoch's end (GradientMonitoring); between the micro-steps of an accumulation the
@@ -476,6 +561,9 @@ class Trainer:
         if "train" in self._per_batch:  # floats wait for the device: only when a callback reads them
             self._show_batch("train", values)
         self._stage(Stage.TRAIN_BATCH_END)
+        result = (loss.detach(), values)
+        self.on_train_batch_end(result)
+        return result
 
     def _optimize_step(self, model: torch.nn.Module, optimizer: Any, loss_fn: LossFunction, xs: Any,
                        device: Any = None, dtype: Any = None) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -513,26 +601,36 @@ class Trainer:
         set_parameters(self.accelerator.unwrap_model(self.model), torch.as_tensor(self._ng_params.value))
         return loss, metrics
 
-    def _validate(self, loader: Any, iteration: int) -> None:
+    def _validate(self, loader: Any, iteration: int, record: bool = True,
+                  hooks: bool = True) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+        """Validate; with ``record``, the means go to the history and the tracker and may be the best so far; with
+        ``hooks``, the validation epoch's hooks run."""
         acc, state = self.accelerator, self._state
         self.opt_result = OptimizeResult(iteration, self.model, self._optimizer, rank=acc.rank,
                                          device=str(acc.device))
+        if hooks:
+            self.on_val_epoch_start()
         self._stage(Stage.VAL_EPOCH_START)
-        sums, samples = self._evaluate(self.model, loader, "val")
+        results: list[tuple[torch.Tensor, dict[str, Any]]] = []
+        sums, samples = self._evaluate(self.model, loader, "val", results)
         if self.config.all_reduce_metrics:
             sums, samples = self._summed(sums, samples)
         means = {name: float(total) / max(samples, 1.0) for name, total in sums.items()}
         improved = False
-        if acc.is_main_process:
+        if acc.is_main_process and record:
             criterion = self.config.validation_criterion or _lower
             improved = bool(criterion(means["val_loss"], state.best_val, self.config.val_epsilon))
         self.validation_improved = bool(acc.broadcast(improved))
         if self.validation_improved:
             state.best_val = acc.broadcast(means["val_loss"])
         self.opt_result.loss, self.opt_result.metrics = means["val_loss"], means
-        self._record(iteration, means)
-        self.write_metrics(means)  # validation metrics are always written
+        if record:
+            self._record(iteration, means)
+            self.write_metrics(means)  # validation metrics are always written
         self._stage(Stage.VAL_EPOCH_END)
+        if hooks:
+            self.on_val_epoch_end(results)
+        return results
 
     def _test(self) -> dict[str, float]:
         acc = self.accelerator
@@ -541,10 +639,12 @@ class Trainer:
         sums, samples = self._summed(*self._evaluate(model, loader, "test"))
         return {name: float(total) / max(samples, 1.0) for name, total in sums.items()}
 
-    def _evaluate(self, model: torch.nn.Module, loader: Any, phase: str) -> tuple[dict[str, Any], float]:
+    def _evaluate(self, model: torch.nn.Module, loader: Any, phase: str,
+                  results: list[tuple[torch.Tensor, dict[str, Any]]] | None = None) -> tuple[dict[str, Any], float]:
         """This rank's sums of the loss and metrics over ``loader``'s samples (batch means times batch sizes), and
-        its sample count. Padding batches (repeats that even out the last step) run, as a sharded model needs every
-        rank's forward, but count for nothing."""
+        its sample count; each batch's (loss, metrics) appended to ``results`` for qadence's hooks. Padding batches
+        (repeats that even out the last step) run, as a sharded model needs every rank's forward, but count for
+        nothing."""
         acc = self.accelerator
         start, end = Stage(f"{phase}_batch_start"), Stage(f"{phase}_batch_end")
         sums: dict[str, Any] = {}
@@ -555,8 +655,9 @@ class Trainer:
             with torch.no_grad():
                 for number, batch in enumerate(_epoch_of(loader, self.max_batches), 1):
                     self.opt_result.batch = number
-                    self._stage(start)
                     batch = acc.prepare_batch(batch)
+                    getattr(self, f"on_{phase}_batch_start")(batch)
+                    self._stage(start)
                     size, padding = _batch_size(batch), acc.padding_in_batch if padded else 0
                     if 0 < padding < size:  # the real samples only (all padding: run it, as a sharded model needs)
                         batch, size = map_leaves(batch, lambda t: t[:size - padding]), size - padding
@@ -570,6 +671,10 @@ class Trainer:
                     if phase in self._per_batch:
                         self._show_batch(phase, values)
                     self._stage(end)
+                    result = (loss.detach(), values)
+                    getattr(self, f"on_{phase}_batch_end")(result)
+                    if results is not None and self._hooked:
+                        results.append(result)
         finally:
             model.train()
         return sums, float(samples)
@@ -780,6 +885,10 @@ def _needs_closure(optimizer: Any) -> bool:
     inner = getattr(optimizer, "optimizer", optimizer)
     parameter = inspect.signature(type(inner).step).parameters.get("closure")
     return parameter is not None and parameter.default is inspect.Parameter.empty
+
+
+def _device_of(model: torch.nn.Module) -> torch.device | None:
+    return next((p.device for p in model.parameters()), None)
 
 
 def _data_dtype(dtype: torch.dtype | None) -> torch.dtype | None:

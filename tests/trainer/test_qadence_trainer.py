@@ -276,6 +276,47 @@ def test_a_folder_of_qadence_checkpoints_is_continued_on_every_rank(qadence, tmp
     torch.testing.assert_close(_params(model), _params(straight[1]), **TOL)
 
 
+EVENTS: list[tuple] = []  # what the hooks and the loss saw, in order
+
+
+def _counted(model, batch):
+    EVENTS.append(("loss",))
+    return _mse(model, batch)
+
+
+def _hooked(trainer_class):
+    """A subclass of ``trainer_class`` (qadence's or qaccel's) whose every hook notes its name, the epoch and how
+    many batch results it got."""
+
+    def note(name):
+        def hook(self, *args):
+            got = [len(a) for a in args if isinstance(a, list) and all(isinstance(r, tuple) for r in a)]
+            EVENTS.append((name, self.current_epoch, *got))
+        return hook
+
+    names = ["on_train_start", "on_train_end", "on_train_epoch_start", "on_train_epoch_end", "on_val_epoch_start",
+             "on_val_epoch_end", "on_train_batch_start", "on_train_batch_end", "on_val_batch_start",
+             "on_val_batch_end"]
+    return type("Hooked", (trainer_class,), {name: note(name) for name in names})
+
+
+def test_a_subclass_hooks_run_where_qadences_do_with_the_same_loss_calls(qadence, tmp_path):
+    x, y = _points(16)
+    seen = {}
+    for name, library in (("qadence", qadence), ("qaccel", None)):
+        EVENTS.clear()
+        model = _model()
+        config = (library.TrainConfig if library else functools.partial(
+            TrainConfig, compute_setup="cpu", tracking_tool="csv", verbose=False))(
+            max_iter=2, val_every=1, log_folder=tmp_path / name)
+        _hooked(library.Trainer if library else Trainer)(
+            model, _optimizer(model, "adam"), config, _counted, DataLoader(TensorDataset(x, y), batch_size=8),
+            DataLoader(TensorDataset(x, y), batch_size=16)).fit()
+        seen[name] = list(EVENTS)
+    assert seen["qaccel"] == seen["qadence"]
+    assert seen["qaccel"].count(("loss",)) == 3 * 2 + 4 * 1, "3 epochs of 2 batches, 4 validations of one"
+
+
 def _write_everywhere(trainer, config, writer):
     """A qadence callback: writes through the writer on every rank, with no rank check."""
     writer.write(trainer.opt_result.iteration, {"doubled": 2 * float(trainer.opt_result.loss)})
