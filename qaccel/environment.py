@@ -1,6 +1,10 @@
-"""Where is this process running: plain, under torchrun, in a SLURM srun step, or in a live process group.
+"""Where is this process running: plain, under torchrun, in a SLURM srun step, under mpirun or LSF's jsrun, under a
+launcher that exported torch's env:// variables (a Kubernetes PyTorchJob, the DeepSpeed launcher, SageMaker), or
+in a live process group.
 
-Launch code asks this first so it can run in place when ranks already exist instead of spawning more.
+Launch code asks this first so it can run in place when ranks already exist instead of spawning more. Each
+launcher is one small class that reads its own variables (``LAUNCHERS``, tried in order); a process that merely
+carries some of them (a login shell inside an allocation, a leftover ``RANK``) is taken for no rank.
 """
 
 from __future__ import annotations
@@ -11,11 +15,12 @@ import os
 import re
 import subprocess
 import sys
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["Environment", "Kind", "detect", "parse_nodelist", "parse_tasks_per_node", "rank_variables", "slurm_job_state",
-           "slurm_port"]
+__all__ = ["LAUNCHERS", "Environment", "Kind", "derived_port", "detect", "parse_nodelist", "parse_tasks_per_node",
+           "rank_variables", "slurm_job_state", "slurm_port"]
 
 
 class Kind(enum.StrEnum):
@@ -30,6 +35,13 @@ class Kind(enum.StrEnum):
     """torchrun started the ranks and exported their layout (RANK, WORLD_SIZE, ...)."""
     SLURM = "slurm"
     """Each task of an srun step is a rank; its layout comes from SLURM_* variables."""
+    MPI = "mpi"
+    """Each process of mpirun (Open MPI, MPICH, Intel MPI, MVAPICH) is a rank; its layout comes from the MPI's."""
+    LSF = "lsf"
+    """Each process of LSF's jsrun is a rank; its layout comes from JSM_NAMESPACE_* variables."""
+    ENV = "env"
+    """A launcher exported torch's env:// variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) without torchrun:
+    a Kubernetes PyTorchJob, the DeepSpeed launcher, SageMaker."""
     INITIALIZED = "initialized"
     """The user already made a process group: run in it, make none."""
 
@@ -40,13 +52,15 @@ class Kind(enum.StrEnum):
 
     @property
     def started_by_launcher(self) -> bool:
-        """True when a launcher (torchrun, srun) chose the world: qaccel makes the group from its variables."""
-        return self in (Kind.TORCHRUN, Kind.SLURM)
+        """True when a launcher (torchrun, srun, mpirun, ...) chose the world: qaccel makes the group from its
+        variables."""
+        return self not in (Kind.PLAIN, Kind.INITIALIZED)
 
     @property
     def exports_rank_variables(self) -> bool:
-        """True when qaccel must export torchrun's variables (RANK, MASTER_ADDR, ...) for torch and user code."""
-        return self is Kind.SLURM
+        """True when qaccel must export torchrun's variables (RANK, MASTER_ADDR, ...) for torch and user code (all
+        of them: a launcher of env:// variables may leave out LOCAL_RANK and the like)."""
+        return self in (Kind.SLURM, Kind.MPI, Kind.LSF, Kind.ENV)
 
 
 @dataclass(frozen=True)
@@ -91,31 +105,159 @@ def rank_variables(env: Environment) -> dict[str, str]:
 
 
 def detect(environ: Mapping[str, str] | None = None) -> Environment:
-    """Classify the current process; a live process group wins over torchrun, which wins over SLURM."""
+    """Classify the current process: the first of ``LAUNCHERS`` that finds a rank here, else plain."""
     env = os.environ if environ is None else environ
-    for probe in (_initialized, _torchrun, _slurm):
-        found = probe(env)
+    for launcher in LAUNCHERS:
+        found = launcher.find(env)
         if found is not None:
             return found
     return Environment(kind=Kind.PLAIN)
 
 
-def _initialized(env: Mapping[str, str]) -> Environment | None:
-    """Read an existing torch.distributed group without importing torch when nobody else has."""
-    if "torch" not in sys.modules:
-        return None
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    return _launcher_layout(env, Kind.INITIALIZED, dist.get_rank(), dist.get_world_size())
+# A qaccel rank of a plain launch carries torch's env:// variables (rank_variables) and this one: a process it starts
+# (a script of the user's run as a subprocess) is no rank of an env:// launcher's world.
+STARTED_BY_QACCEL = "QACCEL_RANK_OF"
 
 
-def _torchrun(env: Mapping[str, str]) -> Environment | None:
+class InitializedGroup:
+    """The user made a torch.distributed group: run in it. Read without importing torch when nobody else has."""
+
+    kind = Kind.INITIALIZED
+
+    def find(self, env: Mapping[str, str]) -> Environment | None:
+        if "torch" not in sys.modules:
+            return None
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        return _launcher_layout(env, self.kind, dist.get_rank(), dist.get_world_size())
+
+
+class Torchrun:
     """torchrun (torchelastic) exports the whole layout, so take it verbatim."""
-    if "TORCHELASTIC_RUN_ID" not in env:
-        return None
-    return _launcher_layout(env, Kind.TORCHRUN, _int(env, "RANK", 0), _int(env, "WORLD_SIZE", 1))
+
+    kind = Kind.TORCHRUN
+
+    def find(self, env: Mapping[str, str]) -> Environment | None:
+        if "TORCHELASTIC_RUN_ID" not in env:
+            return None
+        return _launcher_layout(env, self.kind, _int(env, "RANK", 0), _int(env, "WORLD_SIZE", 1))
+
+
+class SlurmStep:
+    """Only a multi-task srun step counts: a batch script or salloc shell also carries SLURM_PROCID."""
+
+    kind = Kind.SLURM
+
+    def find(self, env: Mapping[str, str]) -> Environment | None:
+        return _slurm(env)
+
+
+class Mpi:
+    """mpirun's processes, by the variables of the MPI that started them (the first family present): Open MPI's
+    ``OMPI_COMM_WORLD_*``, MPICH's and Intel MPI's (Hydra) ``PMI_*``/``MPI_LOCAL*``, MVAPICH's ``MV2_COMM_WORLD_*``.
+
+    MPI gives no rendezvous address: ``MASTER_ADDR``/``MASTER_PORT`` you pass (``mpirun -x``) win; on one node it
+    is 127.0.0.1 and a port from the job's id (Open MPI's), else from the launcher's daemon, every local rank's
+    parent; on several nodes MASTER_ADDR is needed, and a ValueError says so. Ranks are taken as placed by slot
+    (mpirun's default): node = rank // local size.
+    """
+
+    kind = Kind.MPI
+    FAMILIES = (
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+        ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"),
+    )
+    JOB_IDS = ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid")  # the same on every rank of an Open MPI job
+
+    def find(self, env: Mapping[str, str]) -> Environment | None:
+        family = next((f for f in self.FAMILIES if f[0] in env and f[1] in env), None)
+        if family is None:
+            return None
+        rank_key, size_key, local_rank_key, local_size_key = family
+        world_size = _int(env, size_key, 1)
+        if world_size <= 1:
+            return None
+        rank = _int(env, rank_key, 0)
+        local_world_size = _int(env, local_size_key, world_size)
+        num_nodes = _ceil_div(world_size, local_world_size)
+        master_addr = env.get("MASTER_ADDR") or ("127.0.0.1" if num_nodes == 1 else None)
+        if master_addr is None:
+            raise ValueError(f"an MPI job of {world_size} ranks on {num_nodes} nodes ({size_key}, {local_size_key}) "
+                             "needs the rendezvous address of rank 0's node: pass MASTER_ADDR (and MASTER_PORT) to "
+                             "every rank, e.g. mpirun -x MASTER_ADDR=<rank 0's host> -x MASTER_PORT=29500")
+        master_port = _optional_int(env, "MASTER_PORT")
+        if master_port is None:
+            job = _first(env, self.JOB_IDS)
+            if job is None and num_nodes > 1:
+                raise ValueError(f"an MPI job on {num_nodes} nodes needs MASTER_PORT: mpirun -x MASTER_PORT=<a free "
+                                 "port on rank 0's host>")
+            master_port = derived_port(job if job is not None else f"daemon {os.getppid()}")
+        return Environment(kind=self.kind, rank=rank, local_rank=_int(env, local_rank_key, rank),
+                           node_rank=rank // max(local_world_size, 1), world_size=world_size,
+                           local_world_size=local_world_size, num_nodes=num_nodes, master_addr=master_addr,
+                           master_port=master_port)
+
+
+class LsfJsrun:
+    """LSF's jsrun: ``JSM_NAMESPACE_*`` give the layout; rank 0's host is the first compute host of
+    ``LSB_MCPU_HOSTS`` (after the launch node, which runs no rank) and the port comes from ``LSB_JOBID`` (as
+    Lightning's LSF environment takes them), unless MASTER_ADDR/MASTER_PORT are set."""
+
+    kind = Kind.LSF
+
+    def find(self, env: Mapping[str, str]) -> Environment | None:
+        if "JSM_NAMESPACE_RANK" not in env or "JSM_NAMESPACE_SIZE" not in env:
+            return None
+        world_size = _int(env, "JSM_NAMESPACE_SIZE", 1)
+        if world_size <= 1:
+            return None
+        rank = _int(env, "JSM_NAMESPACE_RANK", 0)
+        local_world_size = _int(env, "JSM_NAMESPACE_LOCAL_SIZE", world_size)
+        hosts = env.get("LSB_MCPU_HOSTS", "").split()[::2]  # "launch 1 host1 4 host2 4": names, then counts
+        master_addr = env.get("MASTER_ADDR") or (hosts[1] if len(hosts) > 1 else hosts[0] if hosts else None)
+        job = env.get("LSB_JOBID")
+        master_port = _optional_int(env, "MASTER_PORT") or (derived_port(job) if job else None)
+        if master_addr is None or master_port is None:
+            raise ValueError("a jsrun rank needs LSB_MCPU_HOSTS and LSB_JOBID (set by LSF) or MASTER_ADDR and "
+                             "MASTER_PORT to find rank 0")
+        return Environment(kind=self.kind, rank=rank, local_rank=_int(env, "JSM_NAMESPACE_LOCAL_RANK", rank),
+                           node_rank=rank // max(local_world_size, 1), world_size=world_size,
+                           local_world_size=local_world_size, num_nodes=_ceil_div(world_size, local_world_size),
+                           master_addr=master_addr, master_port=master_port)
+
+
+class EnvVariables:
+    """A launcher that exported torch's env:// variables itself: all of ``RANK``, ``WORLD_SIZE`` (more than 1),
+    ``MASTER_ADDR`` and ``MASTER_PORT`` (a Kubernetes PyTorchJob, the DeepSpeed launcher, SageMaker, the old
+    ``torch.distributed.launch --use-env``). ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (or DeepSpeed's
+    ``LOCAL_SIZE``) when given, else one process per node (a PyTorchJob's pods). Not in a process a qaccel rank
+    started, which carries these too."""
+
+    kind = Kind.ENV
+    NEEDED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+    def find(self, env: Mapping[str, str]) -> Environment | None:
+        if not all(env.get(name) for name in self.NEEDED) or STARTED_BY_QACCEL in env:
+            return None
+        world_size = _int(env, "WORLD_SIZE", 1)
+        if world_size <= 1:
+            return None
+        rank = _int(env, "RANK", 0)
+        local_world_size = _first_int(env, ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")) or 1
+        node_rank = _first_int(env, ("GROUP_RANK", "NODE_RANK"))
+        node_rank = rank // local_world_size if node_rank is None else node_rank
+        return Environment(kind=self.kind, rank=rank, local_rank=_int(env, "LOCAL_RANK", rank % local_world_size),
+                           node_rank=node_rank, world_size=world_size, local_world_size=local_world_size,
+                           num_nodes=_ceil_div(world_size, local_world_size), master_addr=env["MASTER_ADDR"],
+                           master_port=_int(env, "MASTER_PORT", 0))
+
+
+LAUNCHERS = (InitializedGroup(), Torchrun(), SlurmStep(), Mpi(), LsfJsrun(), EnvVariables())
+"""Tried in this order: a live group wins over every launcher; the launchers' own variables over the env://
+ones that srun tasks and qaccel's ranks are given too."""
 
 
 def _launcher_layout(env: Mapping[str, str], kind: Kind, rank: int, world_size: int) -> Environment:
@@ -191,6 +333,12 @@ def _nodelist(env: Mapping[str, str]) -> list[str]:
         return parse_nodelist(env[key])
     except ValueError as err:
         raise ValueError(f"{key}={env[key]!r}: {err}") from None
+
+
+def derived_port(job: str) -> int:
+    """A rendezvous port every rank of a job derives alike from the job's name: 20000 plus a stable hash of it
+    below 10000 (a range apart from slurm_port's)."""
+    return 20000 + zlib.crc32(job.encode()) % 10000
 
 
 def slurm_port(job_id: str) -> int:

@@ -1,4 +1,4 @@
-"""Shared fixtures, and the rule for tests that need a real component (markers slurm, two_hosts and small_disk, see
+"""Shared fixtures, and the rule for tests that need a real component (markers slurm, two_hosts, small_disk and mpi, see
 support/component.py): they run only where the component can, else they are skipped saying why, or fail under
 CI=true."""
 
@@ -27,7 +27,7 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         pass
 
 _COMPONENTS = {"slurm": component.slurm_missing, "two_hosts": component.two_hosts_missing,
-               "small_disk": component.small_disk_missing}
+               "small_disk": component.small_disk_missing, "mpi": component.mpi_missing}
 _WHY_NOT = pytest.StashKey[dict]()
 
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from qaccel.environment import Environment, detect, parse_nodelist, parse_tasks_per_node, slurm_port
+from qaccel.environment import Environment, derived_port, detect, parse_nodelist, parse_tasks_per_node, slurm_port
 from support import component
 
 SBATCH_WITHOUT_SRUN = {
@@ -335,3 +335,64 @@ def test_slurm_port(job_id: str, port: int) -> None:
 def test_slurm_port_without_digits_raises() -> None:
     with pytest.raises(ValueError, match="'abc'"):
         slurm_port("abc")
+
+
+OPEN_MPI = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_MCA_ess_base_jobid": "1234567"}
+
+
+def test_open_mpi_on_two_nodes_needs_the_rendezvous_address_and_says_how():
+    with pytest.raises(ValueError, match="an MPI job of 4 ranks on 2 nodes .* needs the rendezvous address of rank "
+                                         "0's node: pass MASTER_ADDR .* mpirun -x MASTER_ADDR="):
+        detect(OPEN_MPI)
+    env = detect({**OPEN_MPI, "MASTER_ADDR": "node1"})
+    assert env == Environment(kind="mpi", rank=3, local_rank=1, node_rank=1, world_size=4, local_world_size=2,
+                              num_nodes=2, master_addr="node1", master_port=derived_port("1234567"))
+
+
+def test_mpi_on_one_node_rendezvouses_on_loopback_at_a_port_of_the_job_or_its_daemon():
+    one_node = {**OPEN_MPI, "OMPI_COMM_WORLD_LOCAL_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "3"}
+    env = detect(one_node)
+    assert (env.master_addr, env.master_port, env.node_rank, env.num_nodes) == ("127.0.0.1", derived_port("1234567"), 0, 1)
+    mpich = {"PMI_RANK": "0", "PMI_SIZE": "2", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"}
+    assert detect(mpich).master_port == derived_port(f"daemon {os.getppid()}"), "every local rank's parent"
+    assert detect({**mpich, "MASTER_PORT": "29400"}).master_port == 29400, "yours wins"
+    assert 20000 <= derived_port("x") < 30000 and derived_port("x") == derived_port("x")
+
+
+def test_a_single_mpi_process_or_a_stray_variable_is_no_rank():
+    assert detect({"PMI_RANK": "0", "PMI_SIZE": "1"}).kind == "plain", "mpirun -np 1: a plain process"
+    assert detect({"PMI_RANK": "0"}).kind == "plain"
+    assert detect({"RANK": "1", "WORLD_SIZE": "2"}).kind == "plain", "a leftover RANK, no rendezvous"
+    assert detect({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1"}).kind == "plain"
+    qaccel_rank = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "5", "QACCEL_RANK_OF": "9"}
+    assert detect(qaccel_rank).kind == "plain", "a process a qaccel rank started"
+    assert detect({"JSM_NAMESPACE_RANK": "0", "JSM_NAMESPACE_SIZE": "1"}).kind == "plain"
+
+
+def test_env_variables_of_a_launcher_are_a_world_one_process_per_node_unless_told():
+    pod = {"RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456"}
+    assert detect(pod) == Environment(kind="env", rank=3, local_rank=0, node_rank=3, world_size=4, local_world_size=1,
+                                      num_nodes=4, master_addr="job-master-0", master_port=23456)
+    deepspeed = {**pod, "LOCAL_RANK": "1", "LOCAL_SIZE": "2"}
+    assert (detect(deepspeed).local_rank, detect(deepspeed).node_rank, detect(deepspeed).num_nodes) == (1, 1, 2)
+    assert detect({**pod, "TORCHELASTIC_RUN_ID": "x"}).kind == "torchrun", "torchrun's own variables win"
+    assert detect({**pod, **OPEN_MPI}).kind == "mpi", "an MPI's own variables win"
+
+
+def test_jsrun_takes_the_first_compute_host_and_the_jobs_port():
+    jsrun = {"JSM_NAMESPACE_RANK": "5", "JSM_NAMESPACE_SIZE": "8", "JSM_NAMESPACE_LOCAL_RANK": "1",
+             "JSM_NAMESPACE_LOCAL_SIZE": "4", "LSB_JOBID": "8842", "LSB_MCPU_HOSTS": "batch1 1 c01 4 c02 4"}
+    assert detect(jsrun) == Environment(kind="lsf", rank=5, local_rank=1, node_rank=1, world_size=8,
+                                        local_world_size=4, num_nodes=2, master_addr="c01",
+                                        master_port=derived_port("8842"))
+    with pytest.raises(ValueError, match="a jsrun rank needs LSB_MCPU_HOSTS and LSB_JOBID"):
+        detect({k: v for k, v in jsrun.items() if k != "LSB_JOBID"})
+
+
+def test_every_launcher_kind_runs_in_place_and_exports_torchruns_variables():
+    from qaccel.environment import LAUNCHERS, Kind
+
+    assert [launcher.kind for launcher in LAUNCHERS] == ["initialized", "torchrun", "slurm", "mpi", "lsf", "env"]
+    for kind in ("mpi", "lsf", "env"):
+        assert Kind(kind).started_by_launcher and Kind(kind).exports_rank_variables and not Kind(kind).creates_processes

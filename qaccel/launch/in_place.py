@@ -114,8 +114,9 @@ class _LauncherReport:
 
 
 def _export_rank_variables(env: Environment) -> None:
-    """Give an srun task the variables torch's env:// rendezvous and user code expect (user-set MASTER_* win:
-    detect() read them)."""
+    """Give a launcher's rank (an srun task, an mpirun process, ...) the variables torch's env:// rendezvous and user
+    code expect (user-set MASTER_* win: detect() read them)."""
     if env.master_addr is None or env.master_port is None:
-        raise RuntimeError("SLURM step detected but no node list / job id to derive MASTER_ADDR/MASTER_PORT from")
+        raise RuntimeError(f"{env.kind} rank detected but no node list / job id to derive MASTER_ADDR/MASTER_PORT "
+                           "from: set both")
     os.environ.update(rank_variables(env))

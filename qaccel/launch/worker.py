@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from qaccel import imports, storage
 from qaccel.comm import session
-from qaccel.environment import Environment, Kind, rank_variables
+from qaccel.environment import STARTED_BY_QACCEL, Environment, Kind, rank_variables
 from qaccel.launch import inherit, output
 from qaccel.launch.failures import ErrorReport
 from qaccel.launch.running import run_as_rank
@@ -97,7 +97,7 @@ def rank_main(spec: RankSpec, caller: multiprocessing.connection.Connection,
     config = spec.config
     layout = Environment(Kind.PLAIN, rank=spec.rank, local_rank=spec.rank, world_size=spec.world_size,
                          local_world_size=spec.world_size, master_addr="127.0.0.1", master_port=spec.port)
-    become_worker({**spec.environ, **rank_variables(layout)})
+    become_worker({**spec.environ, **rank_variables(layout), STARTED_BY_QACCEL: str(os.getppid())})
     threading.Thread(target=_watch_caller, args=(caller,), name="qaccel-lifeline", daemon=True).start()
     loopback = session.loopback_interface()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)

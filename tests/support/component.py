@@ -1,5 +1,5 @@
-"""Tests that need a real component: a local SLURM (marker ``slurm``), two simulated hosts (marker ``two_hosts``) or
-a small file system that fills up (marker ``small_disk``).
+"""Tests that need a real component: a local SLURM (marker ``slurm``), two simulated hosts (marker ``two_hosts``),
+a small file system that fills up (marker ``small_disk``) or Open MPI's mpirun (marker ``mpi``).
 
 Whether the component can run here, installing what it needs with apt-get when root, and what happens when it
 cannot: the test is skipped with the reason, or fails under CI=true, so that CI never passes without it.
@@ -25,6 +25,8 @@ Announce = Callable[[str], None]
 
 SLURM_NEEDS_ROOT = ("SLURM is not installed, and installing it (apt-get) needs root; "
                     "-m 'not slurm' leaves these tests out")
+MPI_NEEDS_ROOT = ("Open MPI (mpirun) is not installed, and installing it (apt-get install openmpi-bin) needs root; "
+                  "-m 'not mpi' leaves these tests out")
 TWO_HOSTS_NEED_ROOT = ("two simulated hosts need root (network namespaces); "
                        "-m 'not two_hosts' leaves these tests out")
 TWO_HOST_TOOLS = {"ip": "iproute2", "unshare": "util-linux"}
@@ -73,6 +75,19 @@ def slurm_missing(announce: Announce) -> str | None:
         ensure_installed(announce=announce)
     except SlurmError as e:
         return f"SLURM could not be installed: {e}"
+    return None
+
+
+def mpi_missing(announce: Announce) -> str | None:
+    """None when Open MPI's mpirun is installed (as root, after installing it), else why the mpi tests cannot run."""
+    if shutil.which("mpirun") is not None:
+        return None
+    if os.geteuid() != 0:
+        return MPI_NEEDS_ROOT
+    try:
+        apt_get_install(["openmpi-bin"], lambda: [] if shutil.which("mpirun") else ["mpirun"], announce)
+    except RuntimeError as e:
+        return f"Open MPI could not be installed: {e}"
     return None
 
 
@@ -142,7 +157,10 @@ def report(environ: Mapping[str, str] = os.environ) -> list[str]:
     else:
         hosts = "root, ip and unshare found"
     disk = "root: mounts a tmpfs" if root else f"not root: {cannot}"
-    return [f"slurm tests: {slurm}", f"two_hosts tests: {hosts}", f"small_disk tests: {disk}"]
+    mpi = "mpirun found" if shutil.which("mpirun") else (
+        "Open MPI not installed: installing it with apt-get (root) before the first test" if root
+        else f"Open MPI not installed and not root: {cannot}")
+    return [f"slurm tests: {slurm}", f"two_hosts tests: {hosts}", f"small_disk tests: {disk}", f"mpi tests: {mpi}"]
 
 
 def apt_get_install(packages: Sequence[str], missing: Callable[[], list[str]], announce: Announce,
