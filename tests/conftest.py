@@ -75,6 +75,16 @@ def _say(config, line: str) -> None:
             sys.stderr.flush()
 
 
+@pytest.fixture(autouse=True)
+def _default_dtype_kept():
+    """Importing qadence sets torch's default dtype to float64 for the whole process: a test that imports it (the
+    qadence comparisons) must not change the dtype of the next test run by the same worker."""
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_default_dtype() != torch.float32:
+        torch.set_default_dtype(torch.float32)
+
+
 @pytest.fixture(scope="module")
 def acc():
     """A 2-rank CPU Accelerator shared by the tests of one module."""

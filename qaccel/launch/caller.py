@@ -67,7 +67,8 @@ def _launch(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, a
     ctx = multiprocessing.get_context(config.start_method)
     environ = dict(os.environ)  # the forkserver's copy dates from its start; ranks get the caller's of now
     environ["TORCHELASTIC_MAX_RESTARTS"] = str(config.max_restarts)
-    payload = _dumps_payload(fn, args, kwargs)
+    with _sigint_after():
+        payload = _dumps_payload(fn, args, kwargs)
     procs: list = []
     with _forwarding_signals(procs) as received, run_directory() as run_dir:
         storage.write_bytes(payload, Path(run_dir, "payload"), durable=False)
@@ -100,7 +101,7 @@ def _launch(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, a
 
 
 def _attempt(ctx: Any, procs: list, run_dir: str, config: Config, all_results: bool, environ: dict[str, str],
-             received: list[int]) -> list[RankFailure]:
+             received: _Received) -> list[RankFailure]:
     """Start the ranks, wait for them, stop them; the failures seen (none: every rank returned)."""
     store = _loopback_store(config.timeout)
     procs.clear()
@@ -124,7 +125,7 @@ def _attempt(ctx: Any, procs: list, run_dir: str, config: Config, all_results: b
             readers.append(reader)
         if received:  # a signal came while the ranks were starting: they get it too
             _forward(procs, received[0])
-        failures = _supervise(procs, readers, run_dir)
+        failures = _supervise(procs, readers, run_dir, received.wake)
         succeeded = not failures
         return failures
     finally:
@@ -152,11 +153,22 @@ FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
+class _Received(list):
+    """The signals received that ask to stop (or warn), in order; ``wake``: a pipe's read end that any signal the
+    caller handles makes readable (signal.set_wakeup_fd), or None."""
+
+    wake: int | None = None
+
+
 @contextlib.contextmanager
-def _forwarding_signals(procs: list) -> Iterator[list[int]]:
+def _forwarding_signals(procs: list) -> Iterator[_Received]:
     """While ranks run, pass FORWARDED_SIGNALS the caller gets (where it has no handler of its own) on to them;
-    the list yielded holds the signals received that ask to stop (or warn), in order."""
-    received: list[int] = []
+    the list yielded holds the signals received that ask to stop (or warn), in order.
+
+    A signal may be delivered to any thread of the caller that does not block it (the rendezvous store's own, for
+    one), and Python runs its handler in the main thread only once that thread runs again: waiting for the ranks,
+    it would not, for as long as they run. So every signal also writes to a pipe the wait listens to."""
+    received = _Received()
     if threading.current_thread() is not threading.main_thread():
         yield received
         return
@@ -172,9 +184,17 @@ def _forwarding_signals(procs: list) -> Iterator[list[int]]:
             previous[sig] = signal.signal(sig, forward)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when the user handles Ctrl-C
         previous[signal.SIGINT] = signal.signal(signal.SIGINT, _on_ctrl_c(procs, received))
+    wake, woken = os.pipe()
+    os.set_blocking(wake, False)
+    os.set_blocking(woken, False)
+    previous_wakeup = signal.set_wakeup_fd(woken, warn_on_full_buffer=False)
+    received.wake = wake
     try:
         yield received
     finally:
+        signal.set_wakeup_fd(previous_wakeup)
+        os.close(wake)
+        os.close(woken)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
@@ -232,6 +252,21 @@ def _die_of(signum: int) -> None:
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
     raise SystemExit(128 + signum)  # for a signal whose default action is not to terminate
+
+
+@contextlib.contextmanager
+def _sigint_after() -> Iterator[None]:
+    """Hold Ctrl-C back for the block, and raise it when the block ends. A Ctrl-C that came while the call was
+    pickled (about 0.1 s after a script's first launch, on the 2-core machine) was lost: the launch went on as if
+    none had come (tests/launch/test_interrupt.py, "forkserver importing"; seen on 2026-11-26)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a Ctrl-C that came meanwhile is delivered now
 
 
 def _dumps_payload(fn: Callable[..., Any], args: tuple, kwargs: dict) -> bytes:
@@ -298,12 +333,12 @@ def _start_without_main(proc: multiprocessing.process.BaseProcess) -> None:
                 signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
-def _supervise(procs: list, readers: list, run_dir: str) -> list[RankFailure]:
+def _supervise(procs: list, readers: list, run_dir: str, wake: int | None = None) -> list[RankFailure]:
     """Wait for every rank; return at the first failure that can be a cause (empty: all succeeded).
 
     When the first failures are only peers losing their connection, listen CAUSE_GRACE_S longer: the rank that
     broke the group usually reports just after them (its ``finally`` blocks run first), and stopping it then
-    would lose the real error.
+    would lose the real error. ``wake`` (readable when a signal came) ends a wait so that its handler runs.
     """
     sentinels = {proc.sentinel: rank for rank, proc in enumerate(procs)}
     open_readers = {reader: rank for rank, reader in enumerate(readers)}
@@ -311,9 +346,12 @@ def _supervise(procs: list, readers: list, run_dir: str) -> list[RankFailure]:
     deadline: float | None = None
     while sentinels:
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        ready_now = multiprocessing.connection.wait(list(sentinels) + list(open_readers), timeout)
+        ready_now = multiprocessing.connection.wait([*sentinels, *open_readers, *([wake] if wake is not None else [])],
+                                                    timeout)
         if not ready_now:
             break  # the grace period is over: the symptoms are all there is
+        if wake in ready_now:
+            _drain(wake)  # the signal's handler ran on the way back from the wait (or runs now, in this thread)
         for ready in ready_now:
             if ready in open_readers:
                 rank = open_readers.pop(ready)
@@ -332,6 +370,12 @@ def _supervise(procs: list, readers: list, run_dir: str) -> list[RankFailure]:
                 return failures
             deadline = deadline or time.monotonic() + CAUSE_GRACE_S
     return failures
+
+
+def _drain(fd: int) -> None:
+    with contextlib.suppress(BlockingIOError):
+        while os.read(fd, 512):
+            pass
 
 
 def _stop(procs: list, failed: bool) -> None:
