@@ -11,7 +11,7 @@ import socket
 import sys
 import time
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -280,7 +280,7 @@ def session(
         if (ctx.world_size > 1 or group_of_one) and not dist.is_initialized():
             apply_thread_budget(ctx.local_world_size)
             hook = sys.excepthook
-            dist.init_process_group(
+            _init_group(
                 ctx.backend,
                 store=opened if opened is not None or ctx.world_size > 1 else dist.HashStore(),
                 rank=ctx.rank,
@@ -292,7 +292,8 @@ def session(
                 sys.excepthook = hook  # torch wraps it at each init: one "[rankN]: " prefix, not one per session
         if ctx.world_size > 1 and dist.is_initialized():
             run.watch = hangs.Watch(ctx.rank, ctx.world_size, timeout, default_store(), where_to_log, run.number)
-        yield ctx
+        with _users_group_calls(ctx) if owns_group else nullcontext():
+            yield ctx
         run.close(finished=True)
         if owns_group:
             _quiesce(run)
@@ -304,7 +305,53 @@ def session(
         if owns_group and dist.is_initialized():
             if not process_ends:
                 run.release()
-            dist.destroy_process_group()
+            _destroy_group()
+
+
+# torch's own, for the session's group: during a session the names in torch.distributed answer the user's calls
+_init_group, _destroy_group = dist.init_process_group, dist.destroy_process_group
+
+
+@contextmanager
+def _users_group_calls(ctx: RankContext) -> Iterator[None]:
+    """A training body written for torchrun makes the default group itself and destroys it at its end; in a session
+    the group already exists (qaccel made it), so, while fn runs, ``dist.init_process_group`` answers with it (after
+    checking that the call asks for this world) and ``dist.destroy_process_group()`` leaves it to the session's end,
+    where qaccel's own closing work still needs it. Calls through names bound before the session (``from
+    torch.distributed import init_process_group`` at a module's top) reach torch itself, which refuses a second
+    default group."""
+
+    def init_process_group(backend: Any = None, init_method: Any = None, timeout: Any = None, world_size: int = -1,
+                           rank: int = -1, store: Any = None, group_name: str = "", pg_options: Any = None,
+                           device_id: Any = None) -> None:
+        if not dist.is_initialized():  # the session's group is gone: the call is the user's own
+            return _init_group(backend, init_method, timeout, world_size, rank, store, group_name, pg_options,
+                               device_id)
+        made = str(dist.get_backend())
+        if backend is not None and not _backends(backend) <= _backends(made):
+            raise ValueError(f"init_process_group(backend={str(backend)!r}) inside distribute(): qaccel already made "
+                             f"this rank's group with backend {made!r} (choose it with Accelerator(backend=...)); leave "
+                             "init_process_group out, or let it ask for the same backend")
+        for name, value, actual in (("world_size", world_size, ctx.world_size), ("rank", rank, ctx.rank)):
+            if value not in (-1, None) and value != actual:
+                raise ValueError(f"init_process_group({name}={value}) inside distribute(), whose rank is {ctx.rank} of "
+                                 f"{ctx.world_size}: the group qaccel made is that world")
+
+    def destroy_process_group(group: Any = None) -> None:
+        if group is None or group is dist.GroupMember.WORLD:
+            return  # the session's group: destroyed when the session ends
+        _destroy_group(group)
+
+    dist.init_process_group, dist.destroy_process_group = init_process_group, destroy_process_group
+    try:
+        yield
+    finally:
+        dist.init_process_group, dist.destroy_process_group = _init_group, _destroy_group
+
+
+def _backends(name: Any) -> set[str]:
+    """The backends a backend string names: "gloo", or "cpu:gloo,cuda:nccl" (each device's)."""
+    return {part.split(":")[-1].strip() for part in str(name).lower().split(",")}
 
 
 def leave_group(ctx: RankContext) -> None:
@@ -315,7 +362,7 @@ def leave_group(ctx: RankContext) -> None:
     if ctx.backend is Backend.NCCL:
         dist.distributed_c10d._abort_process_group()
     else:
-        dist.destroy_process_group()
+        _destroy_group()
 
 
 def drop_group(run: Run) -> None:
@@ -336,8 +383,8 @@ def renew_group(run: Run, store: dist.Store) -> None:
     if run.ctx.backend is Backend.GLOO:  # the old group's failed works go before anything forks (see _quiesce)
         gc.collect()
         time.sleep(GLOO_DRAIN_S)
-    dist.init_process_group(run.ctx.backend, store=store, rank=run.ctx.rank, world_size=run.ctx.world_size,
-                            timeout=datetime.timedelta(seconds=run.timeout))
+    _init_group(run.ctx.backend, store=store, rank=run.ctx.rank, world_size=run.ctx.world_size,
+                timeout=datetime.timedelta(seconds=run.timeout))
 
 
 def default_store() -> dist.Store | None:

@@ -1,0 +1,49 @@
+"""A training body written for torchrun (it makes the default group itself and destroys it at its end) runs
+unchanged inside distribute(), under a plain launch and under torchrun: one world of 2, disjoint shards, equal
+weights on both ranks, and qaccel's own work before and after it (the result, a second call) still works."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from support.procs import result_lines, run_script, run_torchrun, script_file
+
+pytestmark = pytest.mark.timeout(180)
+SCRIPT = script_file("ddp_body.py")
+
+
+def _trained_together(result: dict) -> None:
+    assert result["world"] == 2
+    assert result["weights"][0] == result["weights"][1], "DDP kept the ranks' weights equal"
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["init from env", "init with env:// rank and world"])
+def test_a_ddp_body_that_makes_and_destroys_its_group_runs_in_a_plain_launch(tmp_path, explicit):
+    proc = run_script(SCRIPT, *(["explicit"] if explicit else []), cwd=tmp_path, timeout=150)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [result] = result_lines(proc.stdout)
+    _trained_together(result)
+    assert result["rank"] == 0 and sorted(result["seen"]) == [0.0, 0.0, 4.0, 4.0, 8.0, 8.0, 12.0, 12.0], \
+        "rank 0's shard of the 8 samples (DistributedSampler: every other one), for 2 epochs"
+
+
+def test_a_ddp_body_that_makes_and_destroys_its_group_runs_under_torchrun(tmp_path):
+    proc = run_torchrun(SCRIPT, cwd=tmp_path, timeout=150)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = sorted(result_lines(proc.stdout), key=lambda r: r["rank"])
+    assert [r["rank"] for r in results] == [0, 1]
+    for result in results:
+        _trained_together(result)
+    assert not set(results[0]["seen"]) & set(results[1]["seen"]), "disjoint shards"
+
+
+def _asks_for_nccl():
+    dist.init_process_group("nccl")
+
+
+def test_a_body_that_asks_for_another_backend_is_told_which_one_qaccel_made(acc):
+    with pytest.raises(ValueError, match=r"init_process_group\(backend='nccl'\) inside distribute\(\): qaccel already "
+                                         r"made this rank's group with backend 'gloo' \(choose it with "
+                                         r"Accelerator\(backend=...\)\)"):
+        acc.distribute(_asks_for_nccl)()

@@ -1,0 +1,53 @@
+"""A training body written for torchrun, as tutorials write it, run inside distribute() unchanged: it makes the
+default group itself from torchrun's variables (``init_process_group("gloo")``, env://), shards with a
+DistributedSampler, wraps in DDP and destroys the group at its end. Prints ``RESULT {...}`` once (rank 0's under a
+plain launch, every rank's under torchrun): the world it saw, the samples it trained on, its weights' sum.
+
+Usage: ddp_body.py [explicit]: ``explicit`` passes init_method="env://", rank and world size as well."""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from qaccel import Accelerator
+
+acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
+
+
+def train(explicit):
+    if explicit:
+        dist.init_process_group("gloo", init_method="env://", rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
+    else:
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(2, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = TensorDataset(torch.arange(16.0).reshape(8, 2), torch.arange(8.0).reshape(8, 1))
+    sampler = DistributedSampler(data, shuffle=False)
+    seen = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for x, y in DataLoader(data, batch_size=2, sampler=sampler):
+            seen += x[:, 0].tolist()
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+    weights = sum(p.detach().sum().item() for p in model.parameters())
+    everyone = [None] * world
+    dist.all_gather_object(everyone, weights)
+    dist.destroy_process_group()
+    return {"rank": rank, "world": world, "seen": seen, "weights": everyone}
+
+
+if __name__ == "__main__":
+    result = acc.distribute(train)(len(sys.argv) > 1)
+    again = acc.distribute(train)(len(sys.argv) > 1)  # a second call: the group made anew, the body unchanged
+    assert again == result, (again, result)
+    os.write(1, f"RESULT {json.dumps(result)}\n".encode())
