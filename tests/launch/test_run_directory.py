@@ -99,9 +99,10 @@ def test_next_launch_removes_a_killed_callers_directory_and_keeps_a_live_ones(tm
     gate = tmp_path / "gate"
     live = subprocess.Popen([sys.executable, str(script), "live", str(gate)], env=env, stdout=subprocess.PIPE, text=True)
     try:
-        wait_for(lambda: len(_run_dirs(tmp)) == 1, 60, lambda: f"the live launch's run directory: {_run_dirs(tmp)}")
+        # a run directory is made under a temporary name (.new-*) and renamed into place: wait for the rename
+        wait_for(lambda: [d[:4] for d in _run_dirs(tmp)] == ["run-"], 60,
+                 lambda: f"the live launch's run directory: {_run_dirs(tmp)}")
         [live_dir] = _run_dirs(tmp)
-        assert live_dir.startswith("run-")
         killed = run_script(script, "killed", str(tmp_path / "never"), env=env, cwd=tmp_path, timeout=120)
         assert killed.returncode == -9
         [dead_dir] = [d for d in _run_dirs(tmp) if d != live_dir]  # left behind
