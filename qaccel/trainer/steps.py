@@ -31,11 +31,12 @@ def optimize_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss
 
 
 def update_ng_parameters(model: torch.nn.Module, optimizer: Any, loss_fn: Callable[..., Any], data: Any,
-                         ng_params: Any) -> tuple[Any, dict[str, Any], Any]:
-    """One gradient-free update with a nevergrad optimizer: tell it the loss at ``ng_params``, ask for the next
-    candidate and set the model's parameters to it; returns the loss, metrics and the new candidate."""
+                         ng_params: Any, *, told: Callable[[Any], float] = float) -> tuple[Any, dict[str, Any], Any]:
+    """One gradient-free update with a nevergrad optimizer: tell it the loss at ``ng_params`` (``told(loss)``: the
+    Trainer tells the mean over its ranks), ask for the next candidate and set the model's parameters to it;
+    returns the loss, metrics and the new candidate."""
     loss, metrics = loss_fn(model, data)
-    optimizer.tell(ng_params, float(loss))
+    optimizer.tell(ng_params, told(loss))
     ng_params = optimizer.ask()
     set_parameters(model, torch.as_tensor(ng_params.value))
     return loss, metrics, ng_params

@@ -588,17 +588,16 @@ class Trainer:
         return out[0], out[1]
 
     def _gradient_free_step(self, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
-        """One nevergrad step (qadence's update_ng_parameters): the loss at the current candidate is told (its
-        mean over the ranks, so every rank's optimizer takes the same path) and the next candidate asked for."""
-        from qaccel.trainer.parameters import set_parameters
+        """One nevergrad step (qadence's update_ng_parameters), telling the loss's mean over the ranks, so that every
+        rank's optimizer takes the same path."""
+        acc = self.accelerator
+
+        def mean(loss: torch.Tensor) -> float:
+            return float(acc.reduce(loss.detach().reshape(()), reduction="mean")) if acc.world_size > 1 else float(loss)
 
         with torch.no_grad():
-            loss, metrics = self.loss_fn(self.model, batch)
-        value = float(self.accelerator.reduce(loss.detach().reshape(()), reduction="mean")) \
-            if self.accelerator.world_size > 1 else float(loss)
-        self._optimizer.tell(self._ng_params, value)
-        self._ng_params = self._optimizer.ask()
-        set_parameters(self.accelerator.unwrap_model(self.model), torch.as_tensor(self._ng_params.value))
+            loss, metrics, self._ng_params = steps.update_ng_parameters(
+                acc.unwrap_model(self.model), self._optimizer, self.loss_fn, batch, self._ng_params, told=mean)
         return loss, metrics
 
     def _validate(self, loader: Any, iteration: int, record: bool = True,
