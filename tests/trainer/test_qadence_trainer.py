@@ -422,3 +422,35 @@ def test_every_training_name_of_qadence_ml_tools_is_in_qaccel(qadence):
     assert not [name for name in trainer_names if not hasattr(trainer, name)]
     config_fields = set(qadence.TrainConfig.__dataclass_fields__) - {"_subfolders"}
     assert not sorted(config_fields - set(TrainConfig.__dataclass_fields__))
+
+
+def test_gradient_free_training_on_two_ranks_takes_one_path(tmp_path):
+    """Each rank tells its nevergrad optimizer the loss's mean over the ranks: with the same candidates asked for
+    (the optimizer's copies start alike), 2 ranks with half the batch each train what one process trains (each
+    rank's own half-batch loss would send the ranks, and the result, another way)."""
+    component.module("nevergrad")
+    import nevergrad
+
+    runs = []
+    for nprocs in (1, 2):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(1, 1).double()
+        ng_optimizer = nevergrad.optimizers.NGOpt(parametrization=qaccel.num_parameters(model), budget=EPOCHS)
+        ng_optimizer.parametrization.random_state.seed(0)
+        x = torch.linspace(-1, 1, 8, dtype=torch.float64).reshape(-1, 1)
+        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), TrainConfig(
+            max_iter=EPOCHS, log_folder=tmp_path / f"n{nprocs}", compute_setup="cpu", tracking_tool="csv",
+            verbose=False, nprocs=nprocs, all_reduce_metrics=True), _mse,
+            DataLoader(TensorDataset(x, 2 * x - 0.5), batch_size=8 // nprocs))
+        with trainer.disable_grad_opt(ng_optimizer):
+            trainer.fit()
+        runs.append(([h["train_loss"] for h in trainer.history], _params(model)))
+    (one, one_params), (two, two_params) = runs
+    assert len(one) == EPOCHS + 1 and two == pytest.approx(one, rel=1e-12)
+    torch.testing.assert_close(two_params, one_params, **TOL)
+    assert not torch.equal(one_params, _params(_initial_linear())), "trained"
+
+
+def _initial_linear():
+    torch.manual_seed(0)
+    return torch.nn.Linear(1, 1).double()
