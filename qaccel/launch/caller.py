@@ -256,9 +256,9 @@ def _die_of(signum: int) -> None:
 
 @contextlib.contextmanager
 def _sigint_after() -> Iterator[None]:
-    """Hold Ctrl-C back for the block, and raise it when the block ends. A Ctrl-C that came while the call was
-    pickled (about 0.1 s after a script's first launch, on the 2-core machine) was lost: the launch went on as if
-    none had come (tests/launch/test_interrupt.py, "forkserver importing"; seen on 2026-11-26)."""
+    """Hold Ctrl-C back for the block (in the main thread), and raise it when the block ends: while the call is
+    pickled, where it was lost (the launch went on as if none had come: tests/launch/test_interrupt.py,
+    "forkserver importing"), and while a rank's process is started (below)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -321,16 +321,12 @@ def _start_without_main(proc: multiprocessing.process.BaseProcess) -> None:
 
     # A Ctrl-C in the middle of start() would leave the forkserver's new child reading a half-sent request: it
     # prints an EOFError traceback of its own beside the caller's. SIGINT is held back until start() returns.
-    main = threading.current_thread() is threading.main_thread()
-    with _PREPARE_LOCK:
+    with _PREPARE_LOCK, _sigint_after():
         multiprocessing.spawn.get_preparation_data = preparation_data
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if main else None
         try:
             proc.start()
         finally:
             multiprocessing.spawn.get_preparation_data = original
-            if held is not None:
-                signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _supervise(procs: list, readers: list, run_dir: str, wake: int | None = None) -> list[RankFailure]:
