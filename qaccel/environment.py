@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = ["LAUNCHERS", "Environment", "Kind", "derived_port", "detect", "parse_nodelist", "parse_tasks_per_node",
-           "rank_variables", "slurm_job_state", "slurm_port"]
+           "qaccel_run_id", "rank_variables", "slurm_job_state", "slurm_port"]
 
 
 class Kind(enum.StrEnum):
@@ -119,6 +119,12 @@ def detect(environ: Mapping[str, str] | None = None) -> Environment:
 STARTED_BY_QACCEL = "QACCEL_RANK_OF"
 
 
+def qaccel_run_id(launch: str) -> str:
+    """The ``TORCHELASTIC_RUN_ID`` of a plain launch's ranks (as torchrun's workers have one): Torchrun below tells
+    it from torchrun's own."""
+    return f"qaccel-{launch}"
+
+
 class InitializedGroup:
     """The user made a torch.distributed group: run in it. Read without importing torch when nobody else has."""
 
@@ -140,8 +146,9 @@ class Torchrun:
     kind = Kind.TORCHRUN
 
     def find(self, env: Mapping[str, str]) -> Environment | None:
-        if "TORCHELASTIC_RUN_ID" not in env:
-            return None
+        run_id = env.get("TORCHELASTIC_RUN_ID")
+        if run_id is None or (STARTED_BY_QACCEL in env and run_id.startswith(qaccel_run_id(""))):
+            return None  # a qaccel rank, or a process it started, looks like a torchrun worker but is none
         return _launcher_layout(env, self.kind, _int(env, "RANK", 0), _int(env, "WORLD_SIZE", 1))
 
 

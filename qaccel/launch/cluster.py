@@ -50,9 +50,8 @@ class _Rank:
 
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # submitit ignores it in its tasks; scancel must end them
         env = detect()
-        _, fn, args, kwargs = pickle.loads(self.call)  # a job takes no settings of the caller
         try:
-            return "returned", in_place.run(fn, args, kwargs, self.config, env, False)
+            return "returned", in_place.run(_called, (self.call,), {}, self.config, env, False)
         except Preempted:
             raise
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
@@ -188,6 +187,13 @@ class SlurmJob:
         exc.add_note(f"[qaccel] rank {rank} ran on node {outcomes[rank][1][1]} in SLURM job {self.job_id} (its files: "
                      f"{self.folder})")
         raise exc
+
+
+def _called(call: bytes) -> Any:
+    """The call, unpickled in the task's session (what it holds may set itself up for the rank: caller_state.py) and
+    made; a job takes no settings of the caller."""
+    _, fn, args, kwargs = pickle.loads(call)
+    return fn(*args, **kwargs)
 
 
 def submit(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, cluster: SlurmCluster,

@@ -12,6 +12,8 @@ from typing import Any, Callable
 
 import cloudpickle
 
+from qaccel.launch import caller_state
+
 
 class _FileNamesKept(cloudpickle.Pickler):
     """cloudpickle, except that code pickled by value keeps its file name (cloudpickle 3.1.3 and later write
@@ -21,6 +23,17 @@ class _FileNamesKept(cloudpickle.Pickler):
 
     dispatch_table = collections.ChainMap({types.CodeType: lambda code: (marshal.loads, (marshal.dumps(code),))},
                                           cloudpickle.Pickler.dispatch_table)
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file)
+        self._caller_state = caller_state.reducer()
+
+    def reducer_override(self, obj: Any) -> Any:
+        if self._caller_state is not None:
+            reduced = self._caller_state(obj)
+            if reduced is not NotImplemented:
+                return reduced
+        return super().reducer_override(obj)
 
 
 def dumps(obj: Any) -> bytes:
@@ -35,8 +48,14 @@ def dumps_call(fn: Callable[..., Any], args: tuple, kwargs: dict) -> bytes:
     TypeError naming the part that cannot be pickled."""
     try:
         return dumps((None, fn, args, kwargs))
+    except caller_state.MadeInCaller as exc:
+        raise caller_state.MadeInCaller(f"distribute({_name(fn)}): {exc}") from None
     except Exception as exc:
         raise _unpicklable(fn, args, kwargs, exc) from exc
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", type(fn).__name__)
 
 
 def _unpicklable(fn: Callable[..., Any], args: tuple, kwargs: dict, exc: Exception) -> TypeError:
@@ -45,7 +64,7 @@ def _unpicklable(fn: Callable[..., Any], args: tuple, kwargs: dict, exc: Excepti
         names = list(inspect.signature(fn).bind_partial(*args, **kwargs).arguments)
     except (TypeError, ValueError):
         names = []
-    fn_name = getattr(fn, "__qualname__", type(fn).__name__)
+    fn_name = _name(fn)
     parts = [("the function itself", fn)]
     parts += [(f"argument {i}" + (f" ({names[i]!r})" if i < len(names) else ""), a) for i, a in enumerate(args)]
     parts += [(f"keyword argument {k!r}", v) for k, v in kwargs.items()]

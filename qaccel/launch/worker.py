@@ -40,8 +40,8 @@ import torch.distributed as dist
 
 from qaccel import imports, storage
 from qaccel.comm import session
-from qaccel.environment import STARTED_BY_QACCEL, Environment, Kind, rank_variables
-from qaccel.launch import inherit, output
+from qaccel.environment import STARTED_BY_QACCEL, Environment, Kind, qaccel_run_id, rank_variables
+from qaccel.launch import caller_state, inherit, output
 from qaccel.launch.failures import ErrorReport
 from qaccel.launch.running import run_as_rank
 from qaccel.options import Config
@@ -75,6 +75,16 @@ class RankSpec:
     environ: dict[str, str]
 
 
+def _torchrun_extras(spec: RankSpec) -> dict[str, str]:
+    """The rest of what torchrun gives a worker, so that third-party code takes a rank for one: a run id
+    (``torch.distributed.is_torchelastic_launched()``, which Lightning reads), the store to join for ``env://``
+    (qaccel's, at MASTER_PORT) and NCCL's error handling, each unless the caller set it; and the marker of a qaccel
+    rank (environment.STARTED_BY_QACCEL). The thread count follows in rank_main."""
+    extras = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    return {**extras, **spec.environ, "TORCHELASTIC_RUN_ID": qaccel_run_id(os.path.basename(spec.run_dir)),
+            STARTED_BY_QACCEL: str(os.getppid())}
+
+
 def _watch_caller(lifeline: multiprocessing.connection.Connection) -> None:
     """SIGKILL this rank once the caller's end of ``lifeline`` closes: a dead caller leaves no rank behind.
 
@@ -97,7 +107,10 @@ def rank_main(spec: RankSpec, caller: multiprocessing.connection.Connection,
     config = spec.config
     layout = Environment(Kind.PLAIN, rank=spec.rank, local_rank=spec.rank, world_size=spec.world_size,
                          local_world_size=spec.world_size, master_addr="127.0.0.1", master_port=spec.port)
-    become_worker({**spec.environ, **rank_variables(layout), STARTED_BY_QACCEL: str(os.getppid())})
+    become_worker({**spec.environ, **rank_variables(layout), **_torchrun_extras(spec)})
+    threads, _ = session.thread_budget(spec.world_size)
+    if threads is not None:  # torchrun exports 1; qaccel's budget, for what the rank starts and reads it
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     threading.Thread(target=_watch_caller, args=(caller,), name="qaccel-lifeline", daemon=True).start()
     loopback = session.loopback_interface()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
@@ -108,6 +121,7 @@ def rank_main(spec: RankSpec, caller: multiprocessing.connection.Connection,
         return dist.TCPStore("127.0.0.1", spec.port, None, False, timeout=datetime.timedelta(seconds=config.timeout))
 
     def body() -> None:
+        caller_state.forget_inherited()
         settings, fn, args, kwargs = pickle.loads(Path(spec.run_dir, "payload").read_bytes())
         if settings is not None:
             inherit.apply(settings)

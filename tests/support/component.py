@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import importlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -55,6 +56,14 @@ def module(name: str, extra: str = "test") -> ModuleType:
         return importlib.import_module(name)
     except ImportError as exc:
         unavailable(f"{name} is not installed ({exc}): it comes with pip install -e '.[{extra}]'")
+
+
+def installed(name: str, extra: str = "test") -> None:
+    """Like module(), for a test that runs ``name`` only in scripts it starts: found, not imported (an import of
+    transformers or Lightning costs seconds in the test process)."""
+    __tracebackhide__ = True
+    if importlib.util.find_spec(name) is None:
+        unavailable(f"{name} is not installed: it comes with pip install -e '.[{extra}]'")
 
 
 def no_gpu(reason: str) -> NoReturn:
