@@ -1,4 +1,5 @@
-"""Real multi-node: unmodified torchrun (c10d rendezvous) on two simulated hosts, 2 nodes x 1 proc, gloo on CPU.
+"""Real multi-node: unmodified torchrun (c10d rendezvous), and a real Open MPI mpirun, on two simulated hosts, 2 nodes
+x 1 proc, gloo on CPU.
 
 The hosts are two network namespaces joined by a veth pair, each with its own hostname and /etc/hosts (recipe:
 shared/recipes/two-hosts.md), so the ranks really talk over a network and not through loopback.
@@ -8,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Iterator
@@ -17,7 +20,7 @@ from typing import Iterator
 import pytest
 
 from support.component import unavailable
-from support.procs import script_env, script_file, torchrun_cmd, wait_dead
+from support.procs import report_results, script_env, script_file, torchrun_cmd, wait_dead
 
 pytestmark = [pytest.mark.two_hosts, pytest.mark.timeout(180)]
 
@@ -135,3 +138,63 @@ def test_torchrun_two_hosts_rank_error_fails_both(hosts, tmp_path):
     failing = [err for _, _, err in results if "ValueError: boom on rank 1" in err]
     assert len(failing) == 1, results
     assert "[qaccel] raised on rank 1 of 2" in failing[0]
+
+
+def _rsh_agent(hosts: dict, path: Path) -> Path:
+    """mpirun's rsh agent, called as ``agent HOST COMMAND...``: like ssh, it runs the command line with a shell on
+    that host in a bare environment (so what the ranks need must come with ``-x``)."""
+    run = {name: shlex.join(_on_host(ns, name, hosts["etc"], "env", "-i", "PATH=/usr/bin:/bin", "sh", "-c"))
+           for ns, name in zip(hosts["namespaces"], HOSTS)}
+    cases = "".join(f'{name}) exec {command} "$*" ;;\n' for name, command in run.items())
+    path.write_text(f'#!/bin/sh\nhost=$1; shift\ncase $host in\n{cases}*) echo "agent: no host $host" >&2; exit 1 ;;\n'
+                    'esac\n')
+    path.chmod(0o755)
+    return path
+
+
+def _mpirun(hosts: dict, tmp_path: Path, *args: str, timeout: float = 90) -> subprocess.CompletedProcess:
+    """Real Open MPI ``mpirun -np 2 report_ranks.py mpi`` started on hostA, one rank per host: its daemon on hostB,
+    started through the agent, and mpirun talk over the veth subnet only; session dirs go to ``tmp_path``."""
+    subnet = hosts["addrs"][0].rsplit(".", 1)[0] + ".0/24"
+    cmd = ["mpirun", "--allow-run-as-root", "-np", "2", "--host", ",".join(f"{h}:1" for h in HOSTS),
+           "--mca", "plm_rsh_agent", str(_rsh_agent(hosts, tmp_path / "agent")), "--mca", "oob_tcp_if_include", subnet,
+           "--mca", "orte_tmpdir_base", str(tmp_path), "-x", "PATH", "-x", "PYTHONPATH", *args,
+           sys.executable, str(script_file("report_ranks.py")), "mpi"]
+    env = script_env()
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(name, None)
+    out, err = tmp_path / "mpirun.out", tmp_path / "mpirun.err"
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.Popen(_on_host(hosts["namespaces"][0], HOSTS[0], hosts["etc"], *cmd), stdout=o, stderr=e,
+                                env=env, cwd=tmp_path)
+    try:
+        code = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        code = None
+        proc.terminate()  # mpirun then ends the job on both hosts; the fixture kills whatever is left
+        try:
+            proc.wait(10)
+        finally:
+            proc.kill()
+            proc.wait()
+    assert code is not None, f"mpirun still running after {timeout} s: {out.read_text()}{err.read_text()}"
+    return subprocess.CompletedProcess(cmd, code, out.read_text(), err.read_text())
+
+
+def test_mpirun_two_hosts_ranks_on_different_hosts(hosts, tmp_path):
+    """With MASTER_ADDR/MASTER_PORT passed by -x, mpirun's processes on two hosts are one world of 2, each its node's
+    local rank 0, and the collective runs over the network (the port is in hostA's own stack)."""
+    proc = _mpirun(hosts, tmp_path, "-x", f"MASTER_ADDR={hosts['addrs'][0]}", "-x", "MASTER_PORT=29500")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = sorted(report_results(proc.stdout), key=lambda r: r["rank"])
+    assert [(r["rank"], r["local"], r["node"], r["world"], r["sum"], r["env_rank"], r["host"]) for r in results] == [
+        (0, 0, 0, 2, 1, "0", HOSTS[0]), (1, 0, 1, 2, 1, "1", HOSTS[1])], proc.stdout + proc.stderr
+
+
+def test_mpirun_two_hosts_without_master_addr_fails_saying_so(hosts, tmp_path):
+    """Without MASTER_ADDR no rank knows where rank 0 is: the ranks fail at once, saying what to pass (a rank
+    waiting for a rendezvous instead would outlast the short timeout)."""
+    proc = _mpirun(hosts, tmp_path, timeout=30)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "ValueError: an MPI job of 2 ranks on 2 nodes" in proc.stderr, proc.stderr
+    assert "pass MASTER_ADDR" in proc.stderr and "mpirun -x MASTER_ADDR=" in proc.stderr, proc.stderr
