@@ -15,7 +15,8 @@ from qaccel import options
 from qaccel.comm import collectives, ranks, session
 from qaccel.environment import Environment, detect
 from qaccel.errors import warn_once
-from qaccel.launch import caller, cluster, in_place, server
+from qaccel.launch import cluster, in_place, launchers
+from qaccel.launch.protocol import HandBack, Launcher
 from qaccel.nested import map_leaves
 from qaccel.options import FSDP_MIN_PARAMS, Backend, DeviceType, MixedPrecision, SlurmCluster, Strategy
 from qaccel.train import batch, checkpoint, gradients, precision, prepare, progress, seeding, sharding, stopping
@@ -24,6 +25,7 @@ from qaccel.train.registry import GradientState, Registry
 from qaccel.train.uneven import overridden as uneven_batches
 
 R = TypeVar("R")
+_HAND_BACK = HandBack(in_place=prepare.plain_result, pickled=prepare.plain_object)
 
 
 @options.document
@@ -66,7 +68,7 @@ class Accelerator:
         chosen = {name: value for name, value in locals().items() if name in options.NAMES}
         self._config = options.make_config(env, **options.from_accelerate(accelerate_arguments, chosen))
         self._own_registry: Registry | None = None
-        self._launched: bool | None = None  # under torchrun or srun with several ranks (see _join_launched_ranks)
+        self._launcher: Launcher | None = launchers.choose(self._config, env, _HAND_BACK)
         if env.kind.started_by_launcher and nprocs > 1 and nprocs != env.world_size and env.rank == 0:
             _warn_world_mismatch(nprocs, env)  # once per job, not once per rank
         if env.kind.started_by_launcher and max_restarts and env.rank == 0:
@@ -81,30 +83,24 @@ class Accelerator:
                 "environment, or srun --label",
                 stacklevel=2,
             )
-        if env.kind.creates_processes and nprocs > 1 and session.current() is None:
-            server.warm_up(self._config.start_method)
 
     # ---- where this rank runs (valid in the caller and in every rank) ----
 
+    def _where(self) -> Launcher:
+        """How fn runs from this process, chosen once per process (an Accelerator unpickled in a rank chooses
+        again there)."""
+        if self._launcher is None:
+            self._launcher = launchers.choose(self._config, detect(), _HAND_BACK)
+        return self._launcher
+
     def _ctx(self) -> session.RankContext:
-        return session.current() or session.plan(self._config, detect())
+        return session.current() or self._where().planned()
 
     def _live(self) -> session.RankContext:
         """This rank's context for what needs the ranks' group. Under torchrun or srun, code that uses the
         Accelerator outside distribute() (a script written for Accelerate) is run as this process's rank: the
         first such call joins the ranks for the rest of the process."""
-        return self._join_launched_ranks() or session.plan(self._config, detect())
-
-    def _join_launched_ranks(self) -> session.RankContext | None:
-        """The running session's context, after joining the launcher's ranks if need be; None in a single process
-        or a plain launch's caller (decided once: the environment does not change)."""
-        running = session.current()
-        if running is not None:
-            return running
-        if self._launched is None:
-            env = detect()
-            self._launched = env.kind.started_by_launcher and env.world_size > 1
-        return in_place.ambient(self._config, detect()) if self._launched else None
+        return session.current() or self._where().join() or self._where().planned()
 
     @property
     def rank(self) -> int:
@@ -237,7 +233,7 @@ class Accelerator:
 
     def __getstate__(self) -> dict[str, Any]:
         # step state (scaler, counters) and the launcher check belong to one process
-        return {**self.__dict__, "_own_registry": None, "_launched": None}
+        return {**self.__dict__, "_own_registry": None, "_launcher": None}
 
     def __repr__(self) -> str:
         ctx = self._ctx()
@@ -269,15 +265,10 @@ class Accelerator:
         if self._config.cluster is None:
             raise ValueError("submit() needs Accelerator(cluster=qaccel.SlurmCluster(...)); without a cluster use "
                              "distribute()")
-        return cluster.submit(fn, args, kwargs, self._config, self._config.cluster)
+        return cluster.submit(fn, args, kwargs, self._config, self._config.cluster, _HAND_BACK.in_place)
 
     def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, all_results: bool) -> Any:
-        env = detect()
-        if session.current() is None and env.kind.creates_processes and self._config.cluster is not None:
-            return cluster.run(fn, args, kwargs, self._config, self._config.cluster, all_results)
-        if session.current() is None and env.kind.creates_processes and self._config.nprocs > 1:
-            return caller.launch(fn, args, kwargs, self._config, all_results)
-        return in_place.run(fn, args, kwargs, self._config, env, all_results)
+        return self._where().run(fn, args, kwargs, all_results)
 
     # ---- collectives (identity in a single process) ----
 
@@ -552,7 +543,7 @@ class Accelerator:
 
     def _inside_ranks(self, what: str) -> None:
         """Raise if called in the caller of a launch that starts ranks: it would act for rank 0 only."""
-        if session.current() is None and not detect().is_launched and self._config.nprocs > 1:
+        if session.current() is None and self._where().starts_ranks:
             raise RuntimeError(
                 f"{what} must run inside the function you distribute: here, in the caller, it would act for rank 0 "
                 "only (prepare() would give every rank rank 0's shard)"
@@ -562,7 +553,8 @@ class Accelerator:
 
     def _registry(self) -> Registry:
         """This Accelerator's step state in the running session (its own outside any session)."""
-        self._join_launched_ranks()
+        if session.current() is None:
+            self._where().join()
         run = session.current_run()
         if run is not None:
             return run.state_for(self, lambda: self._new_registry(run))

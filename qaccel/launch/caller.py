@@ -37,33 +37,62 @@ import time
 import traceback
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch.distributed as dist
 
 from qaccel import storage
+from qaccel.comm import session
+from qaccel.comm.session import RankContext
+from qaccel.environment import Environment
 from qaccel.errors import Preempted, RankError
 from qaccel.launch import inherit, output, pickling, server, worker
 from qaccel.launch.failures import ErrorReport, RankFailure, cause_exception
 from qaccel.launch.run_dir import run_directory
 from qaccel.options import Config
 
+if TYPE_CHECKING:
+    from qaccel.launch.protocol import HandBack
+
 STOP_GRACE_S = 3.0
 CAUSE_GRACE_S = 3.0
 _PREPARE_LOCK = threading.Lock()
 
 
-def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, all_results: bool) -> Any:
-    """Run ``fn(*args, **kwargs)`` on ``config.nprocs`` new ranks; return rank 0's result (or all, by rank).
+class PlainLaunch:
+    """The ranks start here, on this node: the launchers' protocol (protocol.py) for a plain process with
+    ``nprocs`` > 1. Made with its Accelerator, so the server the ranks are forked from starts warming up at once."""
+
+    starts_ranks = True
+
+    def __init__(self, config: Config, env: Environment, hand_back: HandBack) -> None:
+        self.config, self.env, self.plain = config, env, hand_back.pickled
+        server.warm_up(config.start_method)
+
+    def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, all_results: bool) -> Any:
+        return launch(fn, args, kwargs, self.config, all_results, self.plain)
+
+    def planned(self) -> RankContext:
+        return session.plan(self.config, self.env)
+
+    def join(self) -> None:
+        return None
+
+
+def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, all_results: bool,
+           plain: Callable[[Any], Any]) -> Any:
+    """Run ``fn(*args, **kwargs)`` on ``config.nprocs`` new ranks; return rank 0's result (or all, by rank), each
+    object in it made ``plain`` in its rank (protocol.HandBack).
 
     After a rank fails, all ranks are started again, up to ``config.max_restarts`` times (not after a Ctrl-C, a
     signal, or a Preempted stop); each attempt's ranks see its number in ``TORCHELASTIC_RESTART_COUNT``.
     """
     with server.serving(config.start_method, config.nprocs):
-        return _launch(fn, args, kwargs, config, all_results)
+        return _launch(fn, args, kwargs, config, all_results, plain)
 
 
-def _launch(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, all_results: bool) -> Any:
+def _launch(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, all_results: bool,
+            plain: Callable[[Any], Any]) -> Any:
     ctx = multiprocessing.get_context(config.start_method)
     environ = dict(os.environ)  # the forkserver's copy dates from its start; ranks get the caller's of now
     environ["TORCHELASTIC_MAX_RESTARTS"] = str(config.max_restarts)
@@ -74,7 +103,7 @@ def _launch(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, a
         storage.write_bytes(payload, Path(run_dir, "payload"), durable=False)
         for attempt in itertools.count():
             environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
-            failures = _attempt(ctx, procs, run_dir, config, all_results, environ, received)
+            failures = _attempt(ctx, procs, run_dir, config, all_results, plain, environ, received)
             stop = next((sig for sig in received if sig in STOP_SIGNALS), None)
             if not failures and stop is None:
                 results = [_read_result(run_dir, rank) for rank in range(config.nprocs if all_results else 1)]
@@ -100,8 +129,8 @@ def _launch(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, a
     _die_of(stop)  # the ranks ended because the caller was told to stop: end the way it was told
 
 
-def _attempt(ctx: Any, procs: list, run_dir: str, config: Config, all_results: bool, environ: dict[str, str],
-             received: _Received) -> list[RankFailure]:
+def _attempt(ctx: Any, procs: list, run_dir: str, config: Config, all_results: bool, plain: Callable[[Any], Any],
+             environ: dict[str, str], received: _Received) -> list[RankFailure]:
     """Start the ranks, wait for them, stop them; the failures seen (none: every rank returned)."""
     store = _loopback_store(config.timeout)
     procs.clear()
@@ -114,7 +143,8 @@ def _attempt(ctx: Any, procs: list, run_dir: str, config: Config, all_results: b
             streams = output.PrefixedOutput(rank) if config.rank_prefix else None
             if streams is not None:
                 outputs.append(streams)
-            spec = worker.RankSpec(run_dir, rank, config.nprocs, store.port, config, all_results or rank == 0, dict(environ))
+            spec = worker.RankSpec(run_dir, rank, config.nprocs, store.port, config, all_results or rank == 0, plain,
+                                   dict(environ))
             ends = streams.ends if streams is not None else None
             proc = ctx.Process(target=worker.rank_main, args=(spec, writer, ends), name=f"qaccel-rank-{rank}")
             _start_without_main(proc)

@@ -18,18 +18,44 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from qaccel.environment import slurm_job_state
+from qaccel.comm import session
+from qaccel.comm.session import RankContext
+from qaccel.environment import Environment, slurm_job_state
 from qaccel.errors import Preempted, RankError
 from qaccel.launch import pickling
 from qaccel.options import JobOutput, SlurmCluster, minutes
 
 if TYPE_CHECKING:
+    from qaccel.launch.protocol import HandBack
     from qaccel.options import Config
 
 POLL_S = 0.5
 # a job in one of these has ended (scontrol's states; a requeued job goes back to PENDING)
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
          "UNKNOWN")  # UNKNOWN: SLURM forgot the job, long ended
+
+
+class ClusterJob:
+    """The ranks are the tasks of one SLURM job, submitted from here: the launchers' protocol (protocol.py) for a
+    plain process given ``cluster=``."""
+
+    def __init__(self, config: Config, env: Environment, hand_back: HandBack) -> None:
+        self.config, self.env, self.hand_back = config, env, hand_back
+        self.starts_ranks = config.nprocs > 1
+
+    def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, all_results: bool) -> Any:
+        """Submit, wait (following the job), and return rank 0's result or every rank's."""
+        job = self.submit(fn, args, kwargs)
+        return job.results() if all_results else job.result()
+
+    def submit(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> SlurmJob:
+        return submit(fn, args, kwargs, self.config, self.config.cluster, self.hand_back.in_place)
+
+    def planned(self) -> RankContext:
+        return session.plan(self.config, self.env)
+
+    def join(self) -> None:
+        return None
 
 
 # ---- in the job: each task is a rank ----
@@ -40,9 +66,10 @@ class _Rank:
     raising, so that the caller sees every rank's outcome and raises the cause's own exception. A stop after a
     signal (Preempted) is a SystemExit: submitit then writes no result, and the requeued job writes it."""
 
-    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config) -> None:
+    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config,
+                 plain: Callable[[Any], Any]) -> None:
         # pickled here, not by submitit's cloudpickle: the task's tracebacks then name the caller's files and lines
-        self.call, self.config = pickling.dumps_call(fn, args, kwargs), config
+        self.call, self.config, self.plain = pickling.dumps_call(fn, args, kwargs), config, plain
 
     def __call__(self) -> tuple[str, Any]:
         from qaccel.environment import detect
@@ -51,7 +78,7 @@ class _Rank:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # submitit ignores it in its tasks; scancel must end them
         env = detect()
         try:
-            return "returned", in_place.run(_called, (self.call,), {}, self.config, env, False)
+            return "returned", in_place.run(_called, (self.call,), {}, self.config, env, False, self.plain)
         except Preempted:
             raise
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
@@ -197,11 +224,12 @@ def _called(call: bytes) -> Any:
 
 
 def submit(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, cluster: SlurmCluster,
-           show: bool = True) -> SlurmJob:
-    """Submit ``fn(*args, **kwargs)`` as one SLURM job of ``cluster.world_size`` tasks, each a rank."""
+           plain: Callable[[Any], Any], show: bool = True) -> SlurmJob:
+    """Submit ``fn(*args, **kwargs)`` as one SLURM job of ``cluster.world_size`` tasks, each a rank; each task's
+    result is made ``plain`` (protocol.HandBack.in_place)."""
     import submitit
 
-    task = _Rank(fn, args, kwargs, config)  # an argument that cannot be pickled fails here, before any job
+    task = _Rank(fn, args, kwargs, config, plain)  # an argument that cannot be pickled fails here, before any job
     executor = submitit.SlurmExecutor(folder=Path(cluster.folder).absolute() / "%j", max_num_timeout=0)
     sbatch = {"signal": "USR1@180", "requeue": True, **cluster.sbatch}
     executor.update_parameters(
@@ -214,13 +242,6 @@ def submit(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, cl
         print(f"qaccel: submitted SLURM job {job.job_id} ({cluster.nodes} node(s) x {cluster.tasks_per_node} "
               f"task(s)); its files are in {job.paths.folder}", file=sys.stderr, flush=True)
     return SlurmJob(job, cluster, show)
-
-
-def run(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, cluster: SlurmCluster,
-        all_results: bool) -> Any:
-    """distribute() on the cluster: submit, wait (following the job), and return rank 0's result or every rank's."""
-    job = submit(fn, args, kwargs, config, cluster)
-    return job.results() if all_results else job.result()
 
 
 def _wait_gone(job_id: str, timeout: float = 60.0) -> None:

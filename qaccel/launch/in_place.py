@@ -11,7 +11,7 @@ import contextlib
 import os
 import sys
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch.distributed as dist
 
@@ -22,11 +22,35 @@ from qaccel.errors import raised_note, type_name
 from qaccel.launch import launcher_report, output
 from qaccel.launch.running import rank_session, run_as_rank
 from qaccel.options import Config
-from qaccel.train import prepare
+
+if TYPE_CHECKING:
+    from qaccel.launch.protocol import HandBack
 
 
-def run(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, env: Environment, all_results: bool) -> Any:
-    """``fn(*args, **kwargs)`` here, as this process's rank; its result (or every rank's, by rank)."""
+class InPlace:
+    """fn runs here, as this process's rank: the launchers' protocol (protocol.py) for every process that starts
+    no ranks."""
+
+    starts_ranks = False
+
+    def __init__(self, config: Config, env: Environment, hand_back: HandBack) -> None:
+        self.config, self.env, self.hand_back = config, env, hand_back
+        self.launched = env.kind.started_by_launcher and env.world_size > 1
+
+    def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, all_results: bool) -> Any:
+        return run(fn, args, kwargs, self.config, self.env, all_results, self.hand_back.in_place)
+
+    def planned(self) -> RankContext:
+        return session.plan(self.config, self.env)
+
+    def join(self) -> RankContext | None:
+        return ambient(self.config, self.env) if self.launched else None
+
+
+def run(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, env: Environment, all_results: bool,
+        plain: Callable[[Any], Any]) -> Any:
+    """``fn(*args, **kwargs)`` here, as this process's rank; its result (or every rank's, by rank), made ``plain``
+    (protocol.HandBack) before the session's end frees what it prepared."""
     running = session.current_run()
     if running is not None:  # a distribute() inside a distributed fn: already a rank of a live group
         with running.call():
@@ -35,7 +59,7 @@ def run(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, env: 
     ctx, store = _this_rank(config, env)
 
     def body() -> Any:
-        result = prepare.plain_result(fn(*args, **kwargs))  # before the session's end frees what it prepared
+        result = plain(fn(*args, **kwargs))
         return collectives.gather_object(result, ctx) if all_results else result
 
     return run_as_rank(ctx, config, body, _LauncherReport(ctx), store, where_to_log=env.kind.started_by_launcher)

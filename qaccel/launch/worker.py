@@ -33,7 +33,7 @@ import signal
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import cloudpickle
 import torch.distributed as dist
@@ -45,7 +45,6 @@ from qaccel.launch import caller_state, inherit, output
 from qaccel.launch.failures import ErrorReport
 from qaccel.launch.running import run_as_rank
 from qaccel.options import Config
-from qaccel.train import prepare
 
 CHILD_START_METHOD = "fork"
 
@@ -72,6 +71,7 @@ class RankSpec:
     port: int
     config: Config
     keep_result: bool
+    plain: Callable[[Any], Any]  # what an object of the result is outside its rank (protocol.HandBack.pickled)
     environ: dict[str, str]
 
 
@@ -128,7 +128,8 @@ def rank_main(spec: RankSpec, caller: multiprocessing.connection.Connection,
         inherit.adopt_script(settings, fn, args, kwargs)
         result = fn(*args, **kwargs)
         if spec.keep_result:
-            storage.write_bytes(_dumps_result(result, spec.rank), Path(spec.run_dir, f"result-{spec.rank}"), durable=False)
+            storage.write_bytes(_dumps_result(result, spec.rank, spec.plain), Path(spec.run_dir, f"result-{spec.rank}"),
+                                durable=False)
 
     try:
         run_as_rank(ctx, config, body, _CallerReport(spec, caller), store, process_ends=True)
@@ -140,8 +141,12 @@ class _ResultPickler(cloudpickle.Pickler):
     """cloudpickle, with prepared objects given back as the user's own (a DDP model as its module): the caller
     has no process group to rebuild them in."""
 
+    def __init__(self, file: io.BytesIO, plain: Callable[[Any], Any]) -> None:
+        super().__init__(file)
+        self.plain = plain
+
     def reducer_override(self, obj: Any) -> Any:
-        plain = prepare.plain_object(obj)
+        plain = self.plain(obj)
         if plain is not obj:
             return _same, (plain,)
         return super().reducer_override(obj)
@@ -151,10 +156,10 @@ def _same(obj: Any) -> Any:
     return obj
 
 
-def _dumps_result(result: Any, rank: int) -> bytes:
+def _dumps_result(result: Any, rank: int, plain: Callable[[Any], Any]) -> bytes:
     buffer = io.BytesIO()
     try:
-        _ResultPickler(buffer).dump(result)
+        _ResultPickler(buffer, plain).dump(result)
     except Exception as exc:
         raise TypeError(f"rank {rank}'s return value ({type(result).__name__}) cannot be pickled: {exc}") from exc
     return buffer.getvalue()

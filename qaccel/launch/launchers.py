@@ -1,0 +1,27 @@
+"""Where fn runs, decided once per Accelerator and process: the seam between the facade and the ways ranks start.
+
+Three launchers answer the same small protocol (protocol.py): a plain launch starts the ranks (caller.PlainLaunch),
+a cluster job submits them to SLURM (cluster.ClusterJob), and everywhere else fn runs in place, as this process's
+rank (under torchrun, srun, mpirun and the other launchers of environment.LAUNCHERS, in a group the user made,
+inside a rank, or alone: in_place.InPlace). A new way to start ranks is one class in its own module, a line here,
+and its test; a new launcher that starts the ranks itself is only a class in environment.LAUNCHERS.
+"""
+
+from __future__ import annotations
+
+from qaccel.comm import session
+from qaccel.environment import Environment
+from qaccel.launch import caller, cluster, in_place
+from qaccel.launch.protocol import HandBack, Launcher
+from qaccel.options import Config
+
+
+def choose(config: Config, env: Environment, hand_back: HandBack) -> Launcher:
+    """The launcher for this process: a plain process with several ranks to start launches them (on the cluster,
+    if one is given); every other process, and every process inside a session (a rank), runs fn in place."""
+    starts = env.kind.creates_processes and session.current() is None
+    if starts and config.cluster is not None:
+        return cluster.ClusterJob(config, env, hand_back)
+    if starts and config.nprocs > 1:
+        return caller.PlainLaunch(config, env, hand_back)
+    return in_place.InPlace(config, env, hand_back)
