@@ -152,11 +152,13 @@ def _rsh_agent(hosts: dict, path: Path) -> Path:
     return path
 
 
-def _mpirun(hosts: dict, tmp_path: Path, *args: str, timeout: float = 90) -> subprocess.CompletedProcess:
+def _mpirun(hosts: dict, tmp_path: Path, *args: str, timeout: float = 90,
+            slots: tuple[int, int] = (1, 1)) -> subprocess.CompletedProcess:
     """Real Open MPI ``mpirun -np 2 report_ranks.py mpi`` started on hostA, one rank per host: its daemon on hostB,
     started through the agent, and mpirun talk over the veth subnet only; session dirs go to ``tmp_path``."""
     subnet = hosts["addrs"][0].rsplit(".", 1)[0] + ".0/24"
-    cmd = ["mpirun", "--allow-run-as-root", "-np", "2", "--host", ",".join(f"{h}:1" for h in HOSTS),
+    placed = ",".join(f"{host}:{n}" for host, n in zip(HOSTS, slots))
+    cmd = ["mpirun", "--allow-run-as-root", "-np", str(sum(slots)), "--host", placed,
            "--mca", "plm_rsh_agent", str(_rsh_agent(hosts, tmp_path / "agent")), "--mca", "oob_tcp_if_include", subnet,
            "--mca", "orte_tmpdir_base", str(tmp_path), "-x", "PATH", "-x", "PYTHONPATH", *args,
            sys.executable, str(script_file("report_ranks.py")), "mpi"]
@@ -198,3 +200,12 @@ def test_mpirun_two_hosts_without_master_addr_fails_saying_so(hosts, tmp_path):
     assert proc.returncode != 0, proc.stdout + proc.stderr
     assert "ValueError: an MPI job of 2 ranks on 2 nodes" in proc.stderr, proc.stderr
     assert "pass MASTER_ADDR" in proc.stderr and "mpirun -x MASTER_ADDR=" in proc.stderr, proc.stderr
+
+
+def test_mpirun_two_hosts_placed_unevenly_fails_saying_how_to_place(hosts, tmp_path):
+    """Two ranks on hostA and one on hostB: MPI's variables cannot say which node a rank is on, so every rank
+    refuses at once, naming the placement qaccel reads, instead of getting a wrong node rank."""
+    proc = _mpirun(hosts, tmp_path, "-x", f"MASTER_ADDR={hosts['addrs'][0]}", "-x", "MASTER_PORT=29500", timeout=30,
+                   slots=(2, 1))
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "ValueError: mpirun placed rank" in proc.stderr and "--map-by slot" in proc.stderr, proc.stderr

@@ -74,7 +74,7 @@ def test_the_deepspeed_launchers_ranks_are_one_world_on_one_node():
 @pytest.mark.parametrize("family", ["mpich", "mvapich"])
 def test_mpich_and_mvapich_ranks_are_one_world(family):
     """MPICH's (and Intel MPI's) and MVAPICH's variables; the rendezvous address passed as mpirun -x would.
-    (Without it, on one node, the port is derived from the launcher's daemon: tests/test_environment.py.)"""
+    (Without it, on one node, the port is derived from the launcher's daemon: tests/environment/test_mpi.py.)"""
     names = {"mpich": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
              "mvapich": ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK",
                          "MV2_COMM_WORLD_LOCAL_SIZE")}[family]

@@ -1,0 +1,154 @@
+"""The layout a launcher gives a rank (Environment), how it came to run (Kind), and the readers of variables
+the launcher classes share.
+"""
+
+from __future__ import annotations
+
+import enum
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+class Kind(enum.StrEnum):
+    """How this process came to run: decides whether distribute() starts ranks and where a rank's layout comes from.
+
+    A ``StrEnum``, so it prints and compares as its name ("torchrun").
+    """
+
+    PLAIN = "plain"
+    """``python script.py``: distribute() starts the ranks itself."""
+    TORCHRUN = "torchrun"
+    """torchrun started the ranks and exported their layout (RANK, WORLD_SIZE, ...)."""
+    SLURM = "slurm"
+    """Each task of an srun step is a rank; its layout comes from SLURM_* variables."""
+    MPI = "mpi"
+    """Each process of mpirun (Open MPI, MPICH, Intel MPI, MVAPICH) is a rank; its layout comes from the MPI's."""
+    LSF = "lsf"
+    """Each process of LSF's jsrun is a rank; its layout comes from JSM_NAMESPACE_* variables."""
+    ENV = "env"
+    """A launcher exported torch's env:// variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) without torchrun:
+    a Kubernetes PyTorchJob, the DeepSpeed launcher, SageMaker."""
+    INITIALIZED = "initialized"
+    """The user already made a process group: run in it, make none."""
+
+    @property
+    def creates_processes(self) -> bool:
+        """True when distribute() must start the ranks; otherwise they exist and fn runs in place."""
+        return self is Kind.PLAIN
+
+    @property
+    def started_by_launcher(self) -> bool:
+        """True when a launcher (torchrun, srun, mpirun, ...) chose the world: qaccel makes the group from its
+        variables."""
+        return self not in (Kind.PLAIN, Kind.INITIALIZED)
+
+    @property
+    def exports_rank_variables(self) -> bool:
+        """True when qaccel must export torchrun's variables (RANK, MASTER_ADDR, ...) for torch and user code (all
+        of them: a launcher of env:// variables may leave out LOCAL_RANK and the like)."""
+        return self in (Kind.SLURM, Kind.MPI, Kind.LSF, Kind.ENV)
+
+
+@dataclass(frozen=True)
+class Environment:
+    """The rank layout this process finds itself in."""
+
+    kind: Kind
+    rank: int = 0
+    local_rank: int = 0
+    node_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    num_nodes: int = 1
+    master_addr: str | None = None
+    master_port: int | None = None
+
+    @property
+    def is_launched(self) -> bool:
+        """True when the ranks already exist, so work must run in place rather than spawn."""
+        return not self.kind.creates_processes
+
+
+def rank_variables(env: Environment) -> dict[str, str]:
+    """The variables torchrun gives a worker about its place in the world (the rendezvous address too, when
+    known); qaccel's ranks and srun tasks get them, so user code and torch's env:// read the same names everywhere."""
+    rendezvous = {} if env.master_addr is None else {"MASTER_ADDR": env.master_addr}
+    if env.master_port is not None:
+        rendezvous["MASTER_PORT"] = str(env.master_port)
+    return {
+        **rendezvous,
+        "RANK": str(env.rank),
+        "LOCAL_RANK": str(env.local_rank),
+        "WORLD_SIZE": str(env.world_size),
+        "LOCAL_WORLD_SIZE": str(env.local_world_size),
+        "GROUP_RANK": str(env.node_rank),
+        "NODE_RANK": str(env.node_rank),
+        "GROUP_WORLD_SIZE": str(env.num_nodes),
+        "ROLE_RANK": str(env.rank),
+        "ROLE_WORLD_SIZE": str(env.world_size),
+        "ROLE_NAME": "default",
+    }
+
+
+# A qaccel rank of a plain launch carries torch's env:// variables (rank_variables) and this one: a process it starts
+# (a script of the user's run as a subprocess) is no rank of an env:// launcher's world.
+STARTED_BY_QACCEL = "QACCEL_RANK_OF"
+
+
+def qaccel_run_id(launch: str) -> str:
+    """The ``TORCHELASTIC_RUN_ID`` of a plain launch's ranks (as torchrun's workers have one): Torchrun below tells
+    it from torchrun's own."""
+    return f"qaccel-{launch}"
+
+
+def derived_port(job: str) -> int:
+    """A rendezvous port every rank of a job derives alike from the job's name: 20000 plus a stable hash of it
+    below 10000 (a range apart from slurm_port's)."""
+    return 20000 + zlib.crc32(job.encode()) % 10000
+
+
+def _launcher_layout(env: Mapping[str, str], kind: Kind, rank: int, world_size: int) -> Environment:
+    """The layout torchrun-style variables describe around a known rank and world (one node when silent)."""
+    local_world_size = _int(env, "LOCAL_WORLD_SIZE", world_size)
+    node_key = "GROUP_RANK" if "GROUP_RANK" in env else "NODE_RANK"
+    return Environment(
+        kind=kind,
+        rank=rank,
+        local_rank=_int(env, "LOCAL_RANK", rank),
+        node_rank=_int(env, node_key, 0),
+        world_size=world_size,
+        local_world_size=local_world_size,
+        num_nodes=_ceil_div(world_size, local_world_size),
+        master_addr=env.get("MASTER_ADDR"),
+        master_port=_optional_int(env, "MASTER_PORT"),
+    )
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    """An integer variable, or the default when unset; garbage is an error, not a silent default."""
+    value = _optional_int(env, name)
+    return default if value is None else value
+
+
+def _optional_int(env: Mapping[str, str], name: str) -> int | None:
+    if name not in env:
+        return None
+    raw = env[name]
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+
+
+def _first_int(env: Mapping[str, str], names: tuple[str, ...]) -> int | None:
+    return next((_optional_int(env, n) for n in names if n in env), None)
+
+
+def _first(env: Mapping[str, str], names: tuple[str, ...]) -> str | None:
+    return next((env[n] for n in names if n in env), None)
+
+
+def _ceil_div(numerator: int, denominator: int) -> int:
+    """Node count from totals, never below one, and safe against a zero denominator."""
+    return max(1, -(-numerator // max(denominator, 1)))
