@@ -1,0 +1,55 @@
+"""launchers.choose(): one launcher per Accelerator and process, from the environment detected once; the facade
+asks it, and nothing else, where fn runs."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from qaccel import Accelerator, SlurmCluster, options
+from qaccel.environment import Environment, Kind, detect
+from qaccel.launch import caller, cluster, in_place, launchers
+from qaccel.launch.protocol import HandBack
+
+HAND_BACK = HandBack(in_place=lambda result: result, pickled=lambda obj: obj)
+TORCHRUN = Environment(kind=Kind.TORCHRUN, rank=1, local_rank=1, world_size=2, local_world_size=2,
+                       master_addr="127.0.0.1", master_port=29500)
+
+
+def _choose(env: Environment, **chosen) -> launchers.Launcher:
+    return launchers.choose(options.make_config(env, compute_setup="cpu", **chosen), env, HAND_BACK)
+
+
+def test_a_plain_process_with_one_rank_runs_in_place_and_starts_nothing():
+    launcher = _choose(Environment(kind=Kind.PLAIN))
+    assert isinstance(launcher, in_place.InPlace) and not launcher.starts_ranks
+    assert launcher.join() is None, "no launcher's ranks to join"
+    assert (launcher.planned().rank, launcher.planned().world_size) == (0, 1)
+
+
+def test_under_a_launcher_fn_runs_in_place_and_the_launchers_world_is_planned():
+    launcher = _choose(TORCHRUN, nprocs=2)
+    assert isinstance(launcher, in_place.InPlace) and not launcher.starts_ranks and launcher.launched
+    assert (launcher.planned().rank, launcher.planned().world_size) == (1, 2)
+
+
+def test_a_cluster_given_in_a_plain_process_is_a_cluster_job_and_ignored_under_a_launcher():
+    job = SlurmCluster(nodes=2, tasks_per_node=1)
+    assert isinstance(_choose(Environment(kind=Kind.PLAIN), nprocs=2, cluster=job), cluster.ClusterJob)
+    assert isinstance(_choose(TORCHRUN, nprocs=2, cluster=job), in_place.InPlace), "the job's own tasks run in place"
+
+
+def test_an_accelerator_chooses_once_and_again_in_the_process_that_unpickles_it(acc):
+    assert isinstance(acc._launcher, caller.PlainLaunch) and acc._launcher.starts_ranks
+    assert acc._where() is acc._where(), "chosen once"
+    assert pickle.loads(pickle.dumps(acc))._launcher is None, "a rank chooses for itself"
+    inside = acc.distribute(lambda: type(acc._where()).__name__, all_results=True)()
+    assert inside == ["InPlace", "InPlace"], "in a rank, fn runs in place (a nested distribute())"
+
+
+def test_prepare_in_the_caller_of_a_plain_launch_is_refused(acc):
+    with pytest.raises(RuntimeError, match=r"prepare\(\) must run inside the function you distribute"):
+        acc.prepare(object())
+    assert detect().kind == "plain"
+    assert not Accelerator(compute_setup="cpu")._where().starts_ranks
