@@ -1,13 +1,15 @@
 """A training body written for torchrun (it makes the default group itself and destroys it at its end) runs
-unchanged inside distribute(), under a plain launch and under torchrun: one world of 2, disjoint shards, equal
+unchanged inside distribute(), under a plain launch, under torchrun and in a real srun step: one world of 2, disjoint shards, equal
 weights on both ranks, and qaccel's own work before and after it (the result, a second call) still works."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch.distributed as dist
 
-from support.procs import result_lines, run_script, run_torchrun, script_file
+from support.procs import result_lines, run_script, run_torchrun, script_file, slurm_env
 
 pytestmark = pytest.mark.timeout(180)
 SCRIPT = script_file("ddp_body.py")
@@ -30,6 +32,18 @@ def test_a_ddp_body_that_makes_and_destroys_its_group_runs_in_a_plain_launch(tmp
 
 def test_a_ddp_body_that_makes_and_destroys_its_group_runs_under_torchrun(tmp_path):
     proc = run_torchrun(SCRIPT, cwd=tmp_path, timeout=150)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = sorted(result_lines(proc.stdout), key=lambda r: r["rank"])
+    assert [r["rank"] for r in results] == [0, 1]
+    for result in results:
+        _trained_together(result)
+    assert not set(results[0]["seen"]) & set(results[1]["seen"]), "disjoint shards"
+
+
+@pytest.mark.slurm
+def test_a_ddp_body_that_makes_and_destroys_its_group_runs_in_a_real_srun_step(tmp_path, slurm_cluster):
+    proc = slurm_cluster.srun(["-N1", "-n2", sys.executable, str(SCRIPT)], timeout=150, env=slurm_env(slurm_cluster),
+                              cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = sorted(result_lines(proc.stdout), key=lambda r: r["rank"])
     assert [r["rank"] for r in results] == [0, 1]
