@@ -1,5 +1,5 @@
-"""Real multi-node: unmodified torchrun (c10d rendezvous), and a real Open MPI mpirun, on two simulated hosts, 2 nodes
-x 1 proc, gloo on CPU.
+"""Real multi-node on two simulated hosts, 2 nodes x 1 proc, gloo on CPU: unmodified torchrun (c10d rendezvous), a
+real Open MPI mpirun, and processes given exactly the variables a Kubernetes PyTorchJob's pods and LSF's jsrun get.
 
 The hosts are two network namespaces joined by a veth pair, each with its own hostname and /etc/hosts (recipe:
 shared/recipes/two-hosts.md), so the ranks really talk over a network and not through loopback.
@@ -94,11 +94,17 @@ def _torchrun_on_both(hosts: dict, tmp_path: Path, *args: str, timeout: float = 
     cmd = [*torchrun_cmd(tmp_path / "torchelastic"), "--nnodes", "2", "--nproc_per_node", "1",
            "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{hosts['addrs'][0]}:29400", "--rdzv_id", "qaccel",  # port in hostA's own stack
            "--rdzv_conf", "join_timeout=30,read_timeout=30", "--max-restarts", "0", str(script), *args]
+    return _on_both(hosts, tmp_path, [cmd, cmd], [script_env(), script_env()], timeout)
+
+
+def _on_both(hosts: dict, tmp_path: Path, cmds: list[list[str]], envs: list[dict], timeout: float,
+             what: str = "torchrun") -> list[tuple[int, str, str]]:
+    """Start ``cmds[i]`` with ``envs[i]`` on host i, both at once; (returncode, stdout, stderr) per host."""
     procs = []
-    for ns, name in zip(hosts["namespaces"], HOSTS):
+    for ns, name, cmd, env in zip(hosts["namespaces"], HOSTS, cmds, envs):
         with open(tmp_path / f"{name}.out", "w") as out, open(tmp_path / f"{name}.err", "w") as err:
             procs.append(subprocess.Popen(_on_host(ns, name, hosts["etc"], *cmd), stdout=out, stderr=err,
-                                          env=script_env(), cwd=tmp_path))
+                                          env=env, cwd=tmp_path))
     deadline = time.monotonic() + timeout
     codes: list[int | None] = []
     for p in procs:
@@ -111,7 +117,7 @@ def _torchrun_on_both(hosts: dict, tmp_path: Path, *args: str, timeout: float = 
         p.wait()
     results = [(code, (tmp_path / f"{n}.out").read_text(), (tmp_path / f"{n}.err").read_text())
                for code, n in zip(codes, HOSTS)]
-    assert None not in codes, f"torchrun still running after {timeout} s: {results}"
+    assert None not in codes, f"{what} still running after {timeout} s: {results}"
     return results
 
 
@@ -209,3 +215,38 @@ def test_mpirun_two_hosts_placed_unevenly_fails_saying_how_to_place(hosts, tmp_p
                    slots=(2, 1))
     assert proc.returncode != 0, proc.stdout + proc.stderr
     assert "ValueError: mpirun placed rank" in proc.stderr and "--map-by slot" in proc.stderr, proc.stderr
+
+
+def _launcher_ranks_on_both(hosts: dict, tmp_path: Path, variables: list[dict[str, str]]) -> list[dict]:
+    """report_ranks.py once per host, with exactly the variables a launcher gives that host's process (no torchrun,
+    no mpirun): their RESULTs, by rank."""
+    envs = []
+    for given in variables:
+        env = script_env()
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+            env.pop(name, None)
+        envs.append({**env, **given})
+    cmd = [sys.executable, str(script_file("report_ranks.py")), "launcher"]
+    results = _on_both(hosts, tmp_path, [cmd, cmd], envs, timeout=60, what="a rank")
+    for code, out, err in results:
+        assert code == 0, out + err
+    return sorted((r for _, out, _ in results for r in report_results(out)), key=lambda r: r["rank"])
+
+
+def test_pytorchjob_pods_on_two_hosts_are_one_world(hosts, tmp_path):
+    """A Kubernetes PyTorchJob's pods get RANK, WORLD_SIZE, MASTER_ADDR (the master pod's name) and MASTER_PORT
+    only: one process per host, one world of 2, each its node's rank 0."""
+    pods = [{"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": HOSTS[0], "MASTER_PORT": "23456"} for rank in (0, 1)]
+    results = _launcher_ranks_on_both(hosts, tmp_path, pods)
+    assert [(r["rank"], r["local"], r["node"], r["world"], r["sum"], r["host"]) for r in results] == [
+        (0, 0, 0, 2, 1, HOSTS[0]), (1, 0, 1, 2, 1, HOSTS[1])]
+
+
+def test_jsrun_ranks_on_two_hosts_rendezvous_on_the_first_compute_host(hosts, tmp_path):
+    """LSF's jsrun gives JSM_NAMESPACE_* and the job's LSB_* variables: rank 0's host is the first compute host
+    of LSB_MCPU_HOSTS (after the launch node) and the port comes from LSB_JOBID."""
+    job = {"JSM_NAMESPACE_SIZE": "2", "JSM_NAMESPACE_LOCAL_RANK": "0", "JSM_NAMESPACE_LOCAL_SIZE": "1",
+           "LSB_JOBID": "4711", "LSB_MCPU_HOSTS": f"batch1 1 {HOSTS[0]} 1 {HOSTS[1]} 1"}
+    results = _launcher_ranks_on_both(hosts, tmp_path, [{**job, "JSM_NAMESPACE_RANK": str(r)} for r in (0, 1)])
+    assert [(r["rank"], r["node"], r["world"], r["sum"], r["host"]) for r in results] == [
+        (0, 0, 2, 1, HOSTS[0]), (1, 1, 2, 1, HOSTS[1])]
