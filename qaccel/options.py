@@ -14,6 +14,7 @@ import math
 import os
 import re
 import textwrap
+import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -118,8 +119,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("sync_each_batch", False, "`True`, `False`", "under `accumulate()`, synchronise (reduce) gradients on "
            "every micro-step instead of holding them unreduced until the update: more communication, less memory "
            "(FSDP keeps only gradient shards)"),
-    Option("mixed_precision", "no", "`no`, `bf16`, `fp16`", "autocast of prepared models' forward; `bf16` on CPU "
-           "and CUDA, `fp16` on CUDA with a gradient scaler"),
+    Option("mixed_precision", None, "`None`, `no`, `bf16`, `fp16`", "autocast of prepared models' forward; `bf16` "
+           "on CPU and CUDA, `fp16` on CUDA with a gradient scaler. `None`: `ACCELERATE_MIXED_PRECISION` if set (what "
+           "Accelerate's launchers and `notebook_launcher(mixed_precision=...)` tell the ranks), else `no`"),
     Option("split_batches", False, "`True`, `False`", "prepared DataLoaders' batch size is the batch of all ranks "
            "together, of which each rank takes its slice (Accelerate's `split_batches`); it must divide by the "
            "world size"),
@@ -233,7 +235,7 @@ def make_config(env: Environment, **options: Any) -> Config:
     nprocs = _count("nprocs", values["nprocs"], 1)
     device_type = _device_type(values["compute_setup"], env.local_world_size if env.is_launched else nprocs)
     backend = _backend(values["backend"], device_type)
-    dtype, mixed_precision = _precision(values["dtype"], values["mixed_precision"], device_type)
+    dtype, mixed_precision = _precision(values["dtype"], _mixed_precision(values["mixed_precision"]), device_type)
     strategy = _choice("strategy", values["strategy"], Strategy)
     return Config(
         nprocs=nprocs,
@@ -570,6 +572,23 @@ def _backend(backend: object, device_type: DeviceType) -> Backend:
     return chosen
 
 
+MIXED_PRECISION_VARIABLE = "ACCELERATE_MIXED_PRECISION"
+
+
+def _mixed_precision(value: object) -> object:
+    """The option as given, or (None) what a launcher exported for Accelerators made without it, as Accelerate
+    reads it."""
+    if value is not None:
+        return value
+    exported = os.environ.get(MIXED_PRECISION_VARIABLE)
+    if exported is None:
+        return MixedPrecision.NO.value
+    if exported.lower() not in tuple(MixedPrecision):
+        raise ValueError(f"{MIXED_PRECISION_VARIABLE}={exported!r} (read for mixed_precision=None) must be one of "
+                         f"{', '.join(repr(m.value) for m in MixedPrecision)}")
+    return exported.lower()
+
+
 def _precision(dtype: object, mixed_precision: object, device_type: DeviceType) -> tuple[torch.dtype | None, MixedPrecision]:
     """The models' dtype and the mixed precision, checked together."""
     if dtype is not None and not isinstance(dtype, torch.dtype):
@@ -577,8 +596,10 @@ def _precision(dtype: object, mixed_precision: object, device_type: DeviceType) 
     if dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
         raise ValueError(f"dtype must be a floating-point or complex torch.dtype (it casts models and inputs); got {dtype}")
     mixed = _choice("mixed_precision", mixed_precision, MixedPrecision)
-    if mixed is MixedPrecision.FP16 and device_type is not DeviceType.CUDA:
-        raise ValueError("mixed_precision='fp16' needs GPU compute (its gradient scaler is CUDA-only); use 'bf16' on CPU")
+    if mixed is MixedPrecision.FP16 and device_type is not DeviceType.CUDA:  # as Accelerate, said out loud
+        warnings.warn("mixed_precision='fp16' without GPU compute trains in float32 (no autocast, no gradient "
+                      "scaler; Accelerate does the same): use 'bf16' for half precision on CPU", stacklevel=4)
+        mixed = MixedPrecision.NO
     if mixed is not MixedPrecision.NO and dtype is not None and dtype != torch.float32:
         raise ValueError(
             f"mixed_precision={mixed.value!r} runs float32 models in half precision; with dtype={dtype} use "

@@ -93,3 +93,15 @@ def test_accelerates_accumulation_plugin_sets_the_accumulation_options():
     with pytest.raises(ValueError, match="sync_with_dataloader=False. is not in qaccel"):
         Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(sync_with_dataloader=False))
 
+
+
+def test_mixed_precision_unset_reads_what_accelerates_launchers_export(monkeypatch):
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    assert Accelerator(compute_setup="cpu").mixed_precision == "no"
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "BF16")
+    assert Accelerator(compute_setup="cpu").mixed_precision == "bf16", "as Accelerate reads it: any case"
+    assert Accelerator(compute_setup="cpu", mixed_precision="no").mixed_precision == "no", "an argument wins"
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+    with pytest.raises(ValueError, match=r"^ACCELERATE_MIXED_PRECISION='fp8' \(read for mixed_precision=None\) must "
+                                         r"be one of 'no', 'bf16', 'fp16'$"):
+        Accelerator(compute_setup="cpu")
