@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 
 from qaccel.accelerator import Accelerator
 from qaccel.errors import CheckpointError, CollectiveMismatchError, Preempted, QaccelError, RankError, RankKilledError
+from qaccel.notebook import debug_launcher, notebook_launcher
 from qaccel.options import DataLoaderConfiguration, GradientAccumulationPlugin, SlurmCluster
 from qaccel.train.batch_size import find_executable_batch_size, should_reduce_batch_size
 from qaccel.train.checkpoint import consolidate
@@ -29,7 +30,7 @@ from qaccel.trainer.trainer import Trainer
 __all__ = [
     "Accelerator", "DataLoaderConfiguration", "GradientAccumulationPlugin", "Preempted", "consolidate", "CheckpointError", "CollectiveMismatchError",
     "QaccelError", "RankError", "RankKilledError", "SlurmCluster", "TrainConfig", "Trainer", "__version__",
-    "find_executable_batch_size", "should_reduce_batch_size",
+    "debug_launcher", "find_executable_batch_size", "notebook_launcher", "should_reduce_batch_size",
     # qadence's ml_tools names
     "DictDataLoader", "InfiniteTensorDataset", "OptimizeResult", "default_optimize_step", "get_parameters", "load_checkpoint", "load_model",
     "num_parameters", "set_parameters", "to_dataloader", "write_checkpoint",

@@ -15,7 +15,7 @@ LAYERS = [
     {"qaccel.comm"},
     {"qaccel.train"},
     {"qaccel.launch"},
-    {"qaccel.accelerator"},
+    {"qaccel.accelerator", "qaccel.notebook"},
     {"qaccel.trainer"},
     {"qaccel.cli", "qaccel"},
 ]
