@@ -229,10 +229,18 @@ def test_no_mixed_precision_means_no_autocast():
     assert acc.scaler is None and Accelerator(compute_setup="cpu", mixed_precision="bf16").scaler is None
 
 
+def test_fp16_without_a_gpu_trains_in_float32_as_accelerate_and_says_so():
+    with pytest.warns(UserWarning, match=r"mixed_precision='fp16' without GPU compute trains in float32 \(no "
+                                         r"autocast, no gradient scaler; Accelerate does the same\)"):
+        acc = Accelerator(compute_setup="cpu", mixed_precision="fp16")
+    assert acc.mixed_precision == "no" and acc.scaler is None
+    enabled, out_dtype, inner_dtype, _ = _bf16(acc)
+    assert not enabled and out_dtype == inner_dtype == torch.float32
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"mixed_precision": "fp16", "compute_setup": "cpu"}, "mixed_precision='fp16' needs GPU compute"),
         ({"mixed_precision": "bf16", "dtype": torch.float64}, "with dtype=torch.float64 use mixed_precision='no'"),
         ({"mixed_precision": "fp8"}, "mixed_precision must be one of 'no', 'bf16', 'fp16'; got 'fp8'"),
         ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps must be a positive int; got 0"),
