@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import textwrap
 
 import pytest
 from support import component
-from support.procs import script_env
+from support.procs import run_in_kernel
 
 from qaccel import debug_launcher, notebook_launcher
 
@@ -63,22 +62,8 @@ CELLS = [
 
 def test_a_notebook_written_for_accelerate_runs_with_its_import_changed(tmp_path):
     component.installed("accelerate")
-    jupyter_client = component.module("jupyter_client")
-    manager = jupyter_client.KernelManager(kernel_name="python3")
-    manager.start_kernel(env=script_env(), cwd=str(tmp_path))
-    client = manager.client()
-    client.start_channels()
-    try:
-        client.wait_for_ready(timeout=60)
-        shown = []
-        for cell in CELLS:
-            reply = client.execute_interactive(textwrap.dedent(cell), timeout=150, output_hook=shown.append)
-            assert reply["content"]["status"] == "ok", reply["content"]
-        text = "".join(m["content"].get("text", "") for m in shown if m["msg_type"] == "stream")
-        first, again = json.loads(next(line for line in text.splitlines() if line.startswith("RESULTS "))[8:])
-    finally:
-        client.stop_channels()
-        manager.shutdown_kernel(now=True)
+    text = run_in_kernel(CELLS, tmp_path, timeout=150)
+    first, again = json.loads(next(line for line in text.splitlines() if line.startswith("RESULTS "))[8:])
     assert first["world"] == 2 and first["precision"] == "bf16", "Accelerate's Accelerator saw the launch's settings"
     assert sorted(first["seen"]) == sorted(list(range(32)) * 2), "every sample once per epoch, over both ranks"
     assert again == first, "a second launch from the same kernel trains the same"

@@ -31,19 +31,17 @@ def test_a_ddp_body_that_makes_and_destroys_its_group_runs_in_a_plain_launch(tmp
 
 
 def test_a_ddp_body_that_makes_and_destroys_its_group_runs_under_torchrun(tmp_path):
-    proc = run_torchrun(SCRIPT, cwd=tmp_path, timeout=150)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    results = sorted(result_lines(proc.stdout), key=lambda r: r["rank"])
-    assert [r["rank"] for r in results] == [0, 1]
-    for result in results:
-        _trained_together(result)
-    assert not set(results[0]["seen"]) & set(results[1]["seen"]), "disjoint shards"
+    _each_process_a_rank(run_torchrun(SCRIPT, cwd=tmp_path, timeout=150))
 
 
 @pytest.mark.slurm
 def test_a_ddp_body_that_makes_and_destroys_its_group_runs_in_a_real_srun_step(tmp_path, slurm_cluster):
-    proc = slurm_cluster.srun(["-N1", "-n2", sys.executable, str(SCRIPT)], timeout=150, env=slurm_env(slurm_cluster),
-                              cwd=tmp_path)
+    _each_process_a_rank(slurm_cluster.srun(["-N1", "-n2", sys.executable, str(SCRIPT)], timeout=150,
+                                            env=slurm_env(slurm_cluster), cwd=tmp_path))
+
+
+def _each_process_a_rank(proc) -> None:
+    """A launcher's two processes printed one result each: ranks 0 and 1, trained together on disjoint shards."""
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = sorted(result_lines(proc.stdout), key=lambda r: r["rank"])
     assert [r["rank"] for r in results] == [0, 1]

@@ -10,13 +10,12 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 from support import component
-from support.procs import described, script_env, script_file, wait_dead, wait_for
+from support.procs import described, run_in_kernel, script_env, script_file, wait_dead, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -157,36 +156,23 @@ def test_ranks_write_to_fd_1_whatever_object_the_caller_made_its_stdout(caller, 
 
 
 def test_a_jupyter_kernel_has_threads_and_gets_a_fresh_interpreter_server(tmp_path):
-    jupyter_client = component.module("jupyter_client")
-    manager = jupyter_client.KernelManager(kernel_name="python3")
-    manager.start_kernel(env=script_env(), cwd=str(tmp_path))
-    client = manager.client()
-    client.start_channels()
-    try:
-        client.wait_for_ready(timeout=60)
-        cell = textwrap.dedent("""
-            import json, multiprocessing.forkserver, os, threading
-            from qaccel import Accelerator
-            acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
+    cell = """
+        import json, multiprocessing.forkserver, os, threading
+        from qaccel import Accelerator
+        acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
 
-            def where(acc):
-                return acc.rank, os.getppid()
+        def where(acc):
+            return acc.rank, os.getppid()
 
-            ranks = acc.distribute(where, all_results=True)(acc)
-            server = multiprocessing.forkserver._forkserver._forkserver_pid
-            with open(f"/proc/{server}/cmdline") as f:
-                command = f.read().split(chr(0))
-            print("FACTS " + json.dumps({"ranks": ranks, "server": server, "command": command,
-                                         "threads": threading.active_count()}))
-            """)
-        shown = []
-        reply = client.execute_interactive(cell, timeout=100, output_hook=shown.append)
-        assert reply["content"]["status"] == "ok", reply["content"]
-        text = "".join(m["content"].get("text", "") for m in shown if m["msg_type"] == "stream")
-        line = next(line for line in text.splitlines() if line.startswith("FACTS "))
-        facts = json.loads(line[len("FACTS "):])
-        assert facts["threads"] > 1 and _fresh_interpreter(facts["command"]), facts
-        assert facts["ranks"] == [[0, facts["server"]], [1, facts["server"]]]
-    finally:
-        client.stop_channels()
-        manager.shutdown_kernel(now=True)
+        ranks = acc.distribute(where, all_results=True)(acc)
+        server = multiprocessing.forkserver._forkserver._forkserver_pid
+        with open(f"/proc/{server}/cmdline") as f:
+            command = f.read().split(chr(0))
+        print("FACTS " + json.dumps({"ranks": ranks, "server": server, "command": command,
+                                     "threads": threading.active_count()}))
+        """
+    text = run_in_kernel([cell], tmp_path)
+    line = next(line for line in text.splitlines() if line.startswith("FACTS "))
+    facts = json.loads(line[len("FACTS "):])
+    assert facts["threads"] > 1 and _fresh_interpreter(facts["command"]), facts
+    assert facts["ranks"] == [[0, facts["server"]], [1, facts["server"]]]

@@ -293,3 +293,27 @@ def once_per_session(tmp_path_factory, name: str, compute):
         tmp.write_text(json.dumps(result))
         os.replace(tmp, path)
         return json.loads(path.read_text())  # what the other workers get, so every worker sees the same
+
+
+def run_in_kernel(cells: list[str], cwd: Path, timeout: float = 100) -> str:
+    """Run ``cells`` one after another in a real Jupyter kernel (python3) started in ``cwd`` with the scripts'
+    environment; the text they printed. A cell that fails fails the test with the kernel's reply."""
+    import textwrap
+
+    from support import component
+
+    jupyter_client = component.module("jupyter_client")
+    manager = jupyter_client.KernelManager(kernel_name="python3")
+    manager.start_kernel(env=script_env(), cwd=str(cwd))
+    client = manager.client()
+    client.start_channels()
+    try:
+        client.wait_for_ready(timeout=60)
+        shown: list = []
+        for cell in cells:
+            reply = client.execute_interactive(textwrap.dedent(cell), timeout=timeout, output_hook=shown.append)
+            assert reply["content"]["status"] == "ok", reply["content"]
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+    return "".join(m["content"].get("text", "") for m in shown if m["msg_type"] == "stream")
