@@ -103,7 +103,7 @@ class TrainConfig:
     gradient_accumulation_steps: int = 1
     keep_global_batch: bool = False
     sync_each_batch: bool = False
-    mixed_precision: str = "no"
+    mixed_precision: str | None = None
     split_batches: bool = False
     even_batches: bool = True
     dispatch_batches: bool | None = None
