@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import os
@@ -18,7 +19,8 @@ from qaccel.errors import warn_once
 from qaccel.launch import cluster, in_place, launchers
 from qaccel.launch.protocol import HandBack, Launcher
 from qaccel.nested import map_leaves
-from qaccel.options import FSDP_MIN_PARAMS, Backend, DeviceType, MixedPrecision, SlurmCluster, Strategy
+from qaccel.options import (FSDP_MIN_PARAMS, Backend, DeviceType, DistributedType, MixedPrecision, SlurmCluster,
+                            Strategy)
 from qaccel.train import batch, checkpoint, gradients, precision, prepare, progress, seeding, sharding, stopping
 from qaccel.train.batch_size import release_memory
 from qaccel.train.registry import GradientState, Registry
@@ -204,6 +206,34 @@ class Accelerator:
     def mixed_precision(self) -> MixedPrecision:
         """``no``, ``bf16`` or ``fp16``."""
         return self._config.mixed_precision
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        """Accelerate's name for how this rank trains: ``NO`` alone, ``FSDP`` sharded, else ``MULTI_GPU`` or
+        ``MULTI_CPU``."""
+        if self.world_size == 1:
+            return DistributedType.NO
+        if self.strategy is Strategy.FSDP:
+            return DistributedType.FSDP
+        return DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
+
+    @property
+    def use_distributed(self) -> bool:
+        """Accelerate's: whether more than one rank trains."""
+        return self.world_size > 1
+
+    @property
+    def project_dir(self) -> str | None:
+        """The folder given as ``project_dir`` (absolute), where save_state() and resume() without a folder keep
+        ``checkpoints``."""
+        return self._config.project_dir
+
+    @property
+    def state(self) -> AcceleratorState:
+        """Accelerate's ``state``: where this rank runs, by Accelerate's names, as of now."""
+        return AcceleratorState(self.distributed_type, self.num_processes, self.process_index,
+                                self.local_process_index, self.device, self.mixed_precision, self.backend,
+                                self.debug)
 
     @property
     def strategy(self) -> Strategy:
@@ -646,6 +676,36 @@ class Accelerator:
     def prepare_batch(self, data: Any) -> Any:
         """Move a batch to this rank's device, casting floating-point tensors to ``dtype``; labels keep theirs."""
         return batch.prepare_batch(data, self.device, self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class AcceleratorState:
+    """What Accelerate's ``accelerator.state`` tells about a rank, under its names (a snapshot)."""
+
+    distributed_type: DistributedType
+    num_processes: int
+    process_index: int
+    local_process_index: int
+    device: torch.device
+    mixed_precision: MixedPrecision
+    backend: Backend
+    debug: bool
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.process_index == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.local_process_index == 0
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.process_index == self.num_processes - 1
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.num_processes > 1
 
 
 def _end_stop(registry: Registry, finished: bool) -> None:

@@ -77,6 +77,16 @@ class JobOutput(enum.StrEnum):
     NONE = "none"
 
 
+class DistributedType(enum.StrEnum):
+    """How a rank trains with the others, by Accelerate's names: alone, data parallel on CPUs or GPUs, or
+    sharded."""
+
+    NO = "NO"
+    MULTI_CPU = "MULTI_CPU"
+    MULTI_GPU = "MULTI_GPU"
+    FSDP = "FSDP"
+
+
 class DeviceType(enum.StrEnum):
     """Where a rank computes, resolved from ``compute_setup``: torch's device type names."""
 

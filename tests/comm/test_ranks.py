@@ -9,7 +9,9 @@ import time
 import pytest
 import torch
 
+from qaccel import Accelerator
 from qaccel.comm import ranks, session
+from support import component
 from support.procs import wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -236,6 +238,23 @@ def test_on_process_decorators_and_accelerates_aliases(acc):
     assert ran0 == ["main", "local main", "local 0"] and ran1 == ["last", "rank 1"]
     assert (direct0, direct1) == ("yes", None)
     assert (aliases0, aliases1) == ((2, 0, 0, False), (2, 1, 1, True))
+
+
+def _state(a):
+    state = a.state
+    return (state.distributed_type, state.num_processes, state.process_index, state.is_main_process,
+            state.is_last_process, state.use_distributed, a.distributed_type, str(state.device))
+
+
+def test_accelerates_state_and_distributed_type_tell_where_each_rank_runs(acc, single, tmp_path):
+    accelerate_type = component.module("accelerate.utils").DistributedType  # what a script compares with
+    first, last = acc.distribute(_state, all_results=True)(acc)
+    assert first == ("MULTI_CPU", 2, 0, True, False, True, "MULTI_CPU", "cpu")
+    assert last == ("MULTI_CPU", 2, 1, False, True, True, "MULTI_CPU", "cpu")
+    assert acc.distribute(lambda: acc.distributed_type == accelerate_type.MULTI_CPU)()
+    assert _state(single)[:6] == ("NO", 1, 0, True, True, False) and not single.use_distributed
+    assert single.project_dir is None
+    assert Accelerator(compute_setup="cpu", project_dir=tmp_path / "p").project_dir == str(tmp_path / "p")
 
 
 def test_on_process_runs_everything_in_one_process_and_checks_the_index(single):
