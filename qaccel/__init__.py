@@ -16,7 +16,8 @@ __version__ = "0.1.0"
 from qaccel.accelerator import Accelerator
 from qaccel.errors import CheckpointError, CollectiveMismatchError, Preempted, QaccelError, RankError, RankKilledError
 from qaccel.notebook import debug_launcher, notebook_launcher
-from qaccel.options import DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin, SlurmCluster
+from qaccel.options import (DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin, ProjectConfiguration,
+                            SlurmCluster)
 from qaccel.train.batch_size import find_executable_batch_size, should_reduce_batch_size
 from qaccel.train.checkpoint import consolidate
 from qaccel.train.loaders import DictDataLoader, InfiniteTensorDataset, to_dataloader
@@ -28,7 +29,7 @@ from qaccel.trainer.steps import default_optimize_step
 from qaccel.trainer.trainer import Trainer
 
 __all__ = [
-    "Accelerator", "DataLoaderConfiguration", "DistributedType", "GradientAccumulationPlugin", "Preempted", "consolidate", "CheckpointError", "CollectiveMismatchError",
+    "Accelerator", "DataLoaderConfiguration", "DistributedType", "ProjectConfiguration", "GradientAccumulationPlugin", "Preempted", "consolidate", "CheckpointError", "CollectiveMismatchError",
     "QaccelError", "RankError", "RankKilledError", "SlurmCluster", "TrainConfig", "Trainer", "__version__",
     "debug_launcher", "find_executable_batch_size", "notebook_launcher", "should_reduce_batch_size",
     # qadence's ml_tools names

@@ -62,6 +62,7 @@ class Accelerator:
         fsdp_min_params: int = FSDP_MIN_PARAMS,
         debug: bool | None = None,
         project_dir: str | os.PathLike | None = None,
+        keep_checkpoints: int | None = None,
         rank_prefix: bool = False,
         cluster: SlurmCluster | None = None,
         **accelerate_arguments: Any,
@@ -465,7 +466,7 @@ class Accelerator:
         if registry.checkpoints is not None:
             return registry.checkpoints
         if self._config.project_dir is not None:
-            return os.path.join(self._config.project_dir, "checkpoints"), None
+            return os.path.join(self._config.project_dir, "checkpoints"), self._config.keep_checkpoints
         raise ValueError(f"{caller} needs a directory, a resume(directory) call before it, or "
                          "Accelerator(project_dir=...)")
 

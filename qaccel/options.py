@@ -161,6 +161,8 @@ OPTIONS: tuple[Option, ...] = (
            "the `QACCEL_DEBUG` variable (`1`/`0`; unset: off)"),
     Option("project_dir", None, "a folder, or `None`", "where `save_state()`, `load_state()` and `resume()` "
            "without a folder keep checkpoints: `<project_dir>/checkpoints/checkpoint_<step>`"),
+    Option("keep_checkpoints", None, "`None` or int ≥ 1", "how many of those `save_state()` without a folder keeps, "
+           "the newest (`None`: all); Accelerate's `ProjectConfiguration(total_limit=...)`"),
     Option("rank_prefix", False, "`True`, `False`", "in a plain launch, start each line the ranks print with "
            "`[rank N] ` (under torchrun or srun ask the launcher: `--tee` with "
            "`TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`, `srun --label`)"),
@@ -196,6 +198,7 @@ class Config:
     fsdp_min_params: int = FSDP_MIN_PARAMS
     debug: bool = False
     project_dir: str | None = None
+    keep_checkpoints: int | None = None
     rank_prefix: bool = False
     cluster: SlurmCluster | None = None
 
@@ -272,6 +275,8 @@ def make_config(env: Environment, **options: Any) -> Config:
         fsdp_min_params=values["fsdp_min_params"],
         debug=_debug_choice(values["debug"]),
         project_dir=_folder("project_dir", values["project_dir"]),
+        keep_checkpoints=None if values["keep_checkpoints"] is None else _count("keep_checkpoints",
+                                                                                  values["keep_checkpoints"], 1),
         rank_prefix=_flag("rank_prefix", values["rank_prefix"]),
         cluster=_cluster(values["cluster"], nprocs),
     )
@@ -315,7 +320,6 @@ ACCELERATE_ONLY = {
     "rng_types": "prepared loaders need no RNG synchronisation (their order depends only on the seed and the "
                  "epoch); synchronize_rng_states() syncs generators by hand",
     "log_with": "the Trainer tracks metrics (TrainConfig(tracking_tool=...)); with distribute(), log on rank 0",
-    "project_config": "project_dir=...",
     "kwargs_handlers": "DDP and process-group settings are qaccel's (timeout=... sets the collective timeout)",
     "dynamo_backend": "torch.compile(model) before prepare()",
     "dynamo_plugin": "torch.compile(model) before prepare()",
@@ -336,12 +340,14 @@ def from_accelerate(arguments: dict[str, Any], chosen: dict[str, Any]) -> dict[s
             chosen = _dataloader_config(value, chosen)
         elif name == "gradient_accumulation_plugin":
             chosen = _accumulation_plugin(value, chosen)
+        elif name == "project_config":
+            chosen = _project_config(value, chosen)
         elif name in ACCELERATE_ONLY:
             raise TypeError(f"Accelerator({name}=...) is Accelerate's; in qaccel: {ACCELERATE_ONLY[name]}")
         else:
             raise TypeError(f"Accelerator() got an unexpected argument {name!r}; the options are "
-                            f"{', '.join(NAMES)} (and Accelerate's cpu=True, dataloader_config=... and "
-                            "gradient_accumulation_plugin=...)")
+                            f"{', '.join(NAMES)} (and Accelerate's cpu=True, dataloader_config=..., "
+                            "gradient_accumulation_plugin=... and project_config=...)")
     return chosen
 
 
@@ -461,6 +467,20 @@ class DataLoaderConfiguration:
     use_stateful_dataloader: bool = False
 
 
+@dataclass
+class ProjectConfiguration:
+    """Accelerate's grouping of where a project keeps its files, for scripts that pass one: ``project_dir`` is the
+    option of that name and ``total_limit`` is ``keep_checkpoints``. Checkpoints saved without a folder are always
+    numbered, by step; ``logging_dir`` is for Accelerate's trackers, which qaccel does not have."""
+
+    project_dir: str | None = None
+    logging_dir: str | None = None
+    automatic_checkpoint_naming: bool = False
+    total_limit: int | None = None
+    iteration: int = 0
+    save_on_each_node: bool = False
+
+
 @dataclass(frozen=True)
 class GradientAccumulationPlugin:
     """Accelerate's grouping of the accumulation options, for scripts that pass one: ``num_steps`` is
@@ -501,6 +521,30 @@ _LOADER_WAYS = {
     "use_stateful_dataloader": "save_state() records where every prepared loader is, and load_state() continues "
                                "there, mid-epoch included",
 }
+
+
+def _project_config(config: Any, chosen: dict[str, Any]) -> dict[str, Any]:
+    """An Accelerate ProjectConfiguration (any object with its fields): ``project_dir`` is the option of that name,
+    ``total_limit`` is ``keep_checkpoints``; checkpoints saved without a folder are numbered whatever
+    ``automatic_checkpoint_naming`` says (by step: ``iteration`` must stay 0); ``save_on_each_node`` is refused."""
+    if config is None:
+        return chosen
+    if getattr(config, "save_on_each_node", False):
+        raise ValueError("ProjectConfiguration(save_on_each_node=True) is not in qaccel: a checkpoint's files go to "
+                         "one folder every node reaches (a shared file system); leave save_on_each_node at False")
+    if getattr(config, "iteration", 0):
+        raise ValueError(f"ProjectConfiguration(iteration={config.iteration}) is not in qaccel: numbered "
+                         "checkpoints are named by the optimizer step (checkpoint_<step>), which a resumed run "
+                         "continues; leave iteration at 0")
+    chosen = dict(chosen)
+    for field, option in (("project_dir", "project_dir"), ("total_limit", "keep_checkpoints")):
+        value = getattr(config, field, None)
+        if value is None:
+            continue
+        if chosen.get(option) is not None and chosen[option] != value:
+            raise ValueError(f"ProjectConfiguration({field}={value!r}) contradicts {option}={chosen[option]!r}")
+        chosen[option] = value
+    return chosen
 
 
 def _dataloader_config(config: Any, chosen: dict[str, Any]) -> dict[str, Any]:

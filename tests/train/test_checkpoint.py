@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from qaccel import Accelerator, CheckpointError
+from qaccel import Accelerator, CheckpointError, ProjectConfiguration
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -194,3 +194,30 @@ def test_project_dir_holds_the_checkpoints_that_save_load_and_resume_without_a_f
     with pytest.raises(ValueError, match=r"needs a directory, a resume\(directory\) call before it, or "
                                          r"Accelerator\(project_dir=...\)"):
         Accelerator(compute_setup="cpu").save_state()
+
+
+def _saved_as_accelerate_names_them(a):
+    model = torch.nn.Linear(3, 1)
+    model, optimizer = a.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    saved = []
+    for _ in range(3):
+        a.backward(model(torch.ones(2, 3)).sum())
+        optimizer.step()
+        optimizer.zero_grad()
+        saved.append(a.save_state())
+    return saved, a.load_state(), a.project_dir
+
+
+def test_accelerates_project_configuration_keeps_its_total_limit_of_numbered_checkpoints(tmp_path):
+    project = ProjectConfiguration(project_dir=str(tmp_path / "p"), automatic_checkpoint_naming=True, total_limit=2)
+    acc = Accelerator(nprocs=2, compute_setup="cpu", project_config=project)
+    saved, loaded, project_dir = acc.distribute(_saved_as_accelerate_names_them)(acc)
+    folder = tmp_path / "p" / "checkpoints"
+    assert saved == [str(folder / f"checkpoint_0000000{step}") for step in (1, 2, 3)] and loaded == saved[-1]
+    assert sorted(p.name for p in folder.iterdir()) == ["checkpoint_00000002", "checkpoint_00000003"], "total_limit"
+    assert project_dir == str(tmp_path / "p")
+    with pytest.raises(ValueError, match=r"ProjectConfiguration\(iteration=4\) is not in qaccel: numbered "
+                                         r"checkpoints are named by the optimizer step"):
+        Accelerator(project_config=ProjectConfiguration(iteration=4))
+    with pytest.raises(ValueError, match=r"ProjectConfiguration\(total_limit=2\) contradicts keep_checkpoints=3"):
+        Accelerator(keep_checkpoints=3, project_config=ProjectConfiguration(total_limit=2))
