@@ -430,10 +430,11 @@ class Accelerator:
         """``torch.save`` on the main process only, atomically (a crash never leaves a half-written file)."""
         checkpoint.save(obj, path, self._live())
 
-    def save_state(self, directory: str | os.PathLike | None = None, *, keep: int | None = None) -> str:
+    def save_state(self, directory: str | os.PathLike | None = None, *, keep: int | None = None,
+                   safe_serialization: bool = True) -> str:
         """Checkpoint prepared models, optimizers, LR schedulers and loaders, the fp16 scaler, every rank's RNG
         states, registered objects and the step count, atomically; returns the checkpoint's path. Call it on
-        every rank.
+        every rank. ``safe_serialization`` (Accelerate's) changes nothing: the files are qaccel's, checksummed.
 
         ``keep=K`` makes ``directory`` a folder of checkpoints named by step (``checkpoint_<step>``) of which the
         K newest stay. Without a directory, it saves into the folder given to resume(), keeping as many as it said,

@@ -15,7 +15,7 @@ LAYERS = [
     {"qaccel.comm"},
     {"qaccel.train"},
     {"qaccel.launch"},
-    {"qaccel.accelerator", "qaccel.notebook"},
+    {"qaccel.accelerator", "qaccel.notebook", "qaccel.utils"},
     {"qaccel.trainer"},
     {"qaccel.cli", "qaccel"},
 ]

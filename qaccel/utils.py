@@ -1,0 +1,99 @@
+"""The names training scripts import from ``accelerate.utils``, from one module: ``from accelerate.utils import X``
+becomes ``from qaccel.utils import X``. Each has Accelerate's signature and meaning (differences: the "Coming from
+Accelerate" page). The functions act on the ranks of the running session (inside distribute(), or the ranks an
+Accelerator joined under torchrun or srun) and, outside one, on this process alone."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from qaccel.comm import collectives, session
+from qaccel.comm.session import RankContext
+from qaccel.nested import map_leaves
+from qaccel.options import (Backend, DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin,
+                            ProjectConfiguration)
+from qaccel.train import seeding
+from qaccel.train.batch_size import find_executable_batch_size
+from qaccel.train.batch_size import release_memory as _release
+
+__all__ = ["DataLoaderConfiguration", "DistributedType", "GradientAccumulationPlugin", "ProjectConfiguration",
+           "broadcast", "broadcast_object_list", "find_executable_batch_size", "gather", "gather_object",
+           "pad_across_processes", "reduce", "release_memory", "send_to_device", "set_seed", "wait_for_everyone"]
+
+
+def _ranks(name: str) -> RankContext:
+    """The running session's rank, or this process alone; a group the session did not make is not guessed at."""
+    running = session.current()
+    if running is not None:
+        return running
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError(f"qaccel.utils.{name}() acts on the ranks of a distribute() call or of an Accelerator "
+                           "that joined its launcher's ranks; call it there (or torch.distributed's own here)")
+    return RankContext(0, 0, 0, 1, 1, torch.device("cpu"), Backend.GLOO)
+
+
+def set_seed(seed: int, device_specific: bool = False, deterministic: bool = False) -> None:
+    """Seed python, numpy and torch (CUDA too); ``device_specific`` adds the rank, so ranks differ;
+    ``deterministic`` asks torch for deterministic algorithms."""
+    seeding.set_seed(seed + _ranks("set_seed").rank if device_specific else seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+
+
+def broadcast(tensor: Any, from_process: int = 0) -> Any:
+    """Every rank gets rank ``from_process``'s tensors (any nested structure)."""
+    return collectives.broadcast(tensor, from_process, _ranks("broadcast"))
+
+
+def broadcast_object_list(object_list: list, from_process: int = 0) -> list:
+    """``object_list`` made rank ``from_process``'s on every rank, in place; returned."""
+    object_list[:] = collectives.broadcast(list(object_list), from_process, _ranks("broadcast_object_list"))
+    return object_list
+
+
+def gather(tensor: Any) -> Any:
+    """All ranks' tensors concatenated on dim 0, in rank order (sizes along dim 0 may differ)."""
+    return collectives.gather(tensor, _ranks("gather"))
+
+
+def gather_object(object: Any) -> list[Any]:  # noqa: A002 - Accelerate's name
+    """The ranks' lists concatenated in rank order: ``gather_object([x])`` is every rank's ``x``."""
+    return [item for part in collectives.gather_object(object, _ranks("gather_object")) for item in part]
+
+
+def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+    """Pad tensors along ``dim`` with ``pad_index`` to the largest size any rank has."""
+    return collectives.pad_across_processes(tensor, _ranks("pad_across_processes"), dim, pad_index, pad_first)
+
+
+def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
+    """All-reduce tensors: ``reduction`` "mean" (Accelerate's default here), "sum", "max" or "min", times
+    ``scale``; returns new tensors."""
+    reduced = collectives.reduce(tensor, reduction, _ranks("reduce"))
+    return reduced if scale == 1.0 else map_leaves(reduced, lambda leaf: leaf * scale)
+
+
+def send_to_device(tensor: Any, device: torch.device | str, non_blocking: bool = False,
+                   skip_keys: list[str] | str | None = None) -> Any:
+    """Every tensor of a nested structure moved to ``device``; in a dict, the values under ``skip_keys`` stay."""
+    skip = {skip_keys} if isinstance(skip_keys, str) else set(skip_keys or ())
+    if isinstance(tensor, dict) and skip:
+        return type(tensor)({key: value if key in skip else send_to_device(value, device, non_blocking)
+                             for key, value in tensor.items()})
+    return map_leaves(tensor, lambda leaf: leaf.to(device, non_blocking=non_blocking)
+                      if isinstance(leaf, torch.Tensor) else leaf)
+
+
+def wait_for_everyone() -> None:
+    """Block until every rank gets here."""
+    collectives.wait_for_everyone(_ranks("wait_for_everyone"))
+
+
+def release_memory(*objects: Any) -> list[None]:
+    """Collect garbage and give the GPU's cached memory back; one None per object, to rebind the caller's names
+    (``a, b = release_memory(a, b)``)."""
+    _release()
+    return [None] * len(objects)
