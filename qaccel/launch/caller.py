@@ -37,46 +37,34 @@ import time
 import traceback
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
 
 from qaccel import storage
-from qaccel.comm import session
-from qaccel.comm.session import RankContext
 from qaccel.environment import Environment
 from qaccel.errors import Preempted, RankError
 from qaccel.launch import inherit, output, pickling, server, worker
 from qaccel.launch.failures import ErrorReport, RankFailure, cause_exception
+from qaccel.launch.protocol import HandBack, Launcher
 from qaccel.launch.run_dir import run_directory
 from qaccel.options import Config
-
-if TYPE_CHECKING:
-    from qaccel.launch.protocol import HandBack
 
 STOP_GRACE_S = 3.0
 CAUSE_GRACE_S = 3.0
 _PREPARE_LOCK = threading.Lock()
 
 
-class PlainLaunch:
-    """The ranks start here, on this node: the launchers' protocol (protocol.py) for a plain process with
-    ``nprocs`` > 1. Made with its Accelerator, so the server the ranks are forked from starts warming up at once."""
-
-    starts_ranks = True
+class PlainLaunch(Launcher):
+    """The ranks start here, on this node: the launcher for a plain process with ``nprocs`` > 1. Made with its
+    Accelerator, so the server the ranks are forked from starts warming up at once."""
 
     def __init__(self, config: Config, env: Environment, hand_back: HandBack) -> None:
-        self.config, self.env, self.plain = config, env, hand_back.pickled
+        super().__init__(config, env, hand_back)
         server.warm_up(config.start_method)
 
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, all_results: bool) -> Any:
-        return launch(fn, args, kwargs, self.config, all_results, self.plain)
-
-    def planned(self) -> RankContext:
-        return session.plan(self.config, self.env)
-
-    def join(self) -> None:
-        return None
+        return launch(fn, args, kwargs, self.config, all_results, self.hand_back.pickled)
 
 
 def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, all_results: bool,

@@ -18,15 +18,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from qaccel.comm import session
-from qaccel.comm.session import RankContext
 from qaccel.environment import Environment, slurm_job_state
 from qaccel.errors import Preempted, RankError
 from qaccel.launch import pickling
+from qaccel.launch.protocol import HandBack, Launcher
 from qaccel.options import JobOutput, SlurmCluster, minutes
 
 if TYPE_CHECKING:
-    from qaccel.launch.protocol import HandBack
     from qaccel.options import Config
 
 POLL_S = 0.5
@@ -35,27 +33,18 @@ ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
          "UNKNOWN")  # UNKNOWN: SLURM forgot the job, long ended
 
 
-class ClusterJob:
-    """The ranks are the tasks of one SLURM job, submitted from here: the launchers' protocol (protocol.py) for a
-    plain process given ``cluster=``."""
+class ClusterJob(Launcher):
+    """The ranks are the tasks of one SLURM job, submitted from here: the launcher for a plain process given
+    ``cluster=``."""
 
     def __init__(self, config: Config, env: Environment, hand_back: HandBack) -> None:
-        self.config, self.env, self.hand_back = config, env, hand_back
+        super().__init__(config, env, hand_back)
         self.starts_ranks = config.nprocs > 1
 
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, all_results: bool) -> Any:
         """Submit, wait (following the job), and return rank 0's result or every rank's."""
-        job = self.submit(fn, args, kwargs)
+        job = submit(fn, args, kwargs, self.config, self.config.cluster, self.hand_back.in_place)
         return job.results() if all_results else job.result()
-
-    def submit(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> SlurmJob:
-        return submit(fn, args, kwargs, self.config, self.config.cluster, self.hand_back.in_place)
-
-    def planned(self) -> RankContext:
-        return session.plan(self.config, self.env)
-
-    def join(self) -> None:
-        return None
 
 
 # ---- in the job: each task is a rank ----

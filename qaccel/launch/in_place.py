@@ -11,7 +11,7 @@ import contextlib
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -20,28 +20,22 @@ from qaccel.comm.session import RankContext
 from qaccel.environment import Environment, rank_variables
 from qaccel.errors import raised_note, type_name
 from qaccel.launch import launcher_report, output
+from qaccel.launch.protocol import HandBack, Launcher
 from qaccel.launch.running import rank_session, run_as_rank
 from qaccel.options import Config
 
-if TYPE_CHECKING:
-    from qaccel.launch.protocol import HandBack
 
-
-class InPlace:
-    """fn runs here, as this process's rank: the launchers' protocol (protocol.py) for every process that starts
-    no ranks."""
+class InPlace(Launcher):
+    """fn runs here, as this process's rank: the launcher of every process that starts no ranks."""
 
     starts_ranks = False
 
     def __init__(self, config: Config, env: Environment, hand_back: HandBack) -> None:
-        self.config, self.env, self.hand_back = config, env, hand_back
+        super().__init__(config, env, hand_back)
         self.launched = env.kind.started_by_launcher and env.world_size > 1
 
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, all_results: bool) -> Any:
         return run(fn, args, kwargs, self.config, self.env, all_results, self.hand_back.in_place)
-
-    def planned(self) -> RankContext:
-        return session.plan(self.config, self.env)
 
     def join(self) -> RankContext | None:
         return ambient(self.config, self.env) if self.launched else None

@@ -1,10 +1,14 @@
-"""The launchers' protocol: what the facade asks of a way to run fn on the ranks (launchers.py picks one)."""
+"""The launchers' protocol: what the facade asks of a way to run fn on the ranks (launchers.py picks one), with
+what every launcher answers alike."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Protocol
+from typing import Any, Callable, NamedTuple
 
+from qaccel.comm import session
 from qaccel.comm.session import RankContext
+from qaccel.environment import Environment
+from qaccel.options import Config
 
 
 class HandBack(NamedTuple):
@@ -15,18 +19,26 @@ class HandBack(NamedTuple):
     pickled: Callable[[Any], Any]
 
 
-class Launcher(Protocol):
-    """One way to run fn on the ranks, seen from the process that calls distribute()."""
+class Launcher:
+    """One way to run fn on the ranks, seen from the process that calls distribute(); each launcher gives ``run``.
 
-    starts_ranks: bool
+    ``planned()`` is where this process runs outside any session (its launcher's rank, or rank 0 of the world to
+    start); ``join()`` joins the launcher's ranks for the rest of the process, where there are such ranks (code
+    using the Accelerator outside distribute() under torchrun or srun, as Accelerate scripts do).
+    """
+
+    starts_ranks = True
     """This process starts (or submits) the ranks: work meant for a rank (prepare()) must run inside fn."""
+
+    def __init__(self, config: Config, env: Environment, hand_back: HandBack) -> None:
+        self.config, self.env, self.hand_back = config, env, hand_back
 
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, all_results: bool) -> Any:
         """``fn(*args, **kwargs)`` on every rank; rank 0's result, or every rank's by rank."""
+        raise NotImplementedError
 
     def planned(self) -> RankContext:
-        """Where this process runs outside any session: its launcher's rank, or rank 0 of the world to start."""
+        return session.plan(self.config, self.env)
 
     def join(self) -> RankContext | None:
-        """Join the launcher's ranks for the rest of the process (code using the Accelerator outside distribute()
-        under torchrun or srun, as Accelerate scripts do); None where there are none to join."""
+        return None
