@@ -19,7 +19,7 @@ from qaccel.trainer.callbacks import (
     WriteMetrics,
 )
 
-from qaccel.trainer.tracking import make_tracker as get_writer  # qadence's name: the tracker for a tracking tool
+from qaccel.train.tracking import make_tracker as get_writer  # qadence's name: the tracker for a tracking tool
 
 __all__ = [
     "Callback", "EarlyStopping", "GradientMonitoring", "LoadCheckpoint", "LogHyperparameters", "LogModelTracker",

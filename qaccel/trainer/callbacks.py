@@ -18,7 +18,7 @@ import torch
 
 if TYPE_CHECKING:
     from qaccel.trainer.config import TrainConfig
-    from qaccel.trainer.tracking import Tracker
+    from qaccel.train.tracking import Tracker
     from qaccel.trainer.trainer import Trainer
 
 

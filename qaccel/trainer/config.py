@@ -20,7 +20,7 @@ import torch
 from qaccel import options
 from qaccel.environment import detect
 from qaccel.trainer.callbacks import Callback
-from qaccel.trainer.tracking import TrackingTool
+from qaccel.train.tracking import TrackingTool
 
 
 class SchedulerStep(enum.StrEnum):

@@ -42,7 +42,7 @@ from qaccel.trainer.callbacks import (
     WriteMetrics,
 )
 from qaccel.trainer.config import SchedulerStep, TrainConfig
-from qaccel.trainer.tracking import Axis, NullTracker, Tracker, make_tracker
+from qaccel.train.tracking import Axis, NullTracker, Tracker, make_tracker
 
 LossFunction = Callable[[torch.nn.Module, Any], tuple[torch.Tensor, dict[str, Any]]]
 OptimizeStep = Callable[..., tuple[torch.Tensor, dict[str, Any]]]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from qaccel.trainer import plots
-from qaccel.trainer.tracking import (Axis, CsvTracker, MlflowTracker, NullTracker, TensorBoardTracker, Tracker,
+from qaccel.train.tracking import (Axis, CsvTracker, MlflowTracker, NullTracker, TensorBoardTracker, Tracker,
                                      TrackingTool, make_tracker)
 from support import component
 
@@ -273,7 +273,7 @@ def _without(blocked, code, tmp_path):
 def test_a_missing_optional_dependency_names_the_extra_to_install(tool, tmp_path):
     out = _without([tool], "\n".join([
         "from pathlib import Path",
-        "from qaccel.trainer.tracking import make_tracker",
+        "from qaccel.train.tracking import make_tracker",
         f"tracker = make_tracker({tool!r})",
         "try:",
         "    tracker.open(Path(sys.argv[1]), 'run', None, 0)",
