@@ -85,6 +85,7 @@ class DistributedType(enum.StrEnum):
     MULTI_CPU = "MULTI_CPU"
     MULTI_GPU = "MULTI_GPU"
     FSDP = "FSDP"
+    XLA = "XLA"  # never a rank's: Accelerate's scripts compare with it (its examples' collate_fn)
 
 
 class DeviceType(enum.StrEnum):
