@@ -16,12 +16,15 @@ from qaccel import options
 from qaccel.comm import collectives, ranks, session
 from qaccel.environment import Environment, detect
 from qaccel.errors import warn_once
+from qaccel import handlers
+from qaccel.handlers import AutocastKwargs, KwargsHandler, ProfileKwargs, TorchDynamoPlugin
 from qaccel.launch import cluster, in_place, launchers
 from qaccel.launch.protocol import HandBack, Launcher
 from qaccel.nested import map_leaves
 from qaccel.options import (FSDP_MIN_PARAMS, Backend, DeviceType, DistributedType, MixedPrecision, SlurmCluster,
                             Strategy)
-from qaccel.train import batch, checkpoint, gradients, precision, prepare, progress, seeding, sharding, stopping
+from qaccel.train import (batch, checkpoint, gradients, precision, prepare, profiling, progress, seeding, sharding,
+                          stopping)
 from qaccel.train.batch_size import release_memory
 from qaccel.train.registry import GradientState, Registry
 from qaccel.train.uneven import overridden as uneven_batches
@@ -64,6 +67,8 @@ class Accelerator:
         project_dir: str | os.PathLike | None = None,
         keep_checkpoints: int | None = None,
         rank_prefix: bool = False,
+        kwargs_handlers: Sequence[KwargsHandler] | None = None,
+        dynamo_backend: str | TorchDynamoPlugin | None = None,
         cluster: SlurmCluster | None = None,
         **accelerate_arguments: Any,
     ) -> None:
@@ -595,7 +600,7 @@ class Accelerator:
         return self._own_registry
 
     def _new_registry(self, run: session.Run | None = None) -> Registry:
-        registry = Registry(self._config.gradient_accumulation_steps, precision.make_scaler(self.mixed_precision),
+        registry = Registry(self._config.gradient_accumulation_steps, precision.make_scaler(self.mixed_precision, self._config.handlers.scaler),
                             self._config.sync_each_batch, keep_global_batch=self._config.keep_global_batch)
         if run is not None:
             run.closers.append(registry.release)
@@ -656,12 +661,23 @@ class Accelerator:
         """fp16's gradient scaler (saved by save_state); None without fp16."""
         return self._registry().scaler
 
-    def autocast(self) -> Any:
-        """Context running its block in the configured mixed precision (a no-op for "no").
+    def autocast(self, autocast_handler: AutocastKwargs | None = None) -> Any:
+        """Context running its block in the configured mixed precision (a no-op for "no"), with the
+        ``AutocastKwargs`` given here or in ``kwargs_handlers``.
 
         Prepared models already run their forward under it; use this for other computations.
         """
-        return precision.autocast(self.mixed_precision, self.device)
+        settings = self._config.handlers.autocast if autocast_handler is None else handlers.resolve(
+            [autocast_handler])[0].autocast
+        return precision.autocast(self.mixed_precision, self.device, settings)
+
+    def profile(self, profile_handler: ProfileKwargs | None = None) -> Any:
+        """Context profiling its block with ``torch.profiler`` (the ``ProfileKwargs`` given here or in
+        ``kwargs_handlers``); yields the profiler. With ``output_trace_dir`` every rank writes its Chrome trace
+        there (``profile_<rank>.json``) and the ranks wait for each other at the end."""
+        chosen = self._config.handlers.profile if profile_handler is None else handlers.resolve(
+            [profile_handler])[0].profile
+        return profiling.profile(chosen or ProfileKwargs(), self._live())
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
         """Clip gradients by total norm (unscaled first under fp16); the norm, or None on accumulation steps."""
@@ -671,9 +687,13 @@ class Accelerator:
         """Clip gradients elementwise (unscaled first under fp16); skipped on accumulation steps."""
         gradients.clip(torch.nn.utils.clip_grad_value_, parameters, self._registry(), clip_value)
 
-    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The user's module inside the DDP wrapper prepare() added."""
-        return prepare.unwrap_model(model)
+    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True,
+                     keep_torch_compile: bool = True) -> torch.nn.Module:
+        """The user's module inside the DDP wrapper prepare() added. ``keep_fp32_wrapper=False`` takes mixed
+        precision's autocast off its forward, ``keep_torch_compile=False`` the compilation of ``dynamo_backend``
+        (in place, as Accelerate's: the prepared model loses them too); a module you compiled yourself
+        (``torch.compile(module)``) then gives the module inside."""
+        return prepare.unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
 
     def prepare_batch(self, data: Any) -> Any:
         """Move a batch to this rank's device, casting floating-point tensors to ``dtype``; labels keep theirs."""

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 
 from qaccel.environment import Environment
+from qaccel.handlers import DDPCommunicationHookType, Handlers, compile_settings
+from qaccel.handlers import resolve as resolve_handlers
 
 FSDP_MIN_PARAMS = 1_000_000
 DEBUG_VARIABLE = "QACCEL_DEBUG"
@@ -167,6 +169,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("rank_prefix", False, "`True`, `False`", "in a plain launch, start each line the ranks print with "
            "`[rank N] ` (under torchrun or srun ask the launcher: `--tee` with "
            "`TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`, `srun --label`)"),
+    Option("kwargs_handlers", None, "`None` or a list of `qaccel.utils` handlers (or Accelerate's)", "settings "
+           "for torch objects qaccel makes, as Accelerate's `kwargs_handlers`: `DistributedDataParallelKwargs` (the "
+           "DDP wrapper's arguments and a communication hook), `InitProcessGroupKwargs` (`timeout`, `backend`), "
+           "`GradScalerKwargs`, `AutocastKwargs`, `ProfileKwargs` (for `profile()`)"),
+    Option("dynamo_backend", None, "`None`, `no`, a `torch.compile` backend (`inductor`, `aot_eager`, `eager`, "
+           "...), or a `TorchDynamoPlugin`", "compile prepared models with `torch.compile`, over their DDP or FSDP2 "
+           "wrapper and in place (the prepared object stays the same; `unwrap_model` gives your module); `None`: the "
+           "`ACCELERATE_DYNAMO_*` variables Accelerate's launcher exports, else `no`"),
     Option("cluster", None, "`None` or a `qaccel.SlurmCluster`", "`distribute()` from a plain process submits one "
            "SLURM job (through submitit) whose tasks are the ranks, waits, and returns the result; nprocs must be "
            "its nodes x tasks per node"),
@@ -201,12 +211,15 @@ class Config:
     project_dir: str | None = None
     keep_checkpoints: int | None = None
     rank_prefix: bool = False
+    handlers: Handlers = Handlers()
+    compile: Mapping[str, Any] | None = None  # torch.compile's arguments
     cluster: SlurmCluster | None = None
 
 
 # options that Config holds resolved under another name: compute_setup decides device_type, log_setup decides
-# log_device_type
-RESOLVED_AS = {"compute_setup": "device_type", "log_setup": "log_device_type"}
+# log_device_type, kwargs_handlers are resolved into handlers, dynamo_backend into torch.compile's arguments
+RESOLVED_AS = {"compute_setup": "device_type", "log_setup": "log_device_type", "kwargs_handlers": "handlers",
+               "dynamo_backend": "compile"}
 
 
 def document(cls: type) -> type:
@@ -246,6 +259,8 @@ def make_config(env: Environment, **options: Any) -> Config:
     if unknown:
         raise TypeError(f"unknown option(s) {', '.join(sorted(unknown))}; the options are {', '.join(NAMES)}")
     values = {option.name: options.get(option.name, option.default) for option in OPTIONS}
+    handlers, group_options = resolve_handlers(values["kwargs_handlers"])
+    values.update(_from_handler(values, group_options))
     nprocs = _count("nprocs", values["nprocs"], 1)
     device_type = _device_type(values["compute_setup"], env.local_world_size if env.is_launched else nprocs)
     backend = _backend(values["backend"], device_type)
@@ -279,8 +294,30 @@ def make_config(env: Environment, **options: Any) -> Config:
         keep_checkpoints=None if values["keep_checkpoints"] is None else _count("keep_checkpoints",
                                                                                   values["keep_checkpoints"], 1),
         rank_prefix=_flag("rank_prefix", values["rank_prefix"]),
+        handlers=_handlers_for(handlers, strategy),
+        compile=compile_settings(values["dynamo_backend"]),
         cluster=_cluster(values["cluster"], nprocs),
     )
+
+
+def _from_handler(values: dict[str, Any], group_options: dict[str, Any]) -> dict[str, Any]:
+    """The options an InitProcessGroupKwargs sets (timeout, backend), unless they contradict ones given."""
+    chosen = {}
+    for name, value in group_options.items():
+        default, given = next(o.default for o in OPTIONS if o.name == name), values[name]
+        same = _timeout(given) == _timeout(value) if name == "timeout" else given == value
+        if not same and given != default:
+            raise ValueError(f"InitProcessGroupKwargs({name}={value!r}) contradicts {name}={given!r}")
+        chosen[name] = value
+    return chosen
+
+
+def _handlers_for(handlers: Handlers, strategy: Strategy) -> Handlers:
+    """DDP's settings are for the DDP wrapper, which strategy='fsdp' does not make."""
+    if strategy is Strategy.FSDP and (handlers.ddp or handlers.comm_hook is not DDPCommunicationHookType.NO):
+        raise ValueError("DistributedDataParallelKwargs applies to strategy='ddp' (the DDP wrapper); "
+                         "strategy='fsdp' shards the model with FSDP2 instead: leave it out")
+    return handlers
 
 
 def _choice(name: str, value: object, allowed: type[enum.StrEnum], members: Sequence[enum.StrEnum] | None = None) -> Any:
@@ -321,9 +358,6 @@ ACCELERATE_ONLY = {
     "rng_types": "prepared loaders need no RNG synchronisation (their order depends only on the seed and the "
                  "epoch); synchronize_rng_states() syncs generators by hand",
     "log_with": "the Trainer tracks metrics (TrainConfig(tracking_tool=...)); with distribute(), log on rank 0",
-    "kwargs_handlers": "DDP and process-group settings are qaccel's (timeout=... sets the collective timeout)",
-    "dynamo_backend": "torch.compile(model) before prepare()",
-    "dynamo_plugin": "torch.compile(model) before prepare()",
 }
 
 
@@ -343,6 +377,10 @@ def from_accelerate(arguments: dict[str, Any], chosen: dict[str, Any]) -> dict[s
             chosen = _accumulation_plugin(value, chosen)
         elif name == "project_config":
             chosen = _project_config(value, chosen)
+        elif name == "dynamo_plugin":
+            if value is not None and chosen.get("dynamo_backend") is not None:
+                raise ValueError("pass dynamo_backend or dynamo_plugin, not both (as Accelerate)")
+            chosen["dynamo_backend"] = value
         elif name in ACCELERATE_ONLY:
             raise TypeError(f"Accelerator({name}=...) is Accelerate's; in qaccel: {ACCELERATE_ONLY[name]}")
         else:

@@ -12,6 +12,9 @@ import torch.distributed as dist
 
 from qaccel.comm import collectives, session
 from qaccel.comm.session import RankContext
+from qaccel.handlers import (AutocastKwargs, DDPCommunicationHookType, DistributedDataParallelKwargs,
+                             GradScalerKwargs, InitProcessGroupKwargs, KwargsHandler, ProfileKwargs,
+                             TorchDynamoPlugin)
 from qaccel.nested import map_leaves
 from qaccel.options import (Backend, DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin,
                             ProjectConfiguration)
@@ -19,7 +22,9 @@ from qaccel.train import seeding
 from qaccel.train.batch_size import find_executable_batch_size
 from qaccel.train.batch_size import release_memory as _release
 
-__all__ = ["DataLoaderConfiguration", "DistributedType", "GradientAccumulationPlugin", "ProjectConfiguration",
+__all__ = ["AutocastKwargs", "DDPCommunicationHookType", "DataLoaderConfiguration", "DistributedDataParallelKwargs",
+           "DistributedType", "GradScalerKwargs", "GradientAccumulationPlugin", "InitProcessGroupKwargs",
+           "KwargsHandler", "ProfileKwargs", "ProjectConfiguration", "TorchDynamoPlugin",
            "broadcast", "broadcast_object_list", "find_executable_batch_size", "gather", "gather_object",
            "pad_across_processes", "reduce", "release_memory", "send_to_device", "set_seed", "wait_for_everyone"]
 

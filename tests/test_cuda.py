@@ -120,6 +120,37 @@ def test_fp16_scaler_steps_and_skips_a_step_with_inf_gradients():
     assert all(torch.equal(a, p) for a, p in zip(after, model.parameters())), "a skipped step changes nothing"
 
 
+def test_grad_scaler_kwargs_make_the_fp16_scaler():
+    from qaccel.utils import GradScalerKwargs
+
+    acc = Accelerator(compute_setup="gpu", mixed_precision="fp16",
+                      kwargs_handlers=[GradScalerKwargs(init_scale=1024.0, growth_interval=1)])
+    model = _mlp()
+    model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert acc.scaler.get_scale() == 1024.0
+    acc.backward(model(acc.prepare_batch(torch.randn(8, 4))).pow(2).mean())
+    optimizer.step()
+    assert acc.scaler.get_scale() == 2048.0, "growth_interval=1: the scale doubles after one good step"
+
+
+def test_compiled_bf16_training_on_the_gpu_matches_eager():
+    losses = {}
+    for backend in (None, "inductor"):
+        acc = Accelerator(compute_setup="gpu", mixed_precision="bf16", dynamo_backend=backend)
+        torch.manual_seed(0)
+        model = _mlp()
+        model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        generator = torch.Generator().manual_seed(1)
+        losses[backend] = []
+        for _ in range(20):
+            loss = model(acc.prepare_batch(torch.randn(32, 4, generator=generator))).pow(2).mean()
+            acc.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[backend].append(loss.item())
+    assert max(abs(a - b) for a, b in zip(losses[None], losses["inductor"])) < 1e-2, "bf16: within its rounding"
+
+
 def test_fp16_clip_grad_norm_unscales_first():
     acc, model, optimizer, x = _fp16_setup()
     reference = _mlp().to(acc.device)

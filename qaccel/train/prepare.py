@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
+from qaccel import handlers
 from qaccel.comm import collectives, session
 from qaccel.comm.session import RankContext
 from qaccel.options import Config, MixedPrecision, Strategy
@@ -26,9 +27,11 @@ def prepare_one(obj: Any, ctx: RankContext, config: Config, registry: Registry) 
         run = session.current_run()
         if run is not None and (isinstance(model, DistributedDataParallel) or sharding.is_sharded(model)):
             run.bound.add(model)  # destroyed before the session's group is (session.Run.release)
-        if config.mixed_precision is not MixedPrecision.NO and not sharding.is_sharded(model) and not hasattr(model, "_qaccel_autocast"):
-            model.forward = precision.autocast_forward(model.forward, config.mixed_precision, ctx.device)
-            model._qaccel_autocast = True
+        if config.mixed_precision is not MixedPrecision.NO and not sharding.is_sharded(model):
+            precision.wrap_forward(unwrap_model(model), "autocast",
+                                   (config.mixed_precision, ctx.device, config.handlers.autocast))
+        if config.compile is not None:  # torch 2.13 compiles no graph over the DDP wrapper (its forward is skipped)
+            precision.wrap_forward(unwrap_model(model), "compile", config.compile)
         if not any(model is known for known in registry.models):
             registry.models.append(model)
         return model
@@ -81,7 +84,10 @@ def prepare_model(model: torch.nn.Module, ctx: RankContext, config: Config, regi
     cast_model(model, ctx.device, config.dtype)
     if ctx.world_size > 1 and dist.is_initialized() and trainable:
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids)
+        wrapped = DistributedDataParallel(model, device_ids=device_ids, **config.handlers.ddp)
+        handlers.register_comm_hook(wrapped, config.handlers.comm_hook, config.handlers.comm_wrapper,
+                                    config.handlers.comm_state_option)
+        return wrapped
     return model
 
 
@@ -150,16 +156,31 @@ def prepare_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
     return optimizer
 
 
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's module inside a DDP wrapper (or the module itself)."""
-    return model.module if isinstance(model, DistributedDataParallel) else model
+def unwrap_model(model: torch.nn.Module, keep_fp32_wrapper: bool = True,
+                 keep_torch_compile: bool = True) -> torch.nn.Module:
+    """The user's module inside a DDP wrapper (or the module itself). ``keep_fp32_wrapper=False`` takes mixed
+    precision's autocast off its forward, ``keep_torch_compile=False`` the compilation (in place, as Accelerate's:
+    also through the prepared model); a module the user compiled (``torch.compile``) then gives the one inside."""
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    if not keep_torch_compile:
+        if isinstance(inner, torch._dynamo.eval_frame.OptimizedModule):  # compiled by the user
+            inner = inner._orig_mod
+        precision.unwrap_forward(inner, "compile")
+    if not keep_fp32_wrapper:
+        precision.unwrap_forward(inner, "autocast")
+    return inner
 
 
 def plain_object(obj: Any) -> Any:
-    """What a prepared object is outside its rank: the user's module for a DDP model, the user's optimizer for
-    a prepared one; anything else is itself. (DDP cannot be unpickled where there is no process group.)"""
+    """What a prepared object is outside its rank: the user's module for a DDP model (without the autocast and
+    compilation prepare() put around its forward), the user's optimizer for a prepared one; anything else is
+    itself. (DDP cannot be unpickled where there is no process group, compiled code not at all.)"""
     if isinstance(obj, DistributedDataParallel):
-        return obj.module
+        return plain_object(obj.module)
+    if isinstance(obj, torch.nn.Module) and precision.LAYERS in vars(obj):
+        for layer in list(vars(obj)[precision.LAYERS]):  # compiled code and closures stay in the rank
+            precision.unwrap_forward(obj, layer)
+        return obj
     if sharding.is_sharded(obj):
         raise TypeError(
             f"a model sharded by strategy='fsdp' ({type(obj).__name__}) holds only this rank's shards and cannot "
@@ -174,7 +195,8 @@ def plain_result(obj: Any) -> Any:
     """fn's result as a run in place gives it back: a prepared DDP model or optimizer, also inside tuples, lists and
     dicts, becomes the user's own, as in a plain launch's result. The DDP wrapper holds the session's process
     group, which is gone once distribute() returns. Anything else is returned as it is (the same object)."""
-    if isinstance(obj, (DistributedDataParallel, PreparedOptimizer)):
+    if isinstance(obj, (DistributedDataParallel, PreparedOptimizer)) or (isinstance(obj, torch.nn.Module)
+                                                                          and precision.LAYERS in vars(obj)):
         return plain_object(obj)
     if type(obj) in (list, tuple) or (isinstance(obj, tuple) and hasattr(obj, "_fields")):
         items = [plain_result(item) for item in obj]

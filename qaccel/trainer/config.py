@@ -115,6 +115,8 @@ class TrainConfig:
     debug: bool | None = None
     project_dir: str | None = None
     rank_prefix: bool = False
+    kwargs_handlers: Sequence[Any] | None = None
+    dynamo_backend: Any = None
     cluster: options.SlurmCluster | None = None
 
     def __post_init__(self) -> None:
