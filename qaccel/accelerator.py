@@ -66,6 +66,8 @@ class Accelerator:
         debug: bool | None = None,
         project_dir: str | os.PathLike | None = None,
         keep_checkpoints: int | None = None,
+        log_with: Any = None,
+        logging_dir: str | os.PathLike | None = None,
         rank_prefix: bool = False,
         kwargs_handlers: Sequence[KwargsHandler] | None = None,
         dynamo_backend: str | TorchDynamoPlugin | None = None,
@@ -233,6 +235,11 @@ class Accelerator:
         """The folder given as ``project_dir`` (absolute), where save_state() and resume() without a folder keep
         ``checkpoints``."""
         return self._config.project_dir
+
+    @property
+    def logging_dir(self) -> str | None:
+        """Where the trackers of ``log_with`` write (absolute): the option ``logging_dir``, else ``project_dir``."""
+        return self._config.logging_dir
 
     @property
     def state(self) -> AcceleratorState:
@@ -532,10 +539,40 @@ class Accelerator:
         return dataloader
 
     def end_training(self) -> None:
-        """Wait for every rank to finish. Outside distribute() under torchrun or srun, also end the ranks'
-        session (the process group), as Accelerate's does; in distribute() the session ends with fn."""
+        """Close the trackers init_trackers() started (wandb's finish, MLflow's run ended) and wait for every
+        rank to finish. Outside distribute() under torchrun or srun, also end the ranks' session (the process
+        group), as Accelerate's does; in distribute() the session ends with fn."""
+        self._registry().trackers.close()
         self.wait_for_everyone()
         in_place.end_ambient()
+
+    # ---- Accelerate's experiment trackers (log_with; qaccel/train/trackers.py) ----
+
+    def init_trackers(self, project_name: str, config: dict[str, Any] | None = None,
+                      init_kwargs: dict[str, dict[str, Any]] | None = None) -> None:
+        """Start the trackers of ``log_with`` for ``project_name`` on the main process, ``config`` stored as the
+        run's hyperparameters; ``init_kwargs`` gives, by tracker name, wandb.init's arguments, the SummaryWriter's
+        of ``get_tracker("tensorboard", unwrap=True)``, or MLflow's ``run_name``, ``tags`` and ``description``.
+        Call it on every rank. After load_state() or resume(), or before them, the trackers continue the runs the
+        checkpoint recorded (save_state() records them), without the steps logged after it."""
+        self._registry().trackers.init(self._config.log_with, project_name, config, init_kwargs,
+                                       self._config.logging_dir, self.is_main_process)
+
+    def log(self, values: dict[str, Any], step: int | None = None,
+            log_kwargs: dict[str, dict[str, Any]] | None = None) -> None:
+        """Write ``values`` at ``step`` to every tracker, on the main process only (None: the step after the last
+        one logged); ``log_kwargs`` gives, by tracker name, more arguments (wandb's ``run.log`` takes them)."""
+        self._registry().trackers.log(values, step, log_kwargs)
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        """The tracker named ``name`` (``unwrap``: the tool's own object: SummaryWriter, wandb Run,
+        ``mlflow.ActiveRun``); on the other ranks one whose every method does nothing."""
+        return self._registry().trackers.get(name, unwrap)
+
+    @property
+    def trackers(self) -> list[Any]:
+        """The trackers init_trackers() started, on the main process (an empty list elsewhere)."""
+        return self._registry().trackers.trackers
 
     def free_memory(self, *objects: Any) -> list[None]:
         """Forget what this Accelerator prepared in the session (its step count restarts), collect garbage and give

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import enum
+import importlib.util
 import math
 import os
 import re
@@ -166,6 +167,13 @@ OPTIONS: tuple[Option, ...] = (
            "without a folder keep checkpoints: `<project_dir>/checkpoints/checkpoint_<step>`"),
     Option("keep_checkpoints", None, "`None` or int ≥ 1", "how many of those `save_state()` without a folder keeps, "
            "the newest (`None`: all); Accelerate's `ProjectConfiguration(total_limit=...)`"),
+    Option("log_with", None, "`None`, `tensorboard`, `wandb`, `mlflow`, `csv`, `all`, a tracker object, or a list "
+           "of them", "Accelerate's experiment trackers: `init_trackers()` starts them and `log()` writes to them, on "
+           "the main process only; `all`: those of tensorboard, wandb and mlflow that are installed; a tracker "
+           "object is one with Accelerate's `GeneralTracker` methods (`name`, `log`, `finish`, ...)"),
+    Option("logging_dir", None, "a folder, or `None`", "where trackers write: TensorBoard and CSV into "
+           "`<logging_dir>/<project_name>`, MLflow into `<logging_dir>/mlruns` (unless `MLFLOW_TRACKING_URI` is "
+           "set); `None`: `project_dir` (Accelerate's `ProjectConfiguration(logging_dir=...)`)"),
     Option("rank_prefix", False, "`True`, `False`", "in a plain launch, start each line the ranks print with "
            "`[rank N] ` (under torchrun or srun ask the launcher: `--tee` with "
            "`TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`, `srun --label`)"),
@@ -210,6 +218,8 @@ class Config:
     debug: bool = False
     project_dir: str | None = None
     keep_checkpoints: int | None = None
+    log_with: tuple[Any, ...] = ()  # tracker names (TRACKERS) and tracker objects
+    logging_dir: str | None = None
     rank_prefix: bool = False
     handlers: Handlers = Handlers()
     compile: Mapping[str, Any] | None = None  # torch.compile's arguments
@@ -291,6 +301,8 @@ def make_config(env: Environment, **options: Any) -> Config:
         fsdp_min_params=values["fsdp_min_params"],
         debug=_debug_choice(values["debug"]),
         project_dir=_folder("project_dir", values["project_dir"]),
+        log_with=_log_with(values["log_with"], _logging_dir(values)),
+        logging_dir=_logging_dir(values),
         keep_checkpoints=None if values["keep_checkpoints"] is None else _count("keep_checkpoints",
                                                                                   values["keep_checkpoints"], 1),
         rank_prefix=_flag("rank_prefix", values["rank_prefix"]),
@@ -335,6 +347,58 @@ def _count(name: str, value: object, least: int) -> int:
     return value
 
 
+# log_with's names: the trackers qaccel writes to (qaccel/train/tracking.py), each with its module and pip package
+TRACKERS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
+            "mlflow": ("mlflow", "mlflow-skinny"), "csv": (None, None)}
+ALL_TRACKERS = ("tensorboard", "wandb", "mlflow")  # what log_with="all" takes, those installed (Accelerate's "all")
+_FOLDER_TRACKERS = ("tensorboard", "csv")  # they write into <logging_dir>/<project_name>
+
+
+def _logging_dir(values: dict[str, Any]) -> str | None:
+    return _folder("logging_dir", values["logging_dir"]) or _folder("project_dir", values["project_dir"])
+
+
+def _log_with(value: object, logging_dir: str | None) -> tuple[Any, ...]:
+    """log_with as a tuple of tracker names and tracker objects: a name, an enum member whose value is one
+    (Accelerate's LoggerType), a tracker object, or a list of them; "all" is the installed ones of ALL_TRACKERS."""
+    if value is None:
+        return ()
+    chosen: list[Any] = []
+    allowed = ", ".join(repr(name) for name in (*TRACKERS, "all"))
+    for item in value if isinstance(value, (list, tuple)) else [value]:
+        if _is_tracker_object(item):
+            if getattr(item, "requires_logging_directory", False) and logging_dir is None:
+                raise ValueError(f"log_with's tracker {item.name!r} requires a logging directory: give project_dir=..., "
+                                 "logging_dir=... or project_config=ProjectConfiguration(project_dir=...)")
+            chosen.append(item)
+            continue
+        raw = item.value if isinstance(item, enum.Enum) else item
+        name = raw.lower() if isinstance(raw, str) else raw
+        if name not in (*TRACKERS, "all"):
+            raise ValueError(f"log_with must be one of {allowed}, a tracker object with Accelerate's GeneralTracker "
+                             f"methods, or a list of them; got {item!r}")
+        for one in [n for n in ALL_TRACKERS if importlib.util.find_spec(TRACKERS[n][0])] if name == "all" else [name]:
+            if one not in chosen:
+                chosen.append(one)
+    for name in chosen:
+        if not isinstance(name, str):
+            continue
+        module, package = TRACKERS[name]
+        if module is not None and importlib.util.find_spec(module) is None:
+            raise ImportError(f"log_with={name!r} needs the {package} package: pip install {package} (from qaccel's "
+                              f"checkout: pip install -e '.[{name}]')")
+        if name in _FOLDER_TRACKERS and logging_dir is None:
+            raise ValueError(f"log_with={name!r} writes into <logging_dir>/<project_name>: give project_dir=..., "
+                             "logging_dir=... or project_config=ProjectConfiguration(project_dir=..., logging_dir=...)")
+    return tuple(chosen)
+
+
+def _is_tracker_object(item: object) -> bool:
+    """A tracker of the user's own, as Accelerate's GeneralTracker: a name, log() and finish()."""
+    return (not isinstance(item, (str, enum.Enum)) and isinstance(getattr(item, "name", None), str)
+            and callable(getattr(item, "log", None)) and callable(getattr(item, "finish", None)))
+
+
 def _folder(name: str, value: object) -> str | None:
     if value is None:
         return None
@@ -357,7 +421,6 @@ ACCELERATE_ONLY = {
     "parallelism_config": "qaccel has data parallelism (strategy='ddp') and FSDP (strategy='fsdp')",
     "rng_types": "prepared loaders need no RNG synchronisation (their order depends only on the seed and the "
                  "epoch); synchronize_rng_states() syncs generators by hand",
-    "log_with": "the Trainer tracks metrics (TrainConfig(tracking_tool=...)); with distribute(), log on rank 0",
 }
 
 
@@ -510,7 +573,7 @@ class DataLoaderConfiguration:
 class ProjectConfiguration:
     """Accelerate's grouping of where a project keeps its files, for scripts that pass one: ``project_dir`` is the
     option of that name and ``total_limit`` is ``keep_checkpoints``. Checkpoints saved without a folder are always
-    numbered, by step; ``logging_dir`` is for Accelerate's trackers, which qaccel does not have."""
+    numbered, by step; ``logging_dir`` is the option of that name, where trackers write (by default project_dir)."""
 
     project_dir: str | None = None
     logging_dir: str | None = None
@@ -576,7 +639,8 @@ def _project_config(config: Any, chosen: dict[str, Any]) -> dict[str, Any]:
                          "checkpoints are named by the optimizer step (checkpoint_<step>), which a resumed run "
                          "continues; leave iteration at 0")
     chosen = dict(chosen)
-    for field, option in (("project_dir", "project_dir"), ("total_limit", "keep_checkpoints")):
+    for field, option in (("project_dir", "project_dir"), ("logging_dir", "logging_dir"),
+                          ("total_limit", "keep_checkpoints")):
         value = getattr(config, field, None)
         if value is None:
             continue

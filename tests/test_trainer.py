@@ -206,7 +206,9 @@ def test_test_with_split_batches_counts_the_real_part_of_a_partly_padded_batch(t
 @pytest.mark.parametrize("fields, exc, message", [
     ({"max_iter": -1}, ValueError, "TrainConfig.max_iter must be an int >= 0; got -1"),
     ({"val_every": -1}, ValueError, "TrainConfig.val_every must be an int >= 0; got -1"),
-    ({"tracking_tool": "wandb"}, ValueError, "TrainConfig.tracking_tool must be one of 'tensorboard', 'mlflow', 'csv'"),
+    ({"tracking_tool": "comet_ml"}, ValueError,
+     "TrainConfig.tracking_tool must be one of 'tensorboard', 'mlflow', 'wandb', 'csv'"),
+    ({"log_with": "comet_ml"}, ValueError, "TrainConfig.log_with must be one of 'tensorboard', 'wandb', 'mlflow'"),
     ({"lr_scheduler_step": "step"}, ValueError, "TrainConfig.lr_scheduler_step must be one of 'epoch', 'batch'"),
     ({"callbacks": [print]}, TypeError, "TrainConfig.callbacks must be a list of qaccel.callbacks.Callback"),
     ({"nprocs": 0}, ValueError, "TrainConfig.nprocs must be a positive int; got 0"),

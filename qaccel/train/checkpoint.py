@@ -183,6 +183,9 @@ def _write_checkpoint(directory: str, tmp: str, registry: Registry, gathered: li
                               "accumulation_steps": registry.accumulation_steps}
     if registry.mesh is not None:
         marker["sharded"] = {"model": len(registry.models), "optimizer": len(registry.optimizers)}
+    trackers = registry.trackers.state()  # rank 0's runs (log_with), continued by load_state()
+    if trackers is not None:
+        marker["trackers"] = trackers
     marker["files"] = dict(sorted(files.items()))
     storage.write_bytes(json.dumps(marker, indent=1).encode(), os.path.join(tmp, MARKER_FILE))
     old = f"{directory}.old-{secrets.token_hex(6)}" if os.path.exists(directory) else None
@@ -538,6 +541,7 @@ def _apply(found: str, read: _Read, registry: Registry, ctx: RankContext) -> Non
         seed = read.parts["loader"][0]["seed"] if read.parts["loader"] else 0
         _seed_rng_states(seed, int(read.marker["step"]), ctx.rank)
     registry.updates = int(read.marker["step"])
+    registry.trackers.restore(read.marker.get("trackers"))
     if registry.keep_global_batch:
         steps = _kept_accumulation(found, read.marker, registry, ctx)
         if steps != registry.accumulation_steps:

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from qaccel.train.trackers import Trackers
+
 if TYPE_CHECKING:
     import weakref
 
@@ -71,11 +73,13 @@ class Registry:
     replaced: dict[int, tuple[weakref.ref[torch.nn.Parameter], torch.nn.Parameter]] = field(default_factory=dict)
     accumulating: bool = False  # strategy="fsdp": sharded models hold unsharded gradients over micro-steps
     trigger: bool = False  # set_trigger() was called on this rank since the last check_trigger() that saw one
+    trackers: Trackers = field(default_factory=Trackers)  # log_with's, once init_trackers() started them
 
     def release(self, finished: bool = True) -> None:
         """Forget the session's objects as it ends. Prepared optimizers and loaders point back here, so these lists
         would make cycles that keep the session's models alive for the garbage collector to find later. The loaders'
         workers are stopped first (see PreparedDataLoader.release)."""
+        self.trackers.close()  # a session that ends without end_training() closes them too
         for loader in self.loaders:
             loader.release()
         for kept in (self.optimizers, self.models, self.schedulers, self.loaders, self.registered):

@@ -1,10 +1,13 @@
-"""The experiment trackers the Trainer writes metrics, hyperparameters and figures through (rank 0 only):
-TensorBoard (the default), MLflow, or a CSV file.
+"""The experiment trackers the Trainer (and the Accelerator's ``log_with``, see qaccel/train/trackers.py) writes
+metrics, hyperparameters and figures through (rank 0 only): TensorBoard (the Trainer's default), MLflow, Weights &
+Biases, or a CSV file.
 
-qaccel requires only torch, cloudpickle and numpy: TensorBoard and MLflow are optional extras (``tensorboard`` and
-``mlflow`` in setup.cfg; ``pip install tensorboard`` does it), imported when a tracker of theirs opens, so the other
-ranks and a run tracking to CSV never import them; a missing one raises an ImportError naming the extra. Every
-write is on disk (or with the tracking server) when the call returns, so the files can be read while the run lives.
+qaccel requires only torch, cloudpickle and numpy: TensorBoard, MLflow and wandb are optional extras
+(``tensorboard``, ``mlflow`` and ``wandb`` in setup.cfg; ``pip install tensorboard`` does it), imported when a
+tracker of theirs opens, so the other ranks and a run tracking to CSV never import them; a missing one raises an
+ImportError naming the extra. Every write of TensorBoard, MLflow and CSV is on disk (or with the tracking server)
+when the call returns, so the files can be read while the run lives; wandb hands its records to its own service
+process, which writes them to the run's ``.wandb`` file (and uploads them, unless ``WANDB_MODE=offline``).
 
 Metrics have one of two axes: the epoch (qadence's step, what the Trainer's fields write) or the training batch (a
 per-batch curve, e.g. WriteMetrics at ``train_batch_end``), kept apart so neither's steps mix with the other's:
@@ -54,6 +57,7 @@ class TrackingTool(enum.StrEnum):
 
     TENSORBOARD = "tensorboard"  # the default
     MLFLOW = "mlflow"
+    WANDB = "wandb"  # Weights & Biases
     CSV = "csv"  # needs nothing
 
 
@@ -135,7 +139,7 @@ def make_tracker(tool: TrackingTool | str) -> Tracker:
         allowed = ", ".join(repr(m.value) for m in TrackingTool)
         raise ValueError(f"tracking tool must be one of {allowed}; got {tool!r}") from None
     return {TrackingTool.TENSORBOARD: TensorBoardTracker, TrackingTool.MLFLOW: MlflowTracker,
-            TrackingTool.CSV: CsvTracker}[kind]()
+            TrackingTool.WANDB: WandbTracker, TrackingTool.CSV: CsvTracker}[kind]()
 
 
 def _optional(module: str, extra: str, package: str) -> Any:
@@ -307,6 +311,13 @@ class TensorBoardTracker(_Opened):
             epochs.write(summary=summary)
         epochs.scalars(self._unwritten(metrics), self._step)
 
+    def log_text(self, name: str, text: str, step: int) -> None:
+        """``text`` at ``step`` in TensorBoard's TEXT dashboard (what SummaryWriter.add_text writes)."""
+        self._check_open()
+        from torch.utils.tensorboard.summary import text as text_summary
+
+        self._files[Axis.EPOCH].write(step, text_summary(name, text))
+
     def log_figure(self, name: str, figure: matplotlib.figure.Figure, step: int) -> None:
         self._check_open()
         from tensorboard.compat.proto.summary_pb2 import Summary
@@ -387,7 +398,8 @@ class MlflowTracker(_Opened):
     --backend-store-uri <folder>/mlruns`` shows it). MLflow 3 has its file store in maintenance mode and opens one
     only with MLFLOW_ALLOW_FILE_STORE=true, which the tracker sets while it opens its own; mlflow-skinny has no
     database store (that needs SQLAlchemy, which the full mlflow package brings). The
-    experiment is MLFLOW_EXPERIMENT_ID's or MLFLOW_EXPERIMENT_NAME's (created if missing), else "Default". A resumed
+    experiment is MLFLOW_EXPERIMENT_ID's or MLFLOW_EXPERIMENT_NAME's (created if missing), else ``experiment`` (the
+    Accelerator's project name), else "Default"; ``tags`` are set on a new run (``description`` as MLflow's note). A resumed
     run continues the same run id. MLflow cannot delete logged values, so the steps a previous attempt wrote at
     start_step or later are dropped from a local file store's files; a tracking server or database keeps them beside
     the new ones (the newer has the later timestamp).
@@ -396,10 +408,16 @@ class MlflowTracker(_Opened):
     (or a CI variable), MLflow's usage telemetry starts a daemon thread at the first tracking call.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, experiment: str | None = None, tags: dict[str, Any] | None = None,
+                 description: str | None = None) -> None:
         super().__init__()
         self._client: Any = None
         self._run_id: str | None = None
+        self._experiment = experiment
+        self._tags = {str(k): str(v) for k, v in (tags or {}).items()}
+        if description is not None:
+            self._tags["mlflow.note.content"] = str(description)
+        self.uri = ""  # the tracking URI, once open
 
     def open(self, folder: Path, run_name: str, resume: dict[str, Any] | None, start_step: int,
              start_batch: int = 0) -> None:
@@ -417,11 +435,17 @@ class MlflowTracker(_Opened):
                           "run", stacklevel=2)
             run_id = None
         if run_id is None:
-            run_id = client.create_run(self._experiment_id(), run_name=run_name or None).info.run_id
+            run_id = client.create_run(self._experiment_id(), run_name=run_name or None,
+                                       tags=self._tags or None).info.run_id
         else:
             client.update_run(run_id, status="RUNNING")
             self._drop_from(uri, run_id, start_step, start_batch)
-        self._run_id, self._opened, self._step = run_id, True, start_step
+        self._run_id, self._opened, self._step, self.uri = run_id, True, start_step, uri
+
+    @property
+    def run_id(self) -> str | None:
+        """The MLflow run's id, once open."""
+        return self._run_id
 
     def _exists(self, run_id: str) -> bool:
         from mlflow.exceptions import MlflowException
@@ -435,7 +459,7 @@ class MlflowTracker(_Opened):
     def _experiment_id(self) -> str:
         if os.environ.get("MLFLOW_EXPERIMENT_ID"):
             return os.environ["MLFLOW_EXPERIMENT_ID"]
-        name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "Default"
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or self._experiment or "Default"
         experiment = self._client.get_experiment_by_name(name)
         return experiment.experiment_id if experiment is not None else self._client.create_experiment(name)
 
@@ -453,7 +477,9 @@ class MlflowTracker(_Opened):
                 start = start_batch if per_batch else start_step
                 lines = path.read_text().splitlines(keepends=True)
                 kept = [line for line in lines if not _step_at_or_after(line, start)]
-                if len(kept) != len(lines):
+                if not kept:  # a metric first logged after the checkpoint: MLflow cannot read an empty file
+                    path.unlink()
+                elif len(kept) != len(lines):
                     write_bytes("".join(kept).encode(), path, durable=False)
 
     def log_metrics(self, metrics: dict[str, float], step: int, axis: Axis = Axis.EPOCH) -> None:
@@ -545,6 +571,105 @@ def _local_path(uri: str) -> Path | None:
 def _step_at_or_after(line: str, start_step: int) -> bool:
     fields = line.split()
     return len(fields) >= 3 and fields[2].lstrip("-").isdigit() and int(fields[2]) >= start_step
+
+
+class WandbTracker(_Opened):
+    """A Weights & Biases run, made by ``wandb.init(project=project, **init_kwargs)``; wandb's own variables apply
+    (``WANDB_MODE=offline``, ``WANDB_DIR``, ``WANDB_PROJECT``, ``WANDB_API_KEY``, ...). The run's local files go to
+    ``folder`` (wandb makes its ``wandb`` subfolder there) unless ``WANDB_DIR`` or ``init_kwargs["dir"]`` says
+    otherwise, or ``own_dir`` is False (the Accelerator's, as Accelerate's: wandb's default, ``./wandb``). A new run is
+    named ``run_name`` unless ``init_kwargs`` names it.
+
+    Epoch metrics are plotted against the metric ``epoch``, batch metrics (named ``batch/<name>``) against ``batch``
+    (wandb's define_metric); the Accelerator's values go in at the step it gives (``log_values``).
+
+    A resumed run continues the same run id (``resume="allow"``). W&B cannot delete logged values and a run's steps
+    only go forward: what the previous attempt logged after the checkpoint stays in the run (online, W&B ignores
+    the resumed run's values at a step it already has, with a warning). Offline, each attempt is a folder of its own
+    (``offline-run-*-<id>``, the later ones suffixed), all with the same run id: ``wandb sync`` them in order.
+    """
+
+    def __init__(self, project: str | None = None, init_kwargs: dict[str, Any] | None = None,
+                 own_dir: bool = True) -> None:
+        super().__init__()
+        self._project, self._init_kwargs, self._own_dir = project, dict(init_kwargs or {}), own_dir
+        self.run: Any = None  # the wandb Run, once open
+        self._defined: set[str] = set()
+
+    def open(self, folder: Path, run_name: str, resume: dict[str, Any] | None, start_step: int,
+             start_batch: int = 0) -> None:
+        wandb = _optional("wandb", "wandb", "wandb")
+        kwargs = {"project": self._project, **self._init_kwargs}
+        if self._own_dir and "dir" not in kwargs and not os.environ.get("WANDB_DIR"):
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            kwargs["dir"] = str(folder)
+        run_id = (resume or {}).get("run_id")
+        if run_id is not None:
+            kwargs["id"] = run_id
+            if not any(kwargs.get(name) for name in ("resume", "resume_from", "fork_from")):
+                kwargs["resume"] = "allow"
+        elif run_name and "name" not in kwargs:
+            kwargs["name"] = run_name
+        self.run = wandb.init(**kwargs)
+        self.run.define_metric("batch")
+        self.run.define_metric("batch/*", step_metric="batch")
+        self._opened, self._step = True, start_step
+
+    def log_metrics(self, metrics: dict[str, float], step: int, axis: Axis = Axis.EPOCH) -> None:
+        values = self._wrote(metrics, step, axis)
+        if axis is Axis.BATCH:
+            self.run.log({**{BATCH_PREFIX + name: value for name, value in values.items()}, "batch": step})
+        else:
+            self._epoch_axis(values)
+            self.run.log({**values, "epoch": step})
+
+    def _epoch_axis(self, names: Iterable[str]) -> None:
+        for name in names:
+            if name not in self._defined:
+                self.run.define_metric(name, step_metric="epoch")
+                self._defined.add(name)
+
+    def log_values(self, values: dict[str, Any], step: int | None, **kwargs: Any) -> None:
+        """Accelerate's ``log``: ``run.log(values, step=step, **kwargs)``, any value wandb takes."""
+        self._check_open()
+        self.run.log(values, step=step, **kwargs)
+
+    def log_hyperparams(self, hyperparams: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
+        """The run's config (a resumed run's changed value replaces the first), and ``metrics`` in its summary."""
+        self._check_open()
+        self.run.config.update({k: _param(v) for k, v in hyperparams.items()}, allow_val_change=True)
+        unwritten = self._unwritten(metrics)
+        if unwritten:
+            self._epoch_axis(unwritten)
+            self.run.log({**unwritten, "epoch": self._step})
+        if metrics:
+            self.run.summary.update({k: _number(v) for k, v in metrics.items()})
+
+    def log_figure(self, name: str, figure: matplotlib.figure.Figure, step: int) -> None:
+        """The figure as a wandb Image (a PNG) named ``name``, at epoch ``step``."""
+        self._check_open()
+        import wandb
+        from PIL import Image
+
+        self._epoch_axis([name])
+        self.run.log({name: wandb.Image(Image.open(io.BytesIO(_png(figure)))), "epoch": step})
+
+    def log_model(self, model: torch.nn.Module, train_dataloader: Any = None, val_dataloader: Any = None,
+                  test_dataloader: Any = None) -> None:
+        """The model's state_dict (torch.save) as the run's file ``model/state_dict.pt`` (uploaded with the run's
+        files); the data loaders are not used."""
+        self._check_open()
+        path = Path(self.run.dir) / "model" / "state_dict.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save(_state_dict(model), path)
+
+    def state(self) -> dict[str, Any]:
+        return {} if self.run is None else {"run_id": self.run.id}
+
+    def close(self) -> None:
+        if self.run is not None and not self._closed:
+            self.run.finish()
+        self._closed = True
 
 
 class CsvTracker(_Opened):

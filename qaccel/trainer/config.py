@@ -114,6 +114,8 @@ class TrainConfig:
     fsdp_min_params: int = options.FSDP_MIN_PARAMS
     debug: bool | None = None
     project_dir: str | None = None
+    log_with: Any = None  # the Accelerator's trackers (init_trackers() in a callback); the Trainer's: tracking_tool
+    logging_dir: str | None = None
     rank_prefix: bool = False
     kwargs_handlers: Sequence[Any] | None = None
     dynamo_backend: Any = None

@@ -17,8 +17,9 @@ import pytest
 
 from qaccel.trainer import plots
 from qaccel.train.tracking import (Axis, CsvTracker, MlflowTracker, NullTracker, TensorBoardTracker, Tracker,
-                                     TrackingTool, make_tracker)
+                                   TrackingTool, WandbTracker, make_tracker)
 from support import component
+from support.wandb_records import curve, offline_runs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -255,8 +256,9 @@ def test_a_tool_by_its_value_or_another_enums_member_and_a_bad_name_listed(tmp_p
 
     assert type(make_tracker(ExperimentTrackingTool.MLFLOW)) is type(make_tracker("mlflow"))
     assert type(make_tracker(TrackingTool.CSV)) is type(make_tracker("csv"))
-    with pytest.raises(ValueError, match="must be one of 'tensorboard', 'mlflow', 'csv'; got 'wandb'"):
-        make_tracker("wandb")
+    assert type(make_tracker("wandb")) is WandbTracker
+    with pytest.raises(ValueError, match="must be one of 'tensorboard', 'mlflow', 'wandb', 'csv'; got 'comet_ml'"):
+        make_tracker("comet_ml")
 
 
 def _without(blocked, code, tmp_path):
@@ -269,7 +271,7 @@ def _without(blocked, code, tmp_path):
     return done.stdout
 
 
-@pytest.mark.parametrize("tool", ["tensorboard", "mlflow"])
+@pytest.mark.parametrize("tool", ["tensorboard", "mlflow", "wandb"])
 def test_a_missing_optional_dependency_names_the_extra_to_install(tool, tmp_path):
     out = _without([tool], "\n".join([
         "from pathlib import Path",
@@ -280,7 +282,7 @@ def test_a_missing_optional_dependency_names_the_extra_to_install(tool, tmp_path
         "except ImportError as exc:",
         "    print(exc)",
     ]), tmp_path)
-    package = {"tensorboard": "tensorboard", "mlflow": "mlflow-skinny"}[tool]
+    package = {"tensorboard": "tensorboard", "mlflow": "mlflow-skinny", "wandb": "wandb"}[tool]
     assert f"pip install {package} (from qaccel's checkout: pip install -e '.[{tool}]')" in out, out
 
 
@@ -487,5 +489,38 @@ def test_null_tracker_does_nothing_opened_or_not_and_calls_no_plotting_function(
 def test_every_tracker_has_every_method_of_the_protocol_qadences_writer_methods_included():
     methods = {name for name in vars(Tracker) if not name.startswith("_")}
     assert {"write", "print_metrics", "plot", "log_hyperparams", "log_model"} <= methods
-    for tracker in (TensorBoardTracker, MlflowTracker, CsvTracker, NullTracker):
+    for tracker in (TensorBoardTracker, MlflowTracker, WandbTracker, CsvTracker, NullTracker):
         assert all(callable(getattr(tracker, name, None)) for name in methods), tracker.__name__
+
+
+def test_wandb_writes_epochs_batches_config_and_a_figure_and_a_resumed_run_keeps_its_id(tmp_path, monkeypatch):
+    """Offline, read back with wandb's own reader: epochs against the metric ``epoch``, batches (``batch/<name>``)
+    against ``batch``, the hyperparameters as the run's config, a figure as an image; a resumed run is the same id."""
+    _needs("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    first = make_tracker("wandb")
+    first.open(tmp_path, "first", None, 1)
+    _write(first, range(1, 4), 10)
+    first.log_metrics({"train_loss": 5.0}, 7, Axis.BATCH)
+    first.log_hyperparams({"lr": 0.25, "layers": [4, 4]}, {"val_loss": 1.5})
+    first.log_figure("curve", _figure(), 2)
+    first.close()
+    first.close()  # twice: nothing happens
+    state = json.loads(json.dumps(first.state()))
+    second = make_tracker("wandb")
+    second.open(tmp_path, "first", state, 4)
+    _write(second, [4], 100)
+    assert second.state() == state
+    second.close()
+
+    runs = offline_runs(tmp_path / "wandb")  # the tracker's folder holds wandb's
+    assert [(r["id"], r["resume"]) for r in runs] == [(state["run_id"], False), (state["run_id"], True)]
+    assert curve(runs[0], "train_loss", "epoch") == [(s, 10 + s) for s in range(1, 4)]
+    assert curve(runs[0], "batch/train_loss", "batch") == [(7, 5)]
+    assert curve(runs[0], "val_loss", "epoch") == [(3, 1.5)], "a result without a curve, at the last epoch"
+    assert runs[0]["config"] == {"lr": 0.25, "layers": "[4, 4]"}
+    assert [(row["epoch"], row["curve._type"]) for row in runs[0]["history"] if "curve._type" in row] == [
+        (2, "image-file")]
+    assert curve(runs[1], "train_loss", "epoch") == [(4, 104)]
