@@ -146,6 +146,17 @@ OPTIONS: tuple[Option, ...] = (
     Option("dispatch_batches", None, "`None`, `True`, `False`", "`True`: only rank 0 reads a prepared DataLoader "
            "(its dataset, sampler and workers) and sends every rank its batch, the same batch it would have read "
            "itself; `None`/`False`: each rank reads its own (Accelerate's `None` dispatches an `IterableDataset`)"),
+    Option("use_seedable_sampler", False, "`True`, `False`", "how a prepared DataLoader's shuffled order is drawn, "
+           "as Accelerate's: `False`, from the sampler's generator (your DataLoader's `generator`, or one seeded from "
+           "torch's global RNG), given rank 0's state as each epoch starts and advanced by it, so that re-seeding your "
+           "generator re-orders; `True`, epoch `e` from the seed `data_seed + e` (`data_seed` unset: torch's initial "
+           "seed on rank 0). Either way a checkpoint holds what the order needs: a resumed run goes on in it"),
+    Option("data_seed", None, "`None` or an int ≥ 0", "with `use_seedable_sampler=True`, the shuffling seed "
+           "(Accelerate's `DataLoaderConfiguration(data_seed=...)`)"),
+    Option("rng_types", None, "`None` or a list of `torch`, `cuda`, `generator`", "the generators every rank gets "
+           "rank 0's state of as each epoch of a prepared DataLoader starts, as Accelerate's `rng_types`: "
+           "`generator` is the one its shuffled order is drawn from, `torch` and `cuda` the global ones; `None`: "
+           "`generator`"),
     Option("step_scheduler_with_optimizer", False, "`True`, `False`", "`True`: a prepared LR scheduler's `step()` "
            "does nothing on accumulation micro-steps or when fp16 skipped the update, and steps once per rank on an "
            "update (once with `split_batches`), as Accelerate's does by default: for a schedule sized on the "
@@ -210,6 +221,9 @@ class Config:
     split_batches: bool = False
     even_batches: bool = True
     dispatch_batches: bool = False
+    use_seedable_sampler: bool = False
+    data_seed: int | None = None
+    rng_types: tuple[str, ...] = ("generator",)
     step_scheduler_with_optimizer: bool = False
     max_restarts: int = 0
     strategy: Strategy = Strategy.DDP
@@ -293,6 +307,9 @@ def make_config(env: Environment, **options: Any) -> Config:
         even_batches=_even_batches(values, strategy),
         dispatch_batches=values["dispatch_batches"] is not None and _flag("dispatch_batches",
                                                                           values["dispatch_batches"]),
+        use_seedable_sampler=_flag("use_seedable_sampler", values["use_seedable_sampler"]),
+        data_seed=_data_seed(values["data_seed"], values["use_seedable_sampler"]),
+        rng_types=_rng_types(values["rng_types"]),
         step_scheduler_with_optimizer=_flag("step_scheduler_with_optimizer", values["step_scheduler_with_optimizer"]),
         max_restarts=_count("max_restarts", values["max_restarts"], 0),
         strategy=strategy,
@@ -310,6 +327,34 @@ def make_config(env: Environment, **options: Any) -> Config:
         compile=compile_settings(values["dynamo_backend"]),
         cluster=_cluster(values["cluster"], nprocs),
     )
+
+
+def _data_seed(seed: object, seedable: object) -> int | None:
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"data_seed must be an int >= 0 or None; got {seed!r}")
+    if seedable is not True:
+        raise ValueError("data_seed seeds the order of use_seedable_sampler=True (as in Accelerate, where it does "
+                         "nothing otherwise): set use_seedable_sampler=True, or seed your DataLoader's generator")
+    return seed
+
+
+RNG_TYPES = ("torch", "cuda", "generator")
+
+
+def _rng_types(value: object) -> tuple[str, ...]:
+    """rng_types as a tuple of Accelerate's names (its RNGType members taken by value)."""
+    if value is None:
+        return ("generator",)
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise TypeError(f"rng_types must be a list of {', '.join(map(repr, RNG_TYPES))} or None; got {value!r}")
+    names = tuple(item.value if isinstance(item, enum.Enum) else item for item in value)
+    for name in names:
+        if name not in RNG_TYPES:
+            raise ValueError(f"rng_types holds {', '.join(map(repr, RNG_TYPES))} (Accelerate's xla, npu, ... are "
+                             f"not qaccel's); got {name!r}")
+    return tuple(dict.fromkeys(names))
 
 
 def _from_handler(values: dict[str, Any], group_options: dict[str, Any]) -> dict[str, Any]:
@@ -419,8 +464,6 @@ ACCELERATE_ONLY = {
     "torch_tp_plugin": "qaccel has no tensor parallelism",
     "megatron_lm_plugin": "qaccel has no Megatron-LM",
     "parallelism_config": "qaccel has data parallelism (strategy='ddp') and FSDP (strategy='fsdp')",
-    "rng_types": "prepared loaders need no RNG synchronisation (their order depends only on the seed and the "
-                 "epoch); synchronize_rng_states() syncs generators by hand",
 }
 
 
@@ -556,9 +599,9 @@ def _cluster(cluster: Any, nprocs: int) -> SlurmCluster | None:
 @dataclass(frozen=True)
 class DataLoaderConfiguration:
     """Accelerate's grouping of the prepared loaders' options, for scripts that pass one: ``split_batches``,
-    ``even_batches`` and ``dispatch_batches`` are qaccel's options of those names; ``use_seedable_sampler`` and
-    ``non_blocking`` are what prepared loaders do anyway; ``data_seed`` and ``use_stateful_dataloader`` are
-    refused (qaccel's ways are named then)."""
+    ``even_batches``, ``dispatch_batches``, ``use_seedable_sampler`` and ``data_seed`` are qaccel's options of those
+    names; ``non_blocking`` is what prepared loaders do anyway; ``use_stateful_dataloader`` is refused (qaccel's
+    way is named then)."""
 
     split_batches: bool = False
     dispatch_batches: bool | None = None
@@ -614,12 +657,10 @@ def _accumulation_plugin(plugin: Any, chosen: dict[str, Any]) -> dict[str, Any]:
 
 
 # DataLoaderConfiguration fields and the values that describe qaccel's prepared loaders (other values are refused).
-_LOADER_VALUES = {"data_seed": (None,), "use_stateful_dataloader": (False,)}
+_LOADER_VALUES = {"use_stateful_dataloader": (False,)}
 
 
 _LOADER_WAYS = {
-    "data_seed": "a prepared loader's shuffling seed comes from its own generator (or torch's global RNG), drawn on "
-                 "rank 0",
     "use_stateful_dataloader": "save_state() records where every prepared loader is, and load_state() continues "
                                "there, mid-epoch included",
 }
@@ -651,8 +692,8 @@ def _project_config(config: Any, chosen: dict[str, Any]) -> dict[str, Any]:
 
 
 def _dataloader_config(config: Any, chosen: dict[str, Any]) -> dict[str, Any]:
-    """An Accelerate DataLoaderConfiguration (any object with its fields): ``split_batches``, ``even_batches`` and
-    ``dispatch_batches`` are the options of those names; ``use_seedable_sampler`` and ``non_blocking`` are what
+    """An Accelerate DataLoaderConfiguration (any object with its fields): ``split_batches``, ``even_batches``,
+    ``dispatch_batches``, ``use_seedable_sampler`` and ``data_seed`` are the options of those names; ``non_blocking`` is what
     prepared loaders do anyway; the others must keep their defaults."""
     if config is None:
         return chosen
@@ -666,7 +707,13 @@ def _dataloader_config(config: Any, chosen: dict[str, Any]) -> dict[str, Any]:
     dispatch = getattr(config, "dispatch_batches", None)
     if dispatch is not None:
         _flag("DataLoaderConfiguration.dispatch_batches", dispatch)
+    seedable = _flag("DataLoaderConfiguration.use_seedable_sampler", getattr(config, "use_seedable_sampler", False))
+    data_seed = getattr(config, "data_seed", None)
+    if data_seed is not None and chosen.get("data_seed") not in (None, data_seed):
+        raise ValueError(f"DataLoaderConfiguration(data_seed={data_seed!r}) contradicts data_seed={chosen['data_seed']!r}")
     return {**chosen, "split_batches": split or chosen.get("split_batches", False),
+            "use_seedable_sampler": seedable or chosen.get("use_seedable_sampler", False),
+            "data_seed": data_seed if data_seed is not None else chosen.get("data_seed"),
             "even_batches": even and chosen.get("even_batches", True),
             "dispatch_batches": dispatch if dispatch is not None else chosen.get("dispatch_batches")}
 

@@ -52,6 +52,17 @@ def test_accelerates_own_accumulation_checks_pass_for_every_split_dispatch_and_s
     assert result["ranks"] == [17, 17]
 
 
+def test_accelerates_own_training_check_passes_under_torchrun_and_distribute(tmp_path):
+    """A loader shuffled by a generator the script re-seeds after prepare() trains 2 ranks to the model one process
+    trains: the order follows the generator as Accelerate's does (or, with use_seedable_sampler, its seeds)."""
+    every = ["no batch split", "batch split", "bf16"]
+    for proc in (run_torchrun(script_file("accelerate_training_check.py"), cwd=tmp_path, timeout=150),
+                 run_script(script_file("accelerate_training_check.py"), cwd=tmp_path, timeout=150)):
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        [result] = result_lines(proc.stdout)
+        assert result == {"use_seedable_sampler=False": every, "use_seedable_sampler=True": every}
+
+
 def test_a_rank_raising_outside_distribute_ends_the_torchrun_job_with_its_error(tmp_path):
     started = time.monotonic()
     proc = run_torchrun(script_file("accelerate_raises.py"), cwd=tmp_path, timeout=120)

@@ -72,15 +72,23 @@ def test_accelerates_dataloader_configuration_sets_the_loader_options_and_refuse
     config = DataLoaderConfiguration(split_batches=True, even_batches=True, dispatch_batches=False,
                                      use_seedable_sampler=True, non_blocking=False)
     assert Accelerator(cpu=True, dataloader_config=config)._config.split_batches is True
+    assert Accelerator(cpu=True, dataloader_config=config)._config.use_seedable_sampler is True
     assert Accelerator(cpu=True, dataloader_config=None)._config.split_batches is False
     uneven = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(even_batches=False))
     assert (uneven.even_batches, uneven.split_batches) == (False, False)
     with pytest.raises(TypeError, match=r"DataLoaderConfiguration.even_batches must be True or False"):
         Accelerator(dataloader_config=DataLoaderConfiguration(even_batches=None))
     assert Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=True)).dispatch_batches
-    with pytest.raises(ValueError, match=r"DataLoaderConfiguration\(data_seed=3\) is not in qaccel: a prepared "
-                                         r"loader's shuffling seed comes from its own generator"):
+    seeded = DataLoaderConfiguration(use_seedable_sampler=True, data_seed=3)
+    assert Accelerator(cpu=True, dataloader_config=seeded)._config.data_seed == 3
+    with pytest.raises(ValueError, match=r"data_seed seeds the order of use_seedable_sampler=True .as in Accelerate, "
+                                         r"where it does nothing otherwise."):
         Accelerator(dataloader_config=DataLoaderConfiguration(data_seed=3))
+    with pytest.raises(ValueError, match=r"DataLoaderConfiguration\(use_stateful_dataloader=True\) is not in qaccel"):
+        Accelerator(dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
+    assert Accelerator(rng_types=["torch", "generator"])._config.rng_types == ("torch", "generator")
+    with pytest.raises(ValueError, match="rng_types holds 'torch', 'cuda', 'generator'.*; got 'xla'"):
+        Accelerator(rng_types=["xla"])
 
 
 def test_accelerates_accumulation_plugin_sets_the_accumulation_options():

@@ -24,7 +24,7 @@ from qaccel.comm.session import RankContext
 
 if TYPE_CHECKING:
     from qaccel.train.registry import Registry
-from qaccel.train import batch, dispatch, loaders, stopping, uneven
+from qaccel.train import batch, dispatch, loaders, seeding, stopping, uneven
 
 # DataLoader arguments carried over as they are; batch_size, shuffle, sampler and drop_last live in the batch sampler.
 _CARRIED = (
@@ -208,10 +208,7 @@ class BatchShard:
             and sampler.generator is not None
         ):
             return batch_sampler
-        order = torch.randperm(sampler.num_samples, generator=sampler.generator).tolist()
-        size = batch_sampler.batch_size
-        end = len(order) - len(order) % size if batch_sampler.drop_last else len(order)
-        return (order[start : start + size] for start in range(0, end, size))
+        return _sliced(sampler.num_samples, batch_sampler.batch_size, batch_sampler.drop_last, sampler.generator)
 
 
 class PreparedDataLoader(DataLoader):
@@ -223,7 +220,8 @@ class PreparedDataLoader(DataLoader):
     """
 
     def __init__(self, loader: DataLoader, ctx: RankContext, seed: int, registry: Registry,
-                 split_batches: bool = False, even_batches: bool = True, dispatch_batches: bool = False) -> None:
+                 split_batches: bool = False, even_batches: bool = True, dispatch_batches: bool = False,
+                 seedable: bool = False, rng_types: tuple[str, ...] = ("generator",)) -> None:
         kwargs = {name: getattr(loader, name) for name in _CARRIED}
         dataset = loader.dataset
         self._registry = registry  # the session's: loop marks, optimizer updates, the stopper
@@ -237,7 +235,17 @@ class PreparedDataLoader(DataLoader):
         self._rank, self._world = ctx.rank, ctx.world_size
         self._epoch = 0
         self._seed = seed
-        self._generator = torch.Generator()
+        # The order's source. Accelerate's default: the sampler's own generator (one seeded with ``seed`` for a
+        # sampler without), given rank 0's state as each epoch starts (rng_types) and advanced by the draw, so that
+        # re-seeding it re-orders. With use_seedable_sampler: a generator of our own, seeded with seed + epoch.
+        ordering = _sampler_generator(loader)
+        self._seedable = seedable
+        self._generator = torch.Generator() if seedable or ordering is None else ordering
+        if not seedable and ordering is None:
+            self._generator.manual_seed(seed)
+        self._follows = not seedable and _shuffles(loader)
+        self._rng_types = tuple(t for t in rng_types if t != "generator" or self._follows)
+        self._epoch_state: torch.Tensor | None = None  # the generator's state as the current epoch began
         self._shard: BatchShard | None = None
         self._user_sampler: DistributedSampler | None = None
         self._auto_epoch = 0
@@ -292,7 +300,8 @@ class PreparedDataLoader(DataLoader):
         return self._position[0] if self._position is not None else self._epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next ``iter()`` epoch ``epoch`` (to resume a run at the order it had reached)."""
+        """Make the next ``iter()`` epoch ``epoch``; with use_seedable_sampler that also gives it epoch ``epoch``'s
+        order (otherwise the order follows the generator, which load_state_dict() restores)."""
         self._epoch = epoch
 
     def skip_first_batches(self, num_batches: int) -> None:
@@ -315,10 +324,14 @@ class PreparedDataLoader(DataLoader):
         counts them, so a progress bar starts there."""
         return self._start // self._unit
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, Any]:
         """Where this loader is: its shuffling seed, the epoch, and the batches done to resume at: this rank's
-        (``batches``) and, world-independent, the user's batches every rank's steps took together (``done``)."""
+        (``batches``) and, world-independent, the user's batches every rank's steps took together (``done``); when
+        the order follows the sampler's generator, that generator's state as the epoch began (or the next will)."""
         shape = {"world_size": self._world, "batch_size": self.batch_size, "split_batches": self._split}
+        if self._follows:
+            running = self._position is not None and self._epoch_state is not None
+            shape["generator"] = (self._epoch_state if running else self._generator.get_state()).clone()
         if self._position is None:
             return {"seed": self._seed, "epoch": self._epoch, "batches": 0, "done": 0, **shape}
         epoch, start, steps = self._position
@@ -333,6 +346,8 @@ class PreparedDataLoader(DataLoader):
         shards for the world it was made for)."""
         self.check_state_dict(state)
         self._seed = int(state["seed"])
+        if self._follows and state.get("generator") is not None:
+            self._generator.set_state(state["generator"])
         self.set_epoch(int(state["epoch"]))
         if "done" not in state:  # written before positions were recorded for any world
             self._start = int(state["batches"]) * self._unit
@@ -365,7 +380,12 @@ class PreparedDataLoader(DataLoader):
         if not seen[1]:
             seen[0] = registry.updates
         epoch, self._epoch = self._epoch, self._epoch + 1
-        self._generator.manual_seed(self._seed + epoch)
+        if self._seedable:
+            self._generator.manual_seed(self._seed + epoch)
+        if self._rng_types and self._world > 1:
+            seeding.synchronize_rng_states(self._rng_types, self._generator, self._ctx)
+        if self._follows:
+            self._epoch_state = self._generator.get_state()
         sampler = self._user_sampler
         if sampler is not None and sampler.epoch == self._auto_epoch:
             sampler.set_epoch(epoch)
@@ -450,6 +470,16 @@ class PreparedDataLoader(DataLoader):
         stopping.unshield_workers(self)
 
 
+def _sliced(samples: int, size: int, drop_last: bool, generator: torch.Generator) -> Iterator[list[int]]:
+    """The batches BatchSampler(RandomSampler(...)) yields, drawing from ``generator`` as they do: one permutation,
+    and, once asked for a batch past the last, the permutation RandomSampler starts for a remainder of none (so
+    that the generator goes on as under torch's samplers: a script that re-seeds it sees the same orders)."""
+    order = torch.randperm(samples, generator=generator).tolist()
+    end = len(order) - len(order) % size if drop_last else len(order)
+    yield from (order[start : start + size] for start in range(0, end, size))
+    torch.randperm(samples, generator=generator)
+
+
 def _with_generator(batch_sampler: Any, generator: torch.Generator) -> Any:
     """Copies of the batch sampler and its sampler drawing from ``generator``, so all ranks draw alike.
 
@@ -475,6 +505,28 @@ def _every_nth(batches: Iterator[Any], rank: int, world_size: int) -> Iterator[A
             round_ = []
 
 
-def shared_seed(loader: DataLoader) -> int:
-    """A shuffling seed drawn from the user's generator (or torch's global RNG); rank 0's is broadcast."""
-    return int(torch.randint(0, 2**62, (1,), generator=loader.generator).item())
+def shared_seed(loader: DataLoader, seedable: bool = False, data_seed: int | None = None) -> int:
+    """This rank's shuffling seed (rank 0's is broadcast), as Accelerate takes it. With ``seedable``, epoch ``e``
+    shuffles with seed + e: ``data_seed``, else torch's initial seed. Otherwise the order follows the sampler's
+    generator, and the seed seeds one for a random sampler that has none, drawn from torch's global RNG (nothing is
+    drawn for an unshuffled loader); it also derives every rank's RNG states when a checkpoint resumes on another
+    world."""
+    if seedable:
+        return data_seed if data_seed is not None else torch.initial_seed()
+    generator = _sampler_generator(loader)
+    if generator is not None:
+        return generator.initial_seed()
+    return int(torch.empty((), dtype=torch.int64).random_().item()) if _shuffles(loader) else 0
+
+
+def _shuffles(loader: DataLoader) -> bool:
+    """Whether the loader's order is drawn from a generator: a sampler that has one (RandomSampler, also with
+    ``generator=None``), or qaccel's InfiniteTensorDataset."""
+    sampler = getattr(loader.batch_sampler, "sampler", None) or loader.sampler
+    return hasattr(sampler, "generator") or isinstance(loader.dataset, loaders.InfiniteTensorDataset)
+
+
+def _sampler_generator(loader: DataLoader) -> torch.Generator | None:
+    """The generator the loader's (random) sampler draws its order from, if it has one of its own."""
+    sampler = getattr(loader.batch_sampler, "sampler", None) or loader.sampler
+    return getattr(sampler, "generator", None)

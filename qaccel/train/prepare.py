@@ -46,9 +46,9 @@ def prepare_one(obj: Any, ctx: RankContext, config: Config, registry: Registry) 
         return loaders.DictDataLoader({name: prepare_one(loader, ctx, config, registry)
                                        for name, loader in obj.dataloaders.items()})
     if isinstance(obj, DataLoader) and not isinstance(obj, data.PreparedDataLoader):
-        seed = collectives.broadcast(data.shared_seed(obj), 0, ctx)
+        seed = collectives.broadcast(data.shared_seed(obj, config.use_seedable_sampler, config.data_seed), 0, ctx)
         loader = data.PreparedDataLoader(obj, ctx, seed, registry, config.split_batches, config.even_batches,
-                                         config.dispatch_batches)
+                                         config.dispatch_batches, config.use_seedable_sampler, config.rng_types)
         registry.loaders.append(loader)
         if registry.stopper is not None:  # prepared after resume()
             stopping.shield_workers(loader)

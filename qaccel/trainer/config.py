@@ -107,6 +107,9 @@ class TrainConfig:
     split_batches: bool = False
     even_batches: bool = True
     dispatch_batches: bool | None = None
+    use_seedable_sampler: bool = False
+    data_seed: int | None = None
+    rng_types: Sequence[str] | None = None
     step_scheduler_with_optimizer: bool = False
     max_restarts: int = 0
     strategy: str = "ddp"

@@ -107,7 +107,8 @@ def test_rank_0_shows_bars_over_prepared_loaders_and_the_steps_stay_the_same(cap
     """A real launch; rank_prefix tells whose lines are whose. 10 batches of 2 over 2 ranks: 5 steps per rank,
     accumulating 2: gradients sync on steps 2, 4 and on the epoch's last step."""
     component.module("tqdm")
-    acc = Accelerator(nprocs=2, compute_setup="cpu", gradient_accumulation_steps=2, rank_prefix=True, timeout=60)
+    acc = Accelerator(nprocs=2, compute_setup="cpu", gradient_accumulation_steps=2, rank_prefix=True, timeout=60,
+                      use_seedable_sampler=True)  # so that set_epoch(0) repeats epoch 0's order
     for runs in acc.distribute(_bars_over_a_prepared_loader, all_results=True)(acc):
         assert [sync for _, sync in runs["bare"]] == [False, True, False, True, True]
         assert runs["tqdm"] == runs["bare"] and runs["fallback"] == runs["bare"]
