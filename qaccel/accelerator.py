@@ -58,6 +58,7 @@ class Accelerator:
         split_batches: bool = False,
         even_batches: bool = True,
         dispatch_batches: bool | None = None,
+        device_placement: bool = True,
         use_seedable_sampler: bool = False,
         data_seed: int | None = None,
         rng_types: Sequence[str] | None = None,
@@ -604,18 +605,20 @@ class Accelerator:
 
     # ---- preparation ----
 
-    def prepare(self, *objs: Any) -> Any:
+    def prepare(self, *objs: Any, device_placement: Sequence[bool] | None = None) -> Any:
         """Models to device/dtype (DDP-wrapped, or sharded with FSDP2 under strategy="fsdp"), optimizers
         alongside, DataLoaders sharded; one in, one out.
 
         Several objects come back as a tuple in the same order; anything else passes through unchanged.
         LR schedulers come back as they are: step them as before, once per optimizer step. Accelerate steps
         prepared schedulers for you instead; ``step_scheduler_with_optimizer=True`` wraps them to do the same.
+        ``device_placement``: one bool per object (None: the option), as Accelerate's.
         """
+        places = options.placements(device_placement, len(objs))
         self._inside_ranks("prepare()")
         ctx = self._live()
         registry = self._registry()
-        out = tuple(prepare.prepare_one(obj, ctx, self._config, registry) for obj in objs)
+        out = tuple(prepare.prepare_one(obj, ctx, self._config, registry, place) for obj, place in zip(objs, places))
         return out[0] if len(out) == 1 else out
 
     def _inside_ranks(self, what: str) -> None:

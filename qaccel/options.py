@@ -146,6 +146,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("dispatch_batches", None, "`None`, `True`, `False`", "`True`: only rank 0 reads a prepared DataLoader "
            "(its dataset, sampler and workers) and sends every rank its batch, the same batch it would have read "
            "itself; `None`/`False`: each rank reads its own (Accelerate's `None` dispatches an `IterableDataset`)"),
+    Option("device_placement", True, "`True`, `False`", "`prepare()` puts models, optimizer state and the batches of "
+           "DataLoaders on this rank's device; `False` leaves them where they are (Accelerate's `device_placement`; "
+           "`prepare(..., device_placement=[...])` chooses per object)"),
     Option("use_seedable_sampler", False, "`True`, `False`", "how a prepared DataLoader's shuffled order is drawn, "
            "as Accelerate's: `False`, from the sampler's generator (your DataLoader's `generator`, or one seeded from "
            "torch's global RNG), given rank 0's state as each epoch starts and advanced by it, so that re-seeding your "
@@ -221,6 +224,7 @@ class Config:
     split_batches: bool = False
     even_batches: bool = True
     dispatch_batches: bool = False
+    device_placement: bool = True
     use_seedable_sampler: bool = False
     data_seed: int | None = None
     rng_types: tuple[str, ...] = ("generator",)
@@ -307,6 +311,7 @@ def make_config(env: Environment, **options: Any) -> Config:
         even_batches=_even_batches(values, strategy),
         dispatch_batches=values["dispatch_batches"] is not None and _flag("dispatch_batches",
                                                                           values["dispatch_batches"]),
+        device_placement=_flag("device_placement", values["device_placement"]),
         use_seedable_sampler=_flag("use_seedable_sampler", values["use_seedable_sampler"]),
         data_seed=_data_seed(values["data_seed"], values["use_seedable_sampler"]),
         rng_types=_rng_types(values["rng_types"]),
@@ -327,6 +332,17 @@ def make_config(env: Environment, **options: Any) -> Config:
         compile=compile_settings(values["dynamo_backend"]),
         cluster=_cluster(values["cluster"], nprocs),
     )
+
+
+def placements(device_placement: object, count: int) -> list[bool | None]:
+    """prepare()'s ``device_placement``: one bool (or None, the option) per object."""
+    if device_placement is None:
+        return [None] * count
+    if isinstance(device_placement, (str, bytes)) or not isinstance(device_placement, Sequence) \
+            or len(device_placement) != count or not all(p is None or isinstance(p, bool) for p in device_placement):
+        raise ValueError(f"prepare(device_placement=...) must be a list of {count} bools, one per object passed; "
+                         f"got {device_placement!r}")
+    return list(device_placement)
 
 
 def _data_seed(seed: object, seedable: object) -> int | None:
@@ -454,8 +470,6 @@ def _folder(name: str, value: object) -> str | None:
 
 # Arguments of Accelerate's Accelerator that qaccel does not take, and the qaccel way to get what they do.
 ACCELERATE_ONLY = {
-    "device_placement": "prepare() always places models, and prepared loaders place batches (prepare_batch() "
-                        "does it by hand)",
     "deepspeed_plugin": "qaccel has no DeepSpeed; strategy='fsdp' shards parameters, gradients and optimizer "
                         "state",
     "deepspeed_plugins": "qaccel has no DeepSpeed; strategy='fsdp' shards parameters, gradients and optimizer "

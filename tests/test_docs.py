@@ -191,7 +191,7 @@ def test_the_name_check_finds_what_qaccel_does_not_have():
     assert _unknown_names("acc.prepare(model)\nqaccel.Preempted\nfrom qaccel import Trainer\n"
                           "Accelerator(nprocs=2, cpu=True)\nqaccel.SlurmCluster(nodes=2)") == []
     assert len(_unknown_names("accelerator.unscale_gradients()\nqaccel.Nothing\nfrom qaccel import nothing\n"
-                              "Accelerator(rng_types=['torch'])\nTrainConfig(epochs=3)")) == 5
+                              "Accelerator(deepspeed_plugin=None)\nTrainConfig(epochs=3)")) == 5
 
 
 def test_every_file_of_the_repository_the_pages_name_exists():

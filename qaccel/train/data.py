@@ -221,7 +221,7 @@ class PreparedDataLoader(DataLoader):
 
     def __init__(self, loader: DataLoader, ctx: RankContext, seed: int, registry: Registry,
                  split_batches: bool = False, even_batches: bool = True, dispatch_batches: bool = False,
-                 seedable: bool = False, rng_types: tuple[str, ...] = ("generator",)) -> None:
+                 seedable: bool = False, rng_types: tuple[str, ...] = ("generator",), place: bool = True) -> None:
         kwargs = {name: getattr(loader, name) for name in _CARRIED}
         dataset = loader.dataset
         self._registry = registry  # the session's: loop marks, optimizer updates, the stopper
@@ -230,7 +230,7 @@ class PreparedDataLoader(DataLoader):
         # where a signal may stop the run: the updates count seen at the last one, and whether this loader's loop
         # trains (evaluation loops don't, and may run on rank 0 alone, so they are no check points).
         self._seen = [0, False]
-        self._device = ctx.device
+        self._device = ctx.device if place else None  # None: batches stay where the loader made them
         self._ctx = ctx
         self._rank, self._world = ctx.rank, ctx.world_size
         self._epoch = 0
@@ -416,7 +416,7 @@ class PreparedDataLoader(DataLoader):
                     lone = ragged is not None and ragged.mark(step)
                     step += 1
                     position[2] = step
-                    yield batch.prepare_batch(item, device, None)
+                    yield item if device is None else batch.prepare_batch(item, device, None)
                     # the step's body is done: a stop agreed by every rank may save and raise Preempted here
                     if registry.stopper is not None and registry.updates != seen[0] and not lone:
                         seen[0], seen[1] = registry.updates, True

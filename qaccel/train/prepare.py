@@ -21,9 +21,12 @@ from qaccel.train import schedulers
 from qaccel.train.schedulers import PreparedScheduler
 
 
-def prepare_one(obj: Any, ctx: RankContext, config: Config, registry: Registry) -> Any:
+def prepare_one(obj: Any, ctx: RankContext, config: Config, registry: Registry, place: bool | None = None) -> Any:
+    """``obj`` prepared; ``place`` (None: the device_placement option) puts a model, an optimizer's state and a
+    loader's batches on this rank's device."""
+    place = config.device_placement if place is None else place
     if isinstance(obj, torch.nn.Module):
-        model = prepare_model(obj, ctx, config, registry)
+        model = prepare_model(obj, ctx, config, registry, place)
         run = session.current_run()
         if run is not None and (isinstance(model, DistributedDataParallel) or sharding.is_sharded(model)):
             run.bound.add(model)  # destroyed before the session's group is (session.Run.release)
@@ -39,16 +42,16 @@ def prepare_one(obj: Any, ctx: RankContext, config: Config, registry: Registry) 
         return obj
     if isinstance(obj, torch.optim.Optimizer):
         sharding.point_at_shards(obj, registry.replaced)
-        prepared = PreparedOptimizer(prepare_optimizer(obj), registry)
+        prepared = PreparedOptimizer(prepare_optimizer(obj) if place else obj, registry)
         registry.optimizers.append(prepared)
         return prepared
     if isinstance(obj, loaders.DictDataLoader):
-        return loaders.DictDataLoader({name: prepare_one(loader, ctx, config, registry)
+        return loaders.DictDataLoader({name: prepare_one(loader, ctx, config, registry, place)
                                        for name, loader in obj.dataloaders.items()})
     if isinstance(obj, DataLoader) and not isinstance(obj, data.PreparedDataLoader):
         seed = collectives.broadcast(data.shared_seed(obj, config.use_seedable_sampler, config.data_seed), 0, ctx)
         loader = data.PreparedDataLoader(obj, ctx, seed, registry, config.split_batches, config.even_batches,
-                                         config.dispatch_batches, config.use_seedable_sampler, config.rng_types)
+                                         config.dispatch_batches, config.use_seedable_sampler, config.rng_types, place)
         registry.loaders.append(loader)
         if registry.stopper is not None:  # prepared after resume()
             stopping.shield_workers(loader)
@@ -63,9 +66,10 @@ def prepare_one(obj: Any, ctx: RankContext, config: Config, registry: Registry) 
     return obj
 
 
-def prepare_model(model: torch.nn.Module, ctx: RankContext, config: Config, registry: Registry) -> torch.nn.Module:
-    """Place the model on this rank's device (and dtype); wrap it in DDP when there is more than one rank, or
-    shard it with FSDP2 (strategy="fsdp", also with one rank).
+def prepare_model(model: torch.nn.Module, ctx: RankContext, config: Config, registry: Registry,
+                  place: bool = True) -> torch.nn.Module:
+    """Place the model on this rank's device (unless ``place`` is False) and dtype; wrap it in DDP when there is
+    more than one rank, or shard it with FSDP2 (strategy="fsdp", also with one rank).
 
     A model already wrapped or sharded, or with nothing to train, is not wrapped (again).
     """
@@ -81,9 +85,10 @@ def prepare_model(model: torch.nn.Module, ctx: RankContext, config: Config, regi
         for prepared in registry.optimizers:  # prepared before this model
             sharding.point_at_shards(prepared.optimizer, replaced)
         return model
-    cast_model(model, ctx.device, config.dtype)
+    cast_model(model, ctx.device if place else None, config.dtype)
     if ctx.world_size > 1 and dist.is_initialized() and trainable:
-        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        on = next(model.parameters()).device
+        device_ids = [on.index] if on.type == "cuda" else None
         wrapped = DistributedDataParallel(model, device_ids=device_ids, **config.handlers.ddp)
         handlers.register_comm_hook(wrapped, config.handlers.comm_hook, config.handlers.comm_wrapper,
                                     config.handlers.comm_state_option)

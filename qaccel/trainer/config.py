@@ -107,6 +107,7 @@ class TrainConfig:
     split_batches: bool = False
     even_batches: bool = True
     dispatch_batches: bool | None = None
+    device_placement: bool = True
     use_seedable_sampler: bool = False
     data_seed: int | None = None
     rng_types: Sequence[str] | None = None

@@ -572,3 +572,23 @@ def test_prepare_in_the_caller_of_a_multi_rank_launch_is_refused():
     caller = Accelerator(nprocs=2, compute_setup="cpu")
     with pytest.raises(RuntimeError, match="prepare\\(\\) must run inside the function you distribute"):
         caller.prepare(torch.nn.Linear(1, 1))
+
+
+def _meta_batches(items):
+    return torch.stack([x for (x,) in items]).to("meta")
+
+
+def test_device_placement_false_leaves_models_and_batches_where_they_are(single):
+    """Meta tensors cannot be copied to the CPU: placing one raises, which shows what is placed and what is not."""
+    with pytest.raises(NotImplementedError, match="meta tensor"):
+        single.prepare(torch.nn.Linear(2, 2, device="meta"))
+    loader = DataLoader(TensorDataset(torch.arange(4.0)), batch_size=2, collate_fn=_meta_batches)
+    with pytest.raises(NotImplementedError, match="meta tensor"):
+        next(iter(single.prepare(loader)))
+    kept = Accelerator(compute_setup="cpu", device_placement=False)
+    model, batches = kept.prepare(torch.nn.Linear(2, 2, device="meta"), loader)
+    assert model.weight.is_meta and next(iter(batches)).is_meta
+    model, batches = single.prepare(torch.nn.Linear(2, 2, device="meta"), loader, device_placement=[False, False])
+    assert model.weight.is_meta and next(iter(batches)).is_meta
+    with pytest.raises(ValueError, match=r"prepare\(device_placement=...\) must be a list of 2 bools"):
+        single.prepare(torch.nn.Linear(2, 2), loader, device_placement=[False])
