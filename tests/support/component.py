@@ -72,6 +72,13 @@ def no_gpu(reason: str) -> NoReturn:
     pytest.skip(reason, allow_module_level=True)
 
 
+def not_yet(reason: str) -> pytest.MarkDecorator:
+    """A strict xfail, for a test of what qaccel does not do yet (``reason`` names it): the test runs, and fails
+    the moment its feature lands, so that the mark is taken off then. Never for a missing component (that is
+    unavailable()'s), nor to pass a test that ought to."""
+    return pytest.mark.xfail(strict=True, reason=reason)
+
+
 def slurm_missing(announce: Announce) -> str | None:
     """None when SLURM is installed (as root, after installing it), else why the slurm tests cannot run."""
     from .slurm_cluster import SlurmError, ensure_installed, missing_binaries  # here: slurm_cluster imports this module
