@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
 import os
 import sys
@@ -17,12 +16,11 @@ from qaccel.comm import collectives, ranks, session
 from qaccel.environment import Environment, detect
 from qaccel.errors import warn_once
 from qaccel import handlers
-from qaccel.handlers import AutocastKwargs, KwargsHandler, ProfileKwargs, TorchDynamoPlugin
+from qaccel.handlers import AutocastKwargs, ProfileKwargs
 from qaccel.launch import cluster, in_place, launchers
 from qaccel.launch.protocol import HandBack, Launcher
 from qaccel.nested import map_leaves
-from qaccel.options import (FSDP_MIN_PARAMS, Backend, DeviceType, DistributedType, MixedPrecision, SlurmCluster,
-                            Strategy)
+from qaccel.options import Backend, DeviceType, DistributedType, MixedPrecision, Strategy
 from qaccel.train import (batch, checkpoint, gradients, precision, prepare, profiling, progress, seeding, sharding,
                           stopping)
 from qaccel.train.batch_size import release_memory
@@ -41,46 +39,13 @@ class Accelerator:
     allowed, before any rank starts.
     """
 
-    def __init__(
-        self,
-        nprocs: int = 1,
-        compute_setup: str = "auto",
-        log_setup: str = "cpu",
-        backend: str | None = None,
-        dtype: torch.dtype | None = None,
-        *,
-        timeout: float | datetime.timedelta = 1800.0,
-        start_method: str = "forkserver",
-        gradient_accumulation_steps: int = 1,
-        keep_global_batch: bool = False,
-        sync_each_batch: bool = False,
-        mixed_precision: str | None = None,
-        split_batches: bool = False,
-        even_batches: bool = True,
-        dispatch_batches: bool | None = None,
-        device_placement: bool = True,
-        use_seedable_sampler: bool = False,
-        data_seed: int | None = None,
-        rng_types: Sequence[str] | None = None,
-        step_scheduler_with_optimizer: bool = False,
-        max_restarts: int = 0,
-        strategy: str = "ddp",
-        fsdp_modules: Sequence[type | str] | None = None,
-        fsdp_min_params: int = FSDP_MIN_PARAMS,
-        debug: bool | None = None,
-        project_dir: str | os.PathLike | None = None,
-        keep_checkpoints: int | None = None,
-        log_with: Any = None,
-        logging_dir: str | os.PathLike | None = None,
-        rank_prefix: bool = False,
-        kwargs_handlers: Sequence[KwargsHandler] | None = None,
-        dynamo_backend: str | TorchDynamoPlugin | None = None,
-        cluster: SlurmCluster | None = None,
-        **accelerate_arguments: Any,
-    ) -> None:
+    @options.takes_options
+    def __init__(self, chosen: dict[str, Any], accelerate_arguments: dict[str, Any]) -> None:
+        """``chosen``: every option by name, as given or defaulted (the signature is the declaration's, in
+        qaccel.options); ``accelerate_arguments``: the other keywords, Accelerate's, translated or refused."""
         env = detect()
-        chosen = {name: value for name, value in locals().items() if name in options.NAMES}
         self._config = options.make_config(env, **options.from_accelerate(accelerate_arguments, chosen))
+        nprocs, max_restarts, rank_prefix = chosen["nprocs"], chosen["max_restarts"], chosen["rank_prefix"]
         self._own_registry: Registry | None = None
         self._launcher: Launcher | None = launchers.choose(self._config, env, _HAND_BACK)
         if env.kind.started_by_launcher and nprocs > 1 and nprocs != env.world_size and env.rank == 0:
@@ -88,14 +53,14 @@ class Accelerator:
         if env.kind.started_by_launcher and max_restarts and env.rank == 0:
             warnings.warn(
                 f"Accelerator(max_restarts={max_restarts}) restarts the ranks of a plain launch only; under {env.kind} "
-                "use torchrun --max-restarts, or SLURM's requeue (slurm/requeue.sbatch)", stacklevel=2,
+                "use torchrun --max-restarts, or SLURM's requeue (slurm/requeue.sbatch)", stacklevel=3,
             )
         if env.kind.started_by_launcher and rank_prefix and env.rank == 0:
             warnings.warn(
                 f"Accelerator(rank_prefix=True) prefixes the output of a plain launch only; under {env.kind} ask the "
                 "launcher: torchrun --tee 3 with TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[rank ${rank}] ' in its "
                 "environment, or srun --label",
-                stacklevel=2,
+                stacklevel=3,
             )
 
     # ---- where this rank runs (valid in the caller and in every rank) ----

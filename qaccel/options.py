@@ -1,8 +1,9 @@
 """The Accelerator's options, declared once: checked and resolved in the caller, so mistakes fail at construction.
 
-``OPTIONS`` is the one declaration. The Accelerator's signature is checked against it (tests/test_options.py), its
-docstring's argument list and the docs' option table are generated from it, and ``make_config`` takes exactly
-its names. Closed sets of values are enums (``str`` enums, so ``acc.backend == "gloo"`` keeps working).
+``Options`` is the one declaration: each option's name, type, default, allowed values and meaning. The
+Accelerator's signature (``takes_options``), its docstring's argument list and the docs' option table are
+generated from it, ``TrainConfig`` and the resolved ``Config`` inherit its fields, and ``make_config`` checks
+exactly its names. Closed sets of values are enums (``str`` enums, so ``acc.backend == "gloo"`` keeps working).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import enum
+import inspect
 import importlib.util
 import math
 import os
@@ -17,13 +19,13 @@ import re
 import textwrap
 import warnings
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from qaccel.environment import Environment
-from qaccel.handlers import DDPCommunicationHookType, Handlers, compile_settings
+from qaccel.handlers import DDPCommunicationHookType, Handlers, KwargsHandler, TorchDynamoPlugin, compile_settings
 from qaccel.handlers import resolve as resolve_handlers
 
 FSDP_MIN_PARAMS = 1_000_000
@@ -98,156 +100,228 @@ class DeviceType(enum.StrEnum):
     CUDA = "cuda"
 
 
+def option(default: Any, values: str, meaning: str, *, positional: bool = False) -> Any:
+    """One option's entry in ``Options``: its default, its allowed values (for people) and what it does;
+    ``positional``: the Accelerator takes it by position too (the first few)."""
+    return dataclasses.field(default=default, kw_only=True,
+                             metadata={"values": values, "meaning": meaning, "positional": positional})
+
+
+@dataclass
+class Options:
+    """The Accelerator's options, declared once. The Accelerator's signature and docstring, ``TrainConfig`` (which
+    inherits them as fields), the resolved ``Config`` (a subclass) and the docs' option table all come from these
+    fields: a new option is one entry here, and its checks in ``make_config``."""
+
+    nprocs: int = option(
+        1, "int ≥ 1",
+        "ranks to start when run as a plain `python script.py`; under torchrun or srun the launcher's world size "
+        "wins",
+        positional=True)
+    compute_setup: str = option(
+        "auto", "`auto`, `cpu`, `gpu`",
+        "`auto`: a GPU per rank if there are GPUs, else the CPU",
+        positional=True)
+    log_setup: str = option(
+        "cpu", "`cpu`, `auto`",
+        "where reduced metrics land: `cpu`, or `auto` (the compute device)",
+        positional=True)
+    backend: str | None = option(
+        None, "`None`, `gloo`, `nccl`, `mpi`",
+        "`None`: nccl for GPU, gloo for CPU; `mpi` only if torch was built with it",
+        positional=True)
+    dtype: torch.dtype | None = option(
+        None, "a floating-point or complex `torch.dtype`, or `None`",
+        "cast models and the floating-point tensors of batches to it; complex tensors stay complex at its precision",
+        positional=True)
+    timeout: float | datetime.timedelta = option(
+        1800.0, "seconds or a `timedelta`",
+        "how long a collective or the rendezvous may wait before failing (and saying where each rank is)")
+    start_method: str = option(
+        "forkserver", "`forkserver`, `spawn`",
+        "how a plain launch starts ranks: forked from a server with torch imported (fast, CUDA-safe), or a fresh "
+        "interpreter each")
+    gradient_accumulation_steps: int = option(
+        1, "int ≥ 1",
+        "micro-steps per optimizer update under `accumulate()`")
+    keep_global_batch: bool = option(
+        False, "`True`, `False`",
+        "on resuming a checkpoint written by another number of ranks, keep its global batch (batch per rank x ranks"
+        " x micro-steps) by scaling gradient accumulation (4 ranks to 2: twice the micro-steps); a world that "
+        "cannot keep it fails at resume. Needs the step inside `accumulate()`; split batches keep the global batch "
+        "without it")
+    sync_each_batch: bool = option(
+        False, "`True`, `False`",
+        "under `accumulate()`, synchronise (reduce) gradients on every micro-step instead of holding them unreduced"
+        " until the update: more communication, less memory (FSDP keeps only gradient shards)")
+    mixed_precision: str | None = option(
+        None, "`None`, `no`, `bf16`, `fp16`",
+        "autocast of prepared models' forward; `bf16` on CPU and CUDA, `fp16` on CUDA with a gradient scaler. "
+        "`None`: `ACCELERATE_MIXED_PRECISION` if set (what Accelerate's launchers and "
+        "`notebook_launcher(mixed_precision=...)` tell the ranks), else `no`")
+    split_batches: bool = option(
+        False, "`True`, `False`",
+        "prepared DataLoaders' batch size is the batch of all ranks together, of which each rank takes its slice "
+        "(Accelerate's `split_batches`); it must divide by the world size")
+    even_batches: bool = option(
+        True, "`True`, `False`",
+        "`True`: a prepared DataLoader's last step is padded with the epoch's first samples, so that every rank "
+        "takes the same number of full batches; `False`: no padding, ranks may take different numbers of steps "
+        "(Accelerate's `even_batches`; DDP only, and with gradient accumulation only with `sync_each_batch`)")
+    dispatch_batches: bool | None = option(
+        None, "`None`, `True`, `False`",
+        "`True`: only rank 0 reads a prepared DataLoader (its dataset, sampler and workers) and sends every rank "
+        "its batch, the same batch it would have read itself; `None`/`False`: each rank reads its own (Accelerate's"
+        " `None` dispatches an `IterableDataset`)")
+    device_placement: bool = option(
+        True, "`True`, `False`",
+        "`prepare()` puts models, optimizer state and the batches of DataLoaders on this rank's device; `False` "
+        "leaves them where they are (Accelerate's `device_placement`; `prepare(..., device_placement=[...])` "
+        "chooses per object)")
+    use_seedable_sampler: bool = option(
+        False, "`True`, `False`",
+        "how a prepared DataLoader's shuffled order is drawn, as Accelerate's: `False`, from the sampler's "
+        "generator (your DataLoader's `generator`, or one seeded from torch's global RNG), given rank 0's state as "
+        "each epoch starts and advanced by it, so that re-seeding your generator re-orders; `True`, epoch `e` from "
+        "the seed `data_seed + e` (`data_seed` unset: torch's initial seed on rank 0). Either way a checkpoint "
+        "holds what the order needs: a resumed run goes on in it")
+    data_seed: int | None = option(
+        None, "`None` or an int ≥ 0",
+        "with `use_seedable_sampler=True`, the shuffling seed (Accelerate's "
+        "`DataLoaderConfiguration(data_seed=...)`)")
+    rng_types: Sequence[str] | None = option(
+        None, "`None` or a list of `torch`, `cuda`, `generator`",
+        "the generators every rank gets rank 0's state of as each epoch of a prepared DataLoader starts, as "
+        "Accelerate's `rng_types`: `generator` is the one its shuffled order is drawn from, `torch` and `cuda` the "
+        "global ones; `None`: `generator`")
+    step_scheduler_with_optimizer: bool = option(
+        False, "`True`, `False`",
+        "`True`: a prepared LR scheduler's `step()` does nothing on accumulation micro-steps or when fp16 skipped "
+        "the update, and steps once per rank on an update (once with `split_batches`), as Accelerate's does by "
+        "default: for a schedule sized on the unprepared DataLoader's length; `False`: prepared schedulers are "
+        "yours, step them once per update")
+    max_restarts: int = option(
+        0, "int ≥ 0",
+        "in a plain launch, how many times to restart all ranks after a rank fails (with `resume()` they continue "
+        "from the newest checkpoint); under torchrun and srun the launcher's own restarts and requeues apply "
+        "instead")
+    strategy: str = option(
+        "ddp", "`ddp`, `fsdp`",
+        "`ddp`: every rank holds the whole model, gradients are all-reduced; `fsdp`: torch's FSDP2, parameters, "
+        "gradients and optimizer state sharded over the ranks")
+    fsdp_modules: Sequence[type | str] | None = option(
+        None, "module classes or class names, or `None`",
+        "with `fsdp`, the classes sharded as units of their own (e.g. your transformer block); `None`: every "
+        "submodule holding `fsdp_min_params` parameters not already in a unit")
+    fsdp_min_params: int = option(
+        FSDP_MIN_PARAMS, "int ≥ 1",
+        "the size rule's threshold (parameters) when `fsdp_modules` is `None`")
+    debug: bool | None = option(
+        None, "`None`, `True`, `False`",
+        "before each qaccel collective, check that every rank calls the same one with the same shapes, and fail on "
+        "every rank naming each rank's call site if not; `None`: the `QACCEL_DEBUG` variable (`1`/`0`; unset: off)")
+    project_dir: str | os.PathLike | None = option(
+        None, "a folder, or `None`",
+        "where `save_state()`, `load_state()` and `resume()` without a folder keep checkpoints: "
+        "`<project_dir>/checkpoints/checkpoint_<step>`")
+    keep_checkpoints: int | None = option(
+        None, "`None` or int ≥ 1",
+        "how many of those `save_state()` without a folder keeps, the newest (`None`: all); Accelerate's "
+        "`ProjectConfiguration(total_limit=...)`")
+    log_with: Any = option(
+        None, "`None`, `tensorboard`, `wandb`, `mlflow`, `csv`, `all`, a tracker object, or a list of them",
+        "Accelerate's experiment trackers: `init_trackers()` starts them and `log()` writes to them, on the main "
+        "process only; `all`: those of tensorboard, wandb and mlflow that are installed; a tracker object is one "
+        "with Accelerate's `GeneralTracker` methods (`name`, `log`, `finish`, ...)")
+    logging_dir: str | os.PathLike | None = option(
+        None, "a folder, or `None`",
+        "where trackers write: TensorBoard and CSV into `<logging_dir>/<project_name>`, MLflow into "
+        "`<logging_dir>/mlruns` (unless `MLFLOW_TRACKING_URI` is set); `None`: `project_dir` (Accelerate's "
+        "`ProjectConfiguration(logging_dir=...)`)")
+    rank_prefix: bool = option(
+        False, "`True`, `False`",
+        "in a plain launch, start each line the ranks print with `[rank N] ` (under torchrun or srun ask the "
+        "launcher: `--tee` with `TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`, `srun --label`)")
+    kwargs_handlers: Sequence[KwargsHandler] | None = option(
+        None, "`None` or a list of `qaccel.utils` handlers (or Accelerate's)",
+        "settings for torch objects qaccel makes, as Accelerate's `kwargs_handlers`: "
+        "`DistributedDataParallelKwargs` (the DDP wrapper's arguments and a communication hook), "
+        "`InitProcessGroupKwargs` (`timeout`, `backend`), `GradScalerKwargs`, `AutocastKwargs`, `ProfileKwargs` "
+        "(for `profile()`)")
+    dynamo_backend: str | TorchDynamoPlugin | None = option(
+        None,
+        "`None`, `no`, a `torch.compile` backend (`inductor`, `aot_eager`, `eager`, ...), or a `TorchDynamoPlugin`",
+        "compile prepared models with `torch.compile`, over their DDP or FSDP2 wrapper and in place (the prepared "
+        "object stays the same; `unwrap_model` gives your module); `None`: the `ACCELERATE_DYNAMO_*` variables "
+        "Accelerate's launcher exports, else `no`")
+    cluster: SlurmCluster | None = option(
+        None, "`None` or a `qaccel.SlurmCluster`",
+        "`distribute()` from a plain process submits one SLURM job (through submitit) whose tasks are the ranks, "
+        "waits, and returns the result; nprocs must be its nodes x tasks per node")
+
+
 @dataclass(frozen=True)
 class Option:
-    """One argument of the Accelerator: its name, default, allowed values (for people) and what it does."""
+    """One option as the docs and the signature read it: name, default, allowed values, meaning, annotation."""
 
     name: str
     default: Any
     values: str
     meaning: str
     keyword_only: bool = True
+    annotation: Any = None
 
 
-OPTIONS: tuple[Option, ...] = (
-    Option("nprocs", 1, "int ≥ 1", "ranks to start when run as a plain `python script.py`; under torchrun or srun "
-           "the launcher's world size wins", keyword_only=False),
-    Option("compute_setup", "auto", "`auto`, `cpu`, `gpu`", "`auto`: a GPU per rank if there are GPUs, else the "
-           "CPU", keyword_only=False),
-    Option("log_setup", "cpu", "`cpu`, `auto`", "where reduced metrics land: `cpu`, or `auto` (the compute "
-           "device)", keyword_only=False),
-    Option("backend", None, "`None`, `gloo`, `nccl`, `mpi`", "`None`: nccl for GPU, gloo for CPU; `mpi` only if "
-           "torch was built with it", keyword_only=False),
-    Option("dtype", None, "a floating-point or complex `torch.dtype`, or `None`", "cast models and the "
-           "floating-point tensors of batches to it; complex tensors stay complex at its precision",
-           keyword_only=False),
-    Option("timeout", 1800.0, "seconds or a `timedelta`", "how long a collective or the rendezvous may wait "
-           "before failing (and saying where each rank is)"),
-    Option("start_method", "forkserver", "`forkserver`, `spawn`", "how a plain launch starts ranks: forked from a "
-           "server with torch imported (fast, CUDA-safe), or a fresh interpreter each"),
-    Option("gradient_accumulation_steps", 1, "int ≥ 1", "micro-steps per optimizer update under `accumulate()`"),
-    Option("keep_global_batch", False, "`True`, `False`", "on resuming a checkpoint written by another number of "
-           "ranks, keep its global batch (batch per rank x ranks x micro-steps) by scaling gradient accumulation "
-           "(4 ranks to 2: twice the micro-steps); a world that cannot keep it fails at resume. Needs the step "
-           "inside `accumulate()`; split batches keep the global batch without it"),
-    Option("sync_each_batch", False, "`True`, `False`", "under `accumulate()`, synchronise (reduce) gradients on "
-           "every micro-step instead of holding them unreduced until the update: more communication, less memory "
-           "(FSDP keeps only gradient shards)"),
-    Option("mixed_precision", None, "`None`, `no`, `bf16`, `fp16`", "autocast of prepared models' forward; `bf16` "
-           "on CPU and CUDA, `fp16` on CUDA with a gradient scaler. `None`: `ACCELERATE_MIXED_PRECISION` if set (what "
-           "Accelerate's launchers and `notebook_launcher(mixed_precision=...)` tell the ranks), else `no`"),
-    Option("split_batches", False, "`True`, `False`", "prepared DataLoaders' batch size is the batch of all ranks "
-           "together, of which each rank takes its slice (Accelerate's `split_batches`); it must divide by the "
-           "world size"),
-    Option("even_batches", True, "`True`, `False`", "`True`: a prepared DataLoader's last step is padded with the "
-           "epoch's first samples, so that every rank takes the same number of full batches; `False`: no padding, "
-           "ranks may take different numbers of steps (Accelerate's `even_batches`; DDP only, and with gradient "
-           "accumulation only with `sync_each_batch`)"),
-    Option("dispatch_batches", None, "`None`, `True`, `False`", "`True`: only rank 0 reads a prepared DataLoader "
-           "(its dataset, sampler and workers) and sends every rank its batch, the same batch it would have read "
-           "itself; `None`/`False`: each rank reads its own (Accelerate's `None` dispatches an `IterableDataset`)"),
-    Option("device_placement", True, "`True`, `False`", "`prepare()` puts models, optimizer state and the batches of "
-           "DataLoaders on this rank's device; `False` leaves them where they are (Accelerate's `device_placement`; "
-           "`prepare(..., device_placement=[...])` chooses per object)"),
-    Option("use_seedable_sampler", False, "`True`, `False`", "how a prepared DataLoader's shuffled order is drawn, "
-           "as Accelerate's: `False`, from the sampler's generator (your DataLoader's `generator`, or one seeded from "
-           "torch's global RNG), given rank 0's state as each epoch starts and advanced by it, so that re-seeding your "
-           "generator re-orders; `True`, epoch `e` from the seed `data_seed + e` (`data_seed` unset: torch's initial "
-           "seed on rank 0). Either way a checkpoint holds what the order needs: a resumed run goes on in it"),
-    Option("data_seed", None, "`None` or an int ≥ 0", "with `use_seedable_sampler=True`, the shuffling seed "
-           "(Accelerate's `DataLoaderConfiguration(data_seed=...)`)"),
-    Option("rng_types", None, "`None` or a list of `torch`, `cuda`, `generator`", "the generators every rank gets "
-           "rank 0's state of as each epoch of a prepared DataLoader starts, as Accelerate's `rng_types`: "
-           "`generator` is the one its shuffled order is drawn from, `torch` and `cuda` the global ones; `None`: "
-           "`generator`"),
-    Option("step_scheduler_with_optimizer", False, "`True`, `False`", "`True`: a prepared LR scheduler's `step()` "
-           "does nothing on accumulation micro-steps or when fp16 skipped the update, and steps once per rank on an "
-           "update (once with `split_batches`), as Accelerate's does by default: for a schedule sized on the "
-           "unprepared DataLoader's length; `False`: prepared schedulers are yours, step them once per update"),
-    Option("max_restarts", 0, "int ≥ 0", "in a plain launch, how many times to restart all ranks after a rank "
-           "fails (with `resume()` they continue from the newest checkpoint); under torchrun and srun the "
-           "launcher's own restarts and requeues apply instead"),
-    Option("strategy", "ddp", "`ddp`, `fsdp`", "`ddp`: every rank holds the whole model, gradients are "
-           "all-reduced; `fsdp`: torch's FSDP2, parameters, gradients and optimizer state sharded over the ranks"),
-    Option("fsdp_modules", None, "module classes or class names, or `None`", "with `fsdp`, the classes sharded as "
-           "units of their own (e.g. your transformer block); `None`: every submodule holding `fsdp_min_params` "
-           "parameters not already in a unit"),
-    Option("fsdp_min_params", FSDP_MIN_PARAMS, "int ≥ 1", "the size rule's threshold (parameters) when "
-           "`fsdp_modules` is `None`"),
-    Option("debug", None, "`None`, `True`, `False`", "before each qaccel collective, check that every rank calls "
-           "the same one with the same shapes, and fail on every rank naming each rank's call site if not; `None`: "
-           "the `QACCEL_DEBUG` variable (`1`/`0`; unset: off)"),
-    Option("project_dir", None, "a folder, or `None`", "where `save_state()`, `load_state()` and `resume()` "
-           "without a folder keep checkpoints: `<project_dir>/checkpoints/checkpoint_<step>`"),
-    Option("keep_checkpoints", None, "`None` or int ≥ 1", "how many of those `save_state()` without a folder keeps, "
-           "the newest (`None`: all); Accelerate's `ProjectConfiguration(total_limit=...)`"),
-    Option("log_with", None, "`None`, `tensorboard`, `wandb`, `mlflow`, `csv`, `all`, a tracker object, or a list "
-           "of them", "Accelerate's experiment trackers: `init_trackers()` starts them and `log()` writes to them, on "
-           "the main process only; `all`: those of tensorboard, wandb and mlflow that are installed; a tracker "
-           "object is one with Accelerate's `GeneralTracker` methods (`name`, `log`, `finish`, ...)"),
-    Option("logging_dir", None, "a folder, or `None`", "where trackers write: TensorBoard and CSV into "
-           "`<logging_dir>/<project_name>`, MLflow into `<logging_dir>/mlruns` (unless `MLFLOW_TRACKING_URI` is "
-           "set); `None`: `project_dir` (Accelerate's `ProjectConfiguration(logging_dir=...)`)"),
-    Option("rank_prefix", False, "`True`, `False`", "in a plain launch, start each line the ranks print with "
-           "`[rank N] ` (under torchrun or srun ask the launcher: `--tee` with "
-           "`TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`, `srun --label`)"),
-    Option("kwargs_handlers", None, "`None` or a list of `qaccel.utils` handlers (or Accelerate's)", "settings "
-           "for torch objects qaccel makes, as Accelerate's `kwargs_handlers`: `DistributedDataParallelKwargs` (the "
-           "DDP wrapper's arguments and a communication hook), `InitProcessGroupKwargs` (`timeout`, `backend`), "
-           "`GradScalerKwargs`, `AutocastKwargs`, `ProfileKwargs` (for `profile()`)"),
-    Option("dynamo_backend", None, "`None`, `no`, a `torch.compile` backend (`inductor`, `aot_eager`, `eager`, "
-           "...), or a `TorchDynamoPlugin`", "compile prepared models with `torch.compile`, over their DDP or FSDP2 "
-           "wrapper and in place (the prepared object stays the same; `unwrap_model` gives your module); `None`: the "
-           "`ACCELERATE_DYNAMO_*` variables Accelerate's launcher exports, else `no`"),
-    Option("cluster", None, "`None` or a `qaccel.SlurmCluster`", "`distribute()` from a plain process submits one "
-           "SLURM job (through submitit) whose tasks are the ranks, waits, and returns the result; nprocs must be "
-           "its nodes x tasks per node"),
+OPTIONS: tuple[Option, ...] = tuple(
+    Option(f.name, f.default, f.metadata["values"], f.metadata["meaning"], not f.metadata["positional"], f.type)
+    for f in dataclasses.fields(Options)
 )
 NAMES = tuple(option.name for option in OPTIONS)
 
 
-@dataclass(frozen=True)
-class Config:
-    """What every rank needs to set itself up, resolved from the options; small and picklable so it travels."""
+@dataclass(kw_only=True)
+class Config(Options):
+    """The options resolved (checked, closed sets as enums, ``auto`` decided), and what they decide: what every
+    rank needs to set itself up; small and picklable so it travels. Made by make_config only, and never changed."""
 
-    nprocs: int
-    device_type: DeviceType
-    log_device_type: DeviceType
-    backend: Backend
-    dtype: torch.dtype | None
-    timeout: float
-    start_method: StartMethod
-    gradient_accumulation_steps: int = 1
-    keep_global_batch: bool = False
-    sync_each_batch: bool = False
-    mixed_precision: MixedPrecision = MixedPrecision.NO
-    split_batches: bool = False
-    even_batches: bool = True
-    dispatch_batches: bool = False
-    device_placement: bool = True
-    use_seedable_sampler: bool = False
-    data_seed: int | None = None
-    rng_types: tuple[str, ...] = ("generator",)
-    step_scheduler_with_optimizer: bool = False
-    max_restarts: int = 0
-    strategy: Strategy = Strategy.DDP
-    fsdp_modules: tuple[str, ...] = ()  # class names (MRO-matched), not classes: picklable, and __main__-proof
-    fsdp_min_params: int = FSDP_MIN_PARAMS
-    debug: bool = False
-    project_dir: str | None = None
-    keep_checkpoints: int | None = None
-    log_with: tuple[Any, ...] = ()  # tracker names (TRACKERS) and tracker objects
-    logging_dir: str | None = None
-    rank_prefix: bool = False
-    handlers: Handlers = Handlers()
-    compile: Mapping[str, Any] | None = None  # torch.compile's arguments
-    cluster: SlurmCluster | None = None
+    device_type: DeviceType = DeviceType.CPU  # from compute_setup
+    log_device_type: DeviceType = DeviceType.CPU  # from log_setup
+    handlers: Handlers = Handlers()  # from kwargs_handlers
+    compile: Mapping[str, Any] | None = None  # torch.compile's arguments, from dynamo_backend
 
 
-# options that Config holds resolved under another name: compute_setup decides device_type, log_setup decides
-# log_device_type, kwargs_handlers are resolved into handlers, dynamo_backend into torch.compile's arguments
-RESOLVED_AS = {"compute_setup": "device_type", "log_setup": "log_device_type", "kwargs_handlers": "handlers",
-               "dynamo_backend": "compile"}
+def signature() -> inspect.Signature:
+    """The Accelerator's signature, from the declaration: self, the positional options, the keyword-only ones,
+    then ``**accelerate_arguments`` (Accelerate's other arguments, translated or refused)."""
+    kind = {True: inspect.Parameter.KEYWORD_ONLY, False: inspect.Parameter.POSITIONAL_OR_KEYWORD}
+    return inspect.Signature(
+        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        + [inspect.Parameter(o.name, kind[o.keyword_only], default=o.default, annotation=o.annotation)
+           for o in OPTIONS]
+        + [inspect.Parameter("accelerate_arguments", inspect.Parameter.VAR_KEYWORD, annotation="Any")],
+        return_annotation="None",
+    )
+
+
+def takes_options(init: Callable[[Any, dict[str, Any], dict[str, Any]], None]) -> Callable[..., None]:
+    """``init(self, chosen, accelerate_arguments)`` called with the declared signature: the options by name (the
+    first few also by position) with their defaults, as a plain ``__init__`` would take them."""
+    declared = signature()
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            bound = declared.bind(self, *args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"Accelerator(): {exc}") from None
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        del arguments["self"]
+        extra = arguments.pop("accelerate_arguments")
+        init(self, arguments, extra)
+
+    __init__.__signature__ = declared  # what inspect, help(), IDEs and the docs read
+    __init__.__doc__, __init__.__qualname__, __init__.__module__ = init.__doc__, init.__qualname__, init.__module__
+    return __init__
 
 
 def document(cls: type) -> type:
@@ -294,11 +368,13 @@ def make_config(env: Environment, **options: Any) -> Config:
     backend = _backend(values["backend"], device_type)
     dtype, mixed_precision = _precision(values["dtype"], _mixed_precision(values["mixed_precision"]), device_type)
     strategy = _choice("strategy", values["strategy"], Strategy)
+    log_setup = _choice("log_setup", values["log_setup"], LogSetup)
     return Config(
         nprocs=nprocs,
+        compute_setup=values["compute_setup"],
+        log_setup=log_setup,
         device_type=device_type,
-        log_device_type=device_type if _choice("log_setup", values["log_setup"], LogSetup) is LogSetup.AUTO
-        else DeviceType.CPU,
+        log_device_type=device_type if log_setup is LogSetup.AUTO else DeviceType.CPU,
         backend=backend,
         dtype=dtype,
         timeout=_timeout(values["timeout"]),
@@ -330,6 +406,8 @@ def make_config(env: Environment, **options: Any) -> Config:
         rank_prefix=_flag("rank_prefix", values["rank_prefix"]),
         handlers=_handlers_for(handlers, strategy),
         compile=compile_settings(values["dynamo_backend"]),
+        kwargs_handlers=None,  # resolved into handlers
+        dynamo_backend=None,  # resolved into compile
         cluster=_cluster(values["cluster"], nprocs),
     )
 
@@ -816,7 +894,7 @@ def _precision(dtype: object, mixed_precision: object, device_type: DeviceType) 
     mixed = _choice("mixed_precision", mixed_precision, MixedPrecision)
     if mixed is MixedPrecision.FP16 and device_type is not DeviceType.CUDA:  # as Accelerate, said out loud
         warnings.warn("mixed_precision='fp16' without GPU compute trains in float32 (no autocast, no gradient "
-                      "scaler; Accelerate does the same): use 'bf16' for half precision on CPU", stacklevel=4)
+                      "scaler; Accelerate does the same): use 'bf16' for half precision on CPU", stacklevel=5)
         mixed = MixedPrecision.NO
     if mixed is not MixedPrecision.NO and dtype is not None and dtype != torch.float32:
         raise ValueError(

@@ -4,6 +4,7 @@ Config and the docs' table all follow that declaration, and a drift between them
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import inspect
 
 import pytest
@@ -22,10 +23,18 @@ def test_the_signature_is_the_declaration():
         assert parameter.kind is kind, option.name
 
 
-def test_config_holds_every_option_resolved():
-    resolved = [options.RESOLVED_AS.get(o.name, o.name) for o in options.OPTIONS]
-    config_fields = [f.name for f in dataclasses.fields(options.Config)]
-    assert sorted(config_fields) == sorted(resolved)
+def test_the_config_and_the_trainers_config_inherit_every_option_from_the_declaration():
+    from qaccel import TrainConfig
+
+    declared = {f.name: f.default for f in dataclasses.fields(options.Options)}
+    assert list(declared) == list(options.NAMES)
+    for cls in (options.Config, TrainConfig):
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        for name, default in declared.items():
+            assert fields[name].default == default and fields[name].kw_only, (cls.__name__, name)
+    resolved = Accelerator(compute_setup="cpu", timeout=datetime.timedelta(minutes=1), strategy="ddp")._config
+    assert resolved.timeout == 60.0 and resolved.strategy is options.Strategy.DDP
+    assert isinstance(resolved, options.Options), "one type: the options, resolved"
 
 
 def test_the_docstring_and_the_table_name_every_option_in_order():

@@ -1,19 +1,18 @@
 """TrainConfig: qadence's training configuration, field for field, plus the Accelerator's options.
 
 A script written for qadence's ``TrainConfig`` keeps its field names and meanings. Every Accelerator option
-(``qaccel.options.OPTIONS``) is a field too, with the Accelerator's own default, so strategy, mixed precision,
+(``qaccel.options.Options``, inherited) is a field too, with the Accelerator's own default, so strategy, mixed precision,
 accumulation, restarts and timeouts are set in one place. Every field is checked when the config is made: a bad
 value raises naming the field and what is allowed, before any rank starts.
 """
 
 from __future__ import annotations
 
-import datetime
 import enum
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 
@@ -33,8 +32,10 @@ class SchedulerStep(enum.StrEnum):
 
 
 @dataclass
-class TrainConfig:
-    """How a Trainer trains: qadence's TrainConfig fields (same names, same meanings), and the Accelerator's options.
+class TrainConfig(options.Options):
+    """How a Trainer trains: qadence's TrainConfig fields (same names, same meanings), and the Accelerator's options
+    (inherited from their declaration, keyword-only; ``keep_checkpoints`` also sets how many numbered checkpoints
+    stay in the run's ``checkpoints`` folder).
 
     Frequencies (``*_every``) count epochs; 0 turns the action off. Where qaccel differs from qadence: the
     Accelerator's options default as the Accelerator's do (``compute_setup="auto"``, ``backend=None``), checkpoints
@@ -51,8 +52,6 @@ class TrainConfig:
     """Write the epoch's metrics to the tracker every this many epochs (validation metrics are always written)."""
     checkpoint_every: int = 0
     """Save a checkpoint every this many epochs (ignored with ``checkpoint_best_only``)."""
-    keep_checkpoints: int | None = None
-    """How many numbered checkpoints stay in the run's ``checkpoints`` folder, the newest; None: all."""
     plot_every: int = 0
     """Call ``plotting_functions`` and log their figures every this many epochs."""
     callbacks: list[Callback] = field(default_factory=list)
@@ -92,39 +91,6 @@ class TrainConfig:
     """When the Trainer's ``lr_scheduler`` steps: ``epoch`` or ``batch`` (each optimizer update)."""
     seed: int | None = None
     """Seed every rank's RNGs (``Accelerator.set_seed``) before training; None leaves them."""
-    # The Accelerator's options, with its defaults (qaccel.options.OPTIONS; tests check the two agree)
-    nprocs: int = 1
-    compute_setup: str = "auto"
-    log_setup: str = "cpu"
-    backend: str | None = None
-    dtype: torch.dtype | None = None
-    timeout: float | datetime.timedelta = 1800.0
-    start_method: str = "forkserver"
-    gradient_accumulation_steps: int = 1
-    keep_global_batch: bool = False
-    sync_each_batch: bool = False
-    mixed_precision: str | None = None
-    split_batches: bool = False
-    even_batches: bool = True
-    dispatch_batches: bool | None = None
-    device_placement: bool = True
-    use_seedable_sampler: bool = False
-    data_seed: int | None = None
-    rng_types: Sequence[str] | None = None
-    step_scheduler_with_optimizer: bool = False
-    max_restarts: int = 0
-    strategy: str = "ddp"
-    fsdp_modules: Sequence[type | str] | None = None
-    fsdp_min_params: int = options.FSDP_MIN_PARAMS
-    debug: bool | None = None
-    project_dir: str | None = None
-    log_with: Any = None  # the Accelerator's trackers (init_trackers() in a callback); the Trainer's: tracking_tool
-    logging_dir: str | None = None
-    rank_prefix: bool = False
-    kwargs_handlers: Sequence[Any] | None = None
-    dynamo_backend: Any = None
-    cluster: options.SlurmCluster | None = None
-
     def __post_init__(self) -> None:
         _count("max_iter", self.max_iter, 0)
         _count("batch_size", self.batch_size, 1)
