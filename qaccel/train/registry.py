@@ -79,7 +79,7 @@ class Registry:
         """Forget the session's objects as it ends. Prepared optimizers and loaders point back here, so these lists
         would make cycles that keep the session's models alive for the garbage collector to find later. The loaders'
         workers are stopped first (see PreparedDataLoader.release)."""
-        self.trackers.close()  # a session that ends without end_training() closes them too
+        self.trackers.close(failed=not finished)  # a session that ends without end_training() closes them too
         for loader in self.loaders:
             loader.release()
         for kept in (self.optimizers, self.models, self.schedulers, self.loaders, self.registered):

@@ -274,11 +274,23 @@ class Trackers:
             if isinstance(tracker, AcceleratorTracker) and tracker.name in self._saved:
                 tracker.continue_run(self._saved[tracker.name])
 
-    def close(self) -> None:
-        for tracker in self.trackers:
-            tracker.finish()
-        self.trackers = []
-        self.started = False
+    def close(self, failed: bool = False) -> None:
+        """Finish every tracker, each even when one before it fails (so that none is left unflushed); the first
+        failure is raised then, or, when the session already failed (``failed``), only warned about, so that the
+        error that ended it stays the one reported (a tracker's own service may have gone first at exit)."""
+        trackers, self.trackers, self.started = self.trackers, [], False
+        errors = []
+        for tracker in trackers:
+            try:
+                tracker.finish()
+            except Exception as exc:  # noqa: BLE001 - every tracker gets its finish; the first error is raised below
+                exc.add_note(f"[qaccel] while finishing the {tracker.name} tracker")
+                errors.append(exc)
+        if errors and failed:
+            warnings.warn(f"qaccel: after the failure, the {', '.join(str(e).splitlines()[0] for e in errors)} "
+                          "(finishing the trackers)", stacklevel=2)
+        elif errors:
+            raise errors[0]
 
 
 def _scalar(value: Any) -> Any:

@@ -209,3 +209,30 @@ def test_a_missing_tracker_package_names_the_pip_command(tmp_path):
                           cwd=tmp_path, timeout=60)
     assert "log_with='wandb' needs the wandb package: pip install wandb (from qaccel's checkout: pip install -e " \
            "'.[wandb]')" in done.stdout, done.stderr
+
+
+class _Finishing:
+    def __init__(self, name, error=None):
+        self.name, self.error, self.finished = name, error, False
+
+    def finish(self):
+        self.finished = True
+        if self.error is not None:
+            raise self.error
+
+
+def test_closing_finishes_every_tracker_even_after_one_fails():
+    from qaccel.train.trackers import Trackers
+
+    for failed in (False, True):
+        trackers = Trackers()
+        broken, flushed = _Finishing("wandb", ConnectionResetError("Connection lost")), _Finishing("tensorboard")
+        trackers.trackers = [broken, flushed]
+        if failed:  # the session failed already: its error stays the one reported
+            with pytest.warns(UserWarning, match="after the failure, the Connection lost"):
+                trackers.close(failed=True)
+        else:
+            with pytest.raises(ConnectionResetError) as raised:
+                trackers.close()
+            assert "[qaccel] while finishing the wandb tracker" in raised.value.__notes__
+        assert broken.finished and flushed.finished and trackers.trackers == []
