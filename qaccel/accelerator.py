@@ -164,6 +164,17 @@ class Accelerator:
         registry = run.state_for(self, lambda: self._new_registry(run)) if run is not None else self._own_registry
         return self._config.gradient_accumulation_steps if registry is None else registry.accumulation_steps
 
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        """Change the micro-steps per update from here on, as Accelerate's setter does (its automatic gradient
+        accumulation example sets it after a smaller batch size was found)."""
+        steps = options.count("gradient_accumulation_steps", steps, 1)
+        self._config = dataclasses.replace(self._config, gradient_accumulation_steps=steps)
+        run = session.current_run()
+        registry = run.state_for(self, lambda: self._new_registry(run)) if run is not None else self._own_registry
+        if registry is not None:
+            registry.accumulation_steps = steps
+
     @property
     def split_batches(self) -> bool:
         """Whether a prepared DataLoader's batch is the batch of all ranks together, sliced per rank."""
@@ -224,8 +235,10 @@ class Accelerator:
 
     @property
     def debug(self) -> bool:
-        """Whether qaccel collectives check first that every rank calls the same one."""
-        return self._config.debug
+        """Whether qaccel collectives check first that every rank calls the same one: in a running session, what
+        the session was started with (the launching Accelerator's option); elsewhere this Accelerator's option."""
+        run = session.current_run()
+        return run.debug if run is not None else self._config.debug
 
     @property
     def max_restarts(self) -> int:

@@ -363,7 +363,7 @@ def make_config(env: Environment, **options: Any) -> Config:
     values = {option.name: options.get(option.name, option.default) for option in OPTIONS}
     handlers, group_options = resolve_handlers(values["kwargs_handlers"])
     values.update(_from_handler(values, group_options))
-    nprocs = _count("nprocs", values["nprocs"], 1)
+    nprocs = count("nprocs", values["nprocs"], 1)
     device_type = _device_type(values["compute_setup"], env.local_world_size if env.is_launched else nprocs)
     backend = _backend(values["backend"], device_type)
     dtype, mixed_precision = _precision(values["dtype"], _mixed_precision(values["mixed_precision"]), device_type)
@@ -379,7 +379,7 @@ def make_config(env: Environment, **options: Any) -> Config:
         dtype=dtype,
         timeout=_timeout(values["timeout"]),
         start_method=_choice("start_method", values["start_method"], StartMethod),
-        gradient_accumulation_steps=_count("gradient_accumulation_steps", values["gradient_accumulation_steps"], 1),
+        gradient_accumulation_steps=count("gradient_accumulation_steps", values["gradient_accumulation_steps"], 1),
         keep_global_batch=_flag("keep_global_batch", values["keep_global_batch"]),
         sync_each_batch=_flag("sync_each_batch", values["sync_each_batch"]),
         mixed_precision=mixed_precision,
@@ -392,7 +392,7 @@ def make_config(env: Environment, **options: Any) -> Config:
         data_seed=_data_seed(values["data_seed"], values["use_seedable_sampler"]),
         rng_types=_rng_types(values["rng_types"]),
         step_scheduler_with_optimizer=_flag("step_scheduler_with_optimizer", values["step_scheduler_with_optimizer"]),
-        max_restarts=_count("max_restarts", values["max_restarts"], 0),
+        max_restarts=count("max_restarts", values["max_restarts"], 0),
         strategy=strategy,
         fsdp_modules=_sharding_choices(strategy, values["fsdp_modules"], values["fsdp_min_params"], mixed_precision,
                                        backend),
@@ -401,7 +401,7 @@ def make_config(env: Environment, **options: Any) -> Config:
         project_dir=_folder("project_dir", values["project_dir"]),
         log_with=_log_with(values["log_with"], _logging_dir(values)),
         logging_dir=_logging_dir(values),
-        keep_checkpoints=None if values["keep_checkpoints"] is None else _count("keep_checkpoints",
+        keep_checkpoints=None if values["keep_checkpoints"] is None else count("keep_checkpoints",
                                                                                   values["keep_checkpoints"], 1),
         rank_prefix=_flag("rank_prefix", values["rank_prefix"]),
         handlers=_handlers_for(handlers, strategy),
@@ -479,7 +479,7 @@ def _choice(name: str, value: object, allowed: type[enum.StrEnum], members: Sequ
     return allowed(value)
 
 
-def _count(name: str, value: object, least: int) -> int:
+def count(name: str, value: object, least: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         kind = "a positive int" if least == 1 else "a non-negative int"
         raise ValueError(f"{name} must be {kind}; got {value!r}")
@@ -688,7 +688,7 @@ def _cluster(cluster: Any, nprocs: int) -> SlurmCluster | None:
 
 
 
-@dataclass(frozen=True)
+@dataclass
 class DataLoaderConfiguration:
     """Accelerate's grouping of the prepared loaders' options, for scripts that pass one: ``split_batches``,
     ``even_batches``, ``dispatch_batches``, ``use_seedable_sampler`` and ``data_seed`` are qaccel's options of those
@@ -718,7 +718,7 @@ class ProjectConfiguration:
     save_on_each_node: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass
 class GradientAccumulationPlugin:
     """Accelerate's grouping of the accumulation options, for scripts that pass one: ``num_steps`` is
     ``gradient_accumulation_steps``, ``sync_each_batch`` the option of that name; an epoch's last batch always

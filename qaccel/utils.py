@@ -5,6 +5,8 @@ Accelerator joined under torchrun or srun) and, outside one, on this process alo
 
 from __future__ import annotations
 
+import importlib.util
+import operator
 from typing import Any
 
 import torch
@@ -26,7 +28,11 @@ __all__ = ["AutocastKwargs", "DDPCommunicationHookType", "DataLoaderConfiguratio
            "DistributedType", "GradScalerKwargs", "GradientAccumulationPlugin", "InitProcessGroupKwargs",
            "KwargsHandler", "ProfileKwargs", "ProjectConfiguration", "TorchDynamoPlugin",
            "broadcast", "broadcast_object_list", "find_executable_batch_size", "gather", "gather_object",
-           "pad_across_processes", "reduce", "release_memory", "send_to_device", "set_seed", "wait_for_everyone"]
+           "pad_across_processes", "reduce", "release_memory", "send_to_device", "set_seed", "wait_for_everyone",
+           "is_bf16_available", "is_cuda_available", "is_datasets_available", "is_mlflow_available",
+           "is_mps_available", "is_npu_available", "is_schedulefree_available", "is_tensorboard_available",
+           "is_timm_available", "is_torch_version", "is_transformers_available", "is_wandb_available",
+           "is_xpu_available"]
 
 
 def _ranks(name: str) -> RankContext:
@@ -102,3 +108,77 @@ def release_memory(*objects: Any) -> list[None]:
     (``a, b = release_memory(a, b)``)."""
     _release()
     return [None] * len(objects)
+
+
+# ---- what is installed, and which devices: Accelerate's is_*_available, which examples branch on ----
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def is_cuda_available() -> bool:
+    """Whether torch sees a CUDA GPU."""
+    return torch.cuda.is_available()
+
+
+def is_mps_available(min_version: str = "1.12") -> bool:
+    """Whether torch sees Apple's MPS device (qaccel computes on CPUs and CUDA GPUs only, so prepare() does not use
+    it)."""
+    return is_torch_version(">=", min_version) and torch.backends.mps.is_available()
+
+
+def is_xpu_available(check_device: bool = False) -> bool:
+    """Whether torch sees an Intel XPU (qaccel does not compute on it)."""
+    return hasattr(torch, "xpu") and torch.xpu.is_available()
+
+
+def is_npu_available(check_device: bool = False) -> bool:
+    """Whether torch_npu (Ascend) is installed and sees a device (qaccel does not compute on it)."""
+    if not _installed("torch_npu"):
+        return False
+    __import__("torch_npu")  # registers torch.npu
+
+    return hasattr(torch, "npu") and torch.npu.is_available()
+
+
+def is_bf16_available(ignore_tpu: bool = False) -> bool:
+    """Whether bf16 mixed precision runs here: on the CPU always, on CUDA where the GPU supports it."""
+    return not torch.cuda.is_available() or torch.cuda.is_bf16_supported()
+
+
+def is_torch_version(operation: str, version: str) -> bool:
+    """Compare torch's version: ``is_torch_version(">=", "2.4")``."""
+    compare = {"<": operator.lt, "<=": operator.le, "==": operator.eq, "!=": operator.ne, ">=": operator.ge,
+               ">": operator.gt}
+    if operation not in compare:
+        raise ValueError(f"operation must be one of {', '.join(compare)}; got {operation!r}")
+    release = torch.torch_version.TorchVersion(torch.__version__.split("+")[0])  # torch's own version type
+    return compare[operation](release, version)
+
+
+def is_schedulefree_available() -> bool:
+    return _installed("schedulefree")
+
+
+def is_tensorboard_available() -> bool:
+    return _installed("tensorboard") or _installed("tensorboardX")
+
+
+def is_wandb_available() -> bool:
+    return _installed("wandb")
+
+
+def is_mlflow_available() -> bool:
+    return _installed("mlflow")
+
+
+def is_datasets_available() -> bool:
+    return _installed("datasets")
+
+
+def is_transformers_available() -> bool:
+    return _installed("transformers")
+
+
+def is_timm_available() -> bool:
+    return _installed("timm")

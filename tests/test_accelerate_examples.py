@@ -16,9 +16,11 @@ digest of the trained weights on every rank.
   ``step_scheduler_with_optimizer=True``, and these examples size theirs on the unprepared loader. With the
   examples' learning rate (2e-5, 100 warmup steps) the tiny model predicts one class throughout, under both, so
   the printed metrics agree; the weights do not. A diagnostic launch takes that difference out
-  (``step_scheduler_with_optimizer=True`` in qaccel's copy; also ``shuffle=False`` in both, from when the orders
-  differed): then every example trains bitwise as under Accelerate, a resume included, without the stand-in
-  BERT's dropout and with it, and cv_example with its random crops (the loader workers' seeds).
+  (``step_scheduler_with_optimizer=True`` in qaccel's copy): then every example trains bitwise as under
+  Accelerate, its loaders shuffled, without the stand-in BERT's dropout and with it, and cv_example with its
+  random crops (the loader workers' seeds). A resumed run is the exception, on purpose: qaccel's checkpoint holds
+  the shuffling generator's state, so the resumed run goes on in the interrupted run's order (and ends with its
+  weights, checked above); Accelerate's draws a new order.
 """
 
 from __future__ import annotations
@@ -86,14 +88,13 @@ def _accelerates(text: str) -> str:
 
 def _files(folder: Path, accelerate: bool, diagnostic: bool = False) -> Path:
     """The ported examples, written to ``folder``: as they are, with Accelerate's import, or the diagnostic copy
-    (``shuffle=False``; qaccel's with ``step_scheduler_with_optimizer=True``, Accelerate's default)."""
+    (qaccel's with ``step_scheduler_with_optimizer=True``, Accelerate's default)."""
     folder.mkdir(parents=True, exist_ok=True)
     for port in PORTS.glob("*.py"):
         if port.name in ("run.py", "standins.py"):
             continue
         text = port.read_text()
         if diagnostic:
-            text = text.replace("shuffle=True", "shuffle=False")
             if not accelerate:
                 text = text.replace("accelerator = Accelerator(",
                                     "accelerator = Accelerator(step_scheduler_with_optimizer=True, ")
@@ -232,8 +233,8 @@ def test_accelerate_prints_the_same_metrics_for_the_examples_as_they_are(main_ru
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("index", range(7), ids=[f"{stem}-{i}" for i, (stem, _, _) in enumerate(DIAGNOSTIC[:7])])
-def test_without_shuffling_and_dropout_an_example_trains_bitwise_as_under_accelerate(diagnostic_runs, index):
+@pytest.mark.parametrize("index", [0, 1, 3, 4, 5, 6], ids=[f"{DIAGNOSTIC[i][0]}-{i}" for i in (0, 1, 3, 4, 5, 6)])
+def test_without_dropout_an_example_trains_bitwise_as_under_accelerate(diagnostic_runs, index):
     ours, theirs = diagnostic_runs["qaccel"][index], diagnostic_runs["accelerate"][index]
     assert ours["example"] == theirs["example"] == DIAGNOSTIC[index][0]
     assert ours["lines"] == theirs["lines"]
@@ -250,16 +251,13 @@ def test_with_dropout_or_random_crops_an_example_trains_bitwise_as_under_acceler
 
 ALONE = [
     pytest.param("automatic_gradient_accumulation", ["--cpu"], {"STANDINS_DEVICE_BATCH": "32"},
-                 marks=component.not_yet("the example sets accelerator.gradient_accumulation_steps, a read-only "
-                                         "property of qaccel's Accelerator"), id="automatic_gradient_accumulation"),
-    pytest.param("schedule_free", ["--cpu"], {},
-                 marks=component.not_yet("qaccel.utils has no is_schedulefree_available"), id="schedule_free"),
-    # log_with="all": TensorBoard, MLflow (a file store: mlflow-skinny has no SQLite), W&B (offline); alone: W&B's
-    # service lost its connection when the example came after others in the process
+                 id="automatic_gradient_accumulation"),
+    pytest.param("schedule_free", ["--cpu"], {}, id="schedule_free"),
+    # log_with="all": TensorBoard, MLflow (a file store, which MLflow 3 opens only with MLFLOW_ALLOW_FILE_STORE:
+    # mlflow-skinny has no SQLite), W&B (offline)
     pytest.param("tracking", ["--cpu", "--with_tracking", "--project_dir", "logs"],
-                 {"WANDB_MODE": "offline", "MLFLOW_TRACKING_URI": "file:./mlruns"}, id="tracking",
-                 marks=component.not_yet("under qaccel W&B's service loses its connection (ConnectionResetError) "
-                                         "after the first epoch's log; not explained yet")),
+                 {"WANDB_MODE": "offline", "MLFLOW_TRACKING_URI": "file:./mlruns", "MLFLOW_ALLOW_FILE_STORE": "true"},
+                 id="tracking"),
 ]
 
 

@@ -76,7 +76,7 @@ TEST_SCRIPT_PASSED = [
     "init_state_check", "process_execution_check", "test_split_between_processes_list",
     "test_split_between_processes_nested_dict", "test_split_between_processes_tensor",
     "test_split_between_processes_evenly", "rng_sync_check", "dl_preparation_check", "central_dl_preparation_check",
-    "custom_sampler_check", "check_seedable_sampler",
+    "custom_sampler_check", "check_seedable_sampler", "check_seedable_sampler_with_data_seed",
     *(f"training_check(use_seedable_sampler={seedable}): {block}" for seedable in (False, True)
       for block in ("baseline on both processes", "no batch split", "batch split", "bf16", "fp16")),
     "test_trigger", "test_ops.test_gather", "test_ops.test_gather_object", "test_ops.test_gather_non_contiguous",
@@ -96,9 +96,7 @@ TEST_SCRIPT_SKIPPED = [
 
 @pytest.mark.timeout(120)
 def test_accelerates_own_test_script_and_ops_checks_under_torchrun_and_distribute(tmp_path):
-    """40 checks: 32 pass, 7 are skipped with their reason printed, and one fails for a qaccel bug: the check sets
-    ``config.data_seed`` on the DataLoaderConfiguration it made, which qaccel.options declares frozen (Accelerate's
-    is a plain dataclass). When that is fixed, move the check to TEST_SCRIPT_PASSED."""
+    """40 checks: 33 pass, 7 are skipped with their reason printed, none fails."""
     import importlib.util
 
     passed, skipped = list(TEST_SCRIPT_PASSED), list(TEST_SCRIPT_SKIPPED)
@@ -113,7 +111,5 @@ def test_accelerates_own_test_script_and_ops_checks_under_torchrun_and_distribut
         assert sorted(result["skipped"]) == sorted(skipped), result
         for name, reason in result["skipped"].items():
             assert f"SKIPPED {name}: {reason}" in proc.stdout, "a skipped check prints its reason"
-        assert list(result["failed"]) == ["check_seedable_sampler_with_data_seed"], result["failed"]
-        assert "FrozenInstanceError: cannot assign to field 'data_seed'" in result["failed"][
-            "check_seedable_sampler_with_data_seed"]
+        assert result["failed"] == {}, result["failed"]
         assert len(result["passed"]) + len(result["skipped"]) + len(result["failed"]) == 40

@@ -89,6 +89,11 @@ def test_accelerates_dataloader_configuration_sets_the_loader_options_and_refuse
         Accelerator(dataloader_config=DataLoaderConfiguration(even_batches=None))
     assert Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=True)).dispatch_batches
     seeded = DataLoaderConfiguration(use_seedable_sampler=True, data_seed=3)
+    from qaccel import DataLoaderConfiguration as Ours
+
+    changed = Ours(use_seedable_sampler=True, data_seed=42)
+    changed.data_seed = 43  # a plain dataclass, as Accelerate's: scripts change a field before passing it
+    assert Accelerator(cpu=True, dataloader_config=changed)._config.data_seed == 43
     assert Accelerator(cpu=True, dataloader_config=seeded)._config.data_seed == 3
     with pytest.raises(ValueError, match=r"data_seed seeds the order of use_seedable_sampler=True .as in Accelerate, "
                                          r"where it does nothing otherwise."):

@@ -68,3 +68,15 @@ def test_outside_a_session_they_act_on_this_process_alone_and_refuse_a_group_the
             qaccel.utils.gather(torch.ones(1))
     finally:
         dist.destroy_process_group()
+
+
+def test_the_availability_checks_say_what_is_installed_and_which_torch_this_is():
+    import importlib.util
+
+    assert qaccel.utils.is_schedulefree_available() is (importlib.util.find_spec("schedulefree") is not None)
+    assert qaccel.utils.is_torch_version(">=", "2.0") and not qaccel.utils.is_torch_version("<", "2.0")
+    assert qaccel.utils.is_torch_version("==", torch.__version__.split("+")[0])
+    assert qaccel.utils.is_cuda_available() is torch.cuda.is_available()
+    assert not qaccel.utils.is_npu_available()
+    with pytest.raises(ValueError, match="operation must be one of <, <=, ==, !=, >=, >; got '=>'"):
+        qaccel.utils.is_torch_version("=>", "2.0")

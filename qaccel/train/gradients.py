@@ -85,6 +85,13 @@ class PreparedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
 
+    def __getattr__(self, name: str) -> Any:
+        """What the user's optimizer has beyond torch's Optimizer (schedule-free optimizers' ``train()`` and
+        ``eval()``, ...), as on the optimizer itself."""
+        if name == "optimizer" or name.startswith("__"):  # not set yet (unpickling), or a protocol lookup
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
     def __getstate__(self) -> dict[str, Any]:
         return self.__dict__
 

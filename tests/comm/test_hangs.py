@@ -266,6 +266,21 @@ def test_debug_comes_from_the_argument_or_qaccel_debug(monkeypatch):
         Accelerator(debug="yes")
 
 
+def _debug_seen_in_a_rank():
+    from qaccel import Accelerator
+
+    inner = Accelerator()  # made in the rank, its own option off: the session's mode is what counts
+    return inner.debug, inner.state.debug
+
+
+@pytest.mark.timeout(60)
+def test_an_accelerator_in_a_rank_reports_the_sessions_debug_mode():
+    from qaccel import Accelerator
+
+    assert Accelerator(nprocs=2, compute_setup="cpu", debug=True).distribute(_debug_seen_in_a_rank)() == (True, True)
+    assert Accelerator(nprocs=2, compute_setup="cpu", debug=False).distribute(_debug_seen_in_a_rank)() == (False, False)
+
+
 def test_debug_in_one_process_checks_nothing_and_costs_nothing():
     from qaccel import Accelerator
 

@@ -294,3 +294,26 @@ def test_lr_scheduler_drives_the_prepared_optimizer():
     acc = Accelerator(nprocs=2, compute_setup="cpu")
     for lrs, is_optimizer in acc.distribute(_scheduled, all_results=True)(acc):
         assert lrs == [0.5, 0.25, 0.125] and is_optimizer
+
+
+class _WithModes(torch.optim.SGD):
+    """An optimizer with more than torch's Optimizer has, as schedule-free ones have train() and eval()."""
+
+    mode = "train"
+
+    def eval(self):
+        self.mode = "eval"
+
+
+def test_a_prepared_optimizer_has_what_the_users_optimizer_has_and_still_pickles(single):
+    import cloudpickle
+
+    model = torch.nn.Linear(2, 1)
+    model, optimizer = single.prepare(model, _WithModes(model.parameters(), lr=0.1))
+    optimizer.eval()
+    assert optimizer.mode == "eval" and optimizer.optimizer.mode == "eval"
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        optimizer.nothing
+    copy = cloudpickle.loads(cloudpickle.dumps(optimizer))  # no recursion through __getattr__ while unpickling
+    copy.eval()
+    assert copy.optimizer.mode == "eval"

@@ -2,7 +2,7 @@
 # changed, `accelerate` to `qaccel`, and the downloads (model, tokenizer, data set, metric) and
 # timm/torchvision to the offline stand-ins of standins.py. tests/test_accelerate_examples.py runs it.
 # Also changed here, marked "port:": FullyShardedDataParallelPlugin (refused by qaccel) became strategy="fsdp";
-# is_npu_available/is_xpu_available (not in qaccel.utils) come from the stand-ins; TorchTracemalloc sets its
+# TorchTracemalloc sets its
 # counters to 0 on the CPU, where Accelerate's file leaves them unset and fails with an AttributeError.
 # Copyright 2021 The HuggingFace Inc. team. All rights reserved.
 #
@@ -32,7 +32,7 @@ from transformers import get_linear_schedule_with_warmup, set_seed
 from standins import AutoModelForSequenceClassification, AutoTokenizer  # stand-in (transformers): from_pretrained downloads bert-base-cased
 
 from qaccel import Accelerator, DistributedType  # was: from accelerate import Accelerator, DistributedType, FullyShardedDataParallelPlugin
-from standins import is_npu_available, is_xpu_available  # qaccel.utils has neither; was: from accelerate.utils import is_npu_available, is_xpu_available
+from qaccel.utils import is_npu_available, is_xpu_available  # was: from accelerate.utils import is_npu_available, is_xpu_available
 
 
 ########################################################################

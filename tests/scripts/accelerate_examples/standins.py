@@ -143,16 +143,6 @@ class _GlueMetric:
 evaluate = SimpleNamespace(load=lambda path, config_name=None: _GlueMetric())
 
 
-def is_xpu_available():
-    """accelerate.utils.is_xpu_available, which qaccel.utils lacks (fsdp_with_peak_mem_tracking imports it)."""
-    return hasattr(torch, "xpu") and torch.xpu.is_available()
-
-
-def is_npu_available():
-    """accelerate.utils.is_npu_available: an Ascend NPU (torch_npu), never here."""
-    return False
-
-
 # cv_example: timm's create_model and torchvision's transforms
 
 
