@@ -331,7 +331,8 @@ class PreparedDataLoader(DataLoader):
         shape = {"world_size": self._world, "batch_size": self.batch_size, "split_batches": self._split}
         if self._follows:
             running = self._position is not None and self._epoch_state is not None
-            shape["generator"] = (self._epoch_state if running else self._generator.get_state()).clone()
+            state = self._epoch_state if running else self._generator.get_state()
+            shape["generator"] = state.numpy().tobytes()  # bytes: a state_dict stays comparable with ==
         if self._position is None:
             return {"seed": self._seed, "epoch": self._epoch, "batches": 0, "done": 0, **shape}
         epoch, start, steps = self._position
@@ -347,7 +348,7 @@ class PreparedDataLoader(DataLoader):
         self.check_state_dict(state)
         self._seed = int(state["seed"])
         if self._follows and state.get("generator") is not None:
-            self._generator.set_state(state["generator"])
+            self._generator.set_state(torch.frombuffer(bytearray(state["generator"]), dtype=torch.uint8))
         self.set_epoch(int(state["epoch"]))
         if "done" not in state:  # written before positions were recorded for any world
             self._start = int(state["batches"]) * self._unit
