@@ -18,7 +18,8 @@ from qaccel.errors import CheckpointError, CollectiveMismatchError, Preempted, Q
 from qaccel.notebook import debug_launcher, notebook_launcher
 from qaccel.options import (DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin, ProjectConfiguration,
                             SlurmCluster)
-from qaccel.train.batch_size import find_executable_batch_size, should_reduce_batch_size
+from qaccel.train.batch_size import should_reduce_batch_size
+from qaccel.utils import find_executable_batch_size
 from qaccel.train.checkpoint import consolidate
 from qaccel.train.loaders import DictDataLoader, InfiniteTensorDataset, to_dataloader
 from qaccel.trainer.callbacks import OptimizeResult

@@ -5,6 +5,7 @@ Accelerator joined under torchrun or srun) and, outside one, on this process alo
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import operator
 from typing import Any
@@ -12,8 +13,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qaccel.comm import collectives, session
+from qaccel.comm import collectives
 from qaccel.comm.session import RankContext
+from qaccel.launch import in_place
 from qaccel.handlers import (AutocastKwargs, DDPCommunicationHookType, DistributedDataParallelKwargs,
                              GradScalerKwargs, InitProcessGroupKwargs, KwargsHandler, ProfileKwargs,
                              TorchDynamoPlugin)
@@ -21,7 +23,7 @@ from qaccel.nested import map_leaves
 from qaccel.options import (Backend, DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin,
                             ProjectConfiguration)
 from qaccel.train import seeding
-from qaccel.train.batch_size import find_executable_batch_size
+from qaccel.train import batch_size as _batch_size
 from qaccel.train.batch_size import release_memory as _release
 
 __all__ = ["AutocastKwargs", "DDPCommunicationHookType", "DataLoaderConfiguration", "DistributedDataParallelKwargs",
@@ -36,8 +38,9 @@ __all__ = ["AutocastKwargs", "DDPCommunicationHookType", "DataLoaderConfiguratio
 
 
 def _ranks(name: str) -> RankContext:
-    """The running session's rank, or this process alone; a group the session did not make is not guessed at."""
-    running = session.current()
+    """The running session's rank (under torchrun or srun, the ranks of this process's Accelerator, joined if they
+    were not yet), or this process alone; a group the session did not make is not guessed at."""
+    running = in_place.join_latest()
     if running is not None:
         return running
     if dist.is_available() and dist.is_initialized():
@@ -101,6 +104,24 @@ def send_to_device(tensor: Any, device: torch.device | str, non_blocking: bool =
 def wait_for_everyone() -> None:
     """Block until every rank gets here."""
     collectives.wait_for_everyone(_ranks("wait_for_everyone"))
+
+
+def find_executable_batch_size(function: Any = None, starting_batch_size: int = 128,
+                               reduce_batch_size_fn: Any = None) -> Any:
+    """Call ``function(batch_size, ...)`` from ``starting_batch_size`` down until no rank runs out of memory (see
+    qaccel.train.batch_size); under torchrun or srun the ranks of this process's Accelerator are joined first, so
+    that they agree on every size even when the function prepares everything itself."""
+    if function is None:
+        return functools.partial(find_executable_batch_size, starting_batch_size=starting_batch_size,
+                                 reduce_batch_size_fn=reduce_batch_size_fn)
+    searching = _batch_size.find_executable_batch_size(function, starting_batch_size, reduce_batch_size_fn)
+
+    @functools.wraps(function)
+    def joined(*args: Any, **kwargs: Any) -> Any:
+        in_place.join_latest()
+        return searching(*args, **kwargs)
+
+    return joined
 
 
 def release_memory(*objects: Any) -> list[None]:

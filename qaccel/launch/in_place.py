@@ -11,6 +11,7 @@ import contextlib
 import os
 import sys
 import time
+import weakref
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -31,14 +32,31 @@ class InPlace(Launcher):
     starts_ranks = False
 
     def __init__(self, config: Config, env: Environment, hand_back: HandBack) -> None:
+        global _latest
         super().__init__(config, env, hand_back)
         self.launched = env.kind.started_by_launcher and env.world_size > 1
+        if self.launched:
+            _latest = weakref.ref(self)
 
     def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, all_results: bool) -> Any:
         return run(fn, args, kwargs, self.config, self.env, all_results, self.hand_back.in_place)
 
     def join(self) -> RankContext | None:
         return ambient(self.config, self.env) if self.launched else None
+
+
+_latest: weakref.ref[InPlace] | None = None  # the launcher of this process's latest Accelerator on a launcher's ranks
+
+
+def join_latest() -> RankContext | None:
+    """The running session's rank; or, under torchrun or srun, the ranks of this process's latest Accelerator,
+    joined now if they were not yet (for what acts on the ranks without an Accelerator: qaccel.utils); None when
+    there are none."""
+    current = session.current()
+    if current is not None:
+        return current
+    launcher = _latest() if _latest is not None else None
+    return launcher.join() if launcher is not None else None
 
 
 def run(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, env: Environment, all_results: bool,

@@ -6,6 +6,8 @@ uses 2 workers.
 
     python batch_size_search.py OUT [--raise ValueError] [--fits N] [--twice]   # qaccel starts 2 ranks
     torchrun --nproc_per_node 2 batch_size_search.py OUT              # the same, in place
+    torchrun --nproc_per_node 2 batch_size_search.py OUT --top-level  # no distribute(): as Accelerate's scripts,
+                                                                      # nothing joins the ranks before the search
 
 Prints ``RESULT {...}`` once per distribute() call (the main process; two calls with --twice): every rank's sizes tried, the size reached, the trained
 parameters' hash, and the hash of a run started at the size reached (no retries: equal to it).
@@ -80,7 +82,10 @@ if __name__ == "__main__":
     parser.add_argument("--fits", type=int, default=40)
     parser.add_argument("--raise", dest="raise_", default="RuntimeError")
     parser.add_argument("--twice", action="store_true")
+    parser.add_argument("--top-level", action="store_true")
     arguments = parser.parse_args()
     accelerator = Accelerator(nprocs=2, compute_setup="cpu")
-    for _ in range(2 if arguments.twice else 1):
+    if arguments.top_level:
+        main(accelerator, arguments)
+    for _ in range(0 if arguments.top_level else 2 if arguments.twice else 1):
         accelerator.distribute(main)(accelerator, arguments)

@@ -89,6 +89,13 @@ def test_ranks_agree_on_the_size_under_torchrun(tmp_path):
     _agreed(run_torchrun(SCRIPT, str(tmp_path / "out"), cwd=tmp_path, timeout=120))
 
 
+@pytest.mark.timeout(150)
+def test_ranks_agree_under_torchrun_when_the_search_is_the_first_thing_on_the_ranks(tmp_path):
+    """Accelerate's memory example: the Accelerator made at the top, nothing joins the ranks before the search
+    (the function prepares everything itself); qaccel.utils' find_executable_batch_size joins them first."""
+    _agreed(run_torchrun(SCRIPT, str(tmp_path / "out"), "--top-level", cwd=tmp_path, timeout=120))
+
+
 @pytest.mark.slurm
 @pytest.mark.timeout(150)
 def test_ranks_agree_on_the_size_under_srun(tmp_path, slurm_cluster):
