@@ -194,6 +194,19 @@ def test_the_name_check_finds_what_qaccel_does_not_have():
                               "Accelerator(deepspeed_plugin=None)\nTrainConfig(epochs=3)")) == 5
 
 
+def test_what_the_accelerate_page_says_qaccel_lacks_it_lacks():
+    """The "What qaccel does not have" table of Coming from Accelerate: no name of its first column is on the
+    Accelerator (a name that lands there must leave the table)."""
+    import qaccel
+
+    page = (DOCS / "guides" / "accelerate.md").read_text()
+    table = page.split("## What qaccel does not have", 1)[1].split("\n## ", 1)[0]
+    names = [name for row in table.splitlines() if row.startswith("| `")
+             for name in re.findall(r"`(\w+)`", row.split("|")[1])]
+    assert len(names) > 30
+    assert [name for name in names if hasattr(qaccel.Accelerator, name)] == []
+
+
 def test_every_file_of_the_repository_the_pages_name_exists():
     """The pages name tests, examples, sbatch scripts and benchmarks by their paths: none may be left behind by a
     move or a rename (mkdocs checks links between pages, not these)."""

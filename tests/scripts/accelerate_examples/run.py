@@ -71,6 +71,17 @@ def run_plan(plan: list) -> None:
         run_example(step["file"], step.get("args", []), step.get("env", {}))
 
 
+def _end_accelerates_process_group() -> None:
+    """Under torchrun with Accelerate's files, the process group kept above would last until the interpreter's
+    exit, whose teardown of its threads aborted one worker now and then ("terminate called without an active
+    exception"): end it as Accelerate's end_training() does. (qaccel ends its own session at exit.)"""
+    import torch.distributed as dist
+
+    if "qaccel" not in sys.modules and dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     PLAN = json.loads(open(sys.argv[1]).read())
     if "--distribute" in sys.argv:
@@ -83,3 +94,4 @@ if __name__ == "__main__":
         notebook_launcher(run_plan, (PLAN,), num_processes=2, log_line_prefix_template="{rank}: ")
     else:
         run_plan(PLAN)
+        _end_accelerates_process_group()
