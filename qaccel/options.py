@@ -251,9 +251,9 @@ class Options:
     dynamo_backend: str | TorchDynamoPlugin | None = option(
         None,
         "`None`, `no`, a `torch.compile` backend (`inductor`, `aot_eager`, `eager`, ...), or a `TorchDynamoPlugin`",
-        "compile prepared models with `torch.compile`, over their DDP or FSDP2 wrapper and in place (the prepared "
-        "object stays the same; `unwrap_model` gives your module); `None`: the `ACCELERATE_DYNAMO_*` variables "
-        "Accelerate's launcher exports, else `no`")
+        "compile prepared models' forward with `torch.compile`, in place and under their DDP or FSDP2 wrapper (the "
+        "prepared object stays the same; `unwrap_model` gives your module); `None`: the `ACCELERATE_DYNAMO_*` "
+        "variables Accelerate's launcher exports, else `no`")
     cluster: SlurmCluster | None = option(
         None, "`None` or a `qaccel.SlurmCluster`",
         "`distribute()` from a plain process submits one SLURM job (through submitit) whose tasks are the ranks, "
