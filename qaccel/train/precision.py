@@ -60,19 +60,16 @@ def unwrap_forward(model: torch.nn.Module, layer: str) -> None:
 
 def _rebuild(model: torch.nn.Module) -> None:
     """The forward from the original and the layers: autocast inside, compilation (of all of it) outside."""
-    original = model.__dict__[ORIGINAL_FORWARD]
+    original, layers = model.__dict__[ORIGINAL_FORWARD], model.__dict__[LAYERS]
     model.__dict__.pop("forward", None)
-    forward = model.forward if original is None else original
-    layers = model.__dict__[LAYERS]
+    forward = model.forward if original is None else original  # the class's forward, once the attribute is gone
     if "autocast" in layers:
         forward = autocast_forward(forward, *layers["autocast"])
     if "compile" in layers:
         forward = torch.compile(forward, **layers["compile"])
-    if forward is not original and layers:
+    if layers or original is not None:
         model.forward = forward
-    elif original is not None:
-        model.forward = original
-    if not layers:
+    if not layers:  # all taken off: nothing of prepare()'s is left on the module
         del model.__dict__[ORIGINAL_FORWARD], model.__dict__[LAYERS]
 
 

@@ -30,11 +30,11 @@ def prepare_one(obj: Any, ctx: RankContext, config: Config, registry: Registry, 
         run = session.current_run()
         if run is not None and (isinstance(model, DistributedDataParallel) or sharding.is_sharded(model)):
             run.bound.add(model)  # destroyed before the session's group is (session.Run.release)
+        inner = unwrap_model(model)
         if config.mixed_precision is not MixedPrecision.NO and not sharding.is_sharded(model):
-            precision.wrap_forward(unwrap_model(model), "autocast",
-                                   (config.mixed_precision, ctx.device, config.handlers.autocast))
+            precision.wrap_forward(inner, "autocast", (config.mixed_precision, ctx.device, config.handlers.autocast))
         if config.compile is not None:  # torch 2.13 compiles no graph over the DDP wrapper (its forward is skipped)
-            precision.wrap_forward(unwrap_model(model), "compile", config.compile)
+            precision.wrap_forward(inner, "compile", config.compile)
         if not any(model is known for known in registry.models):
             registry.models.append(model)
         return model
