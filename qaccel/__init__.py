@@ -28,6 +28,9 @@ from qaccel.trainer.parameters import get_parameters, num_parameters, set_parame
 from qaccel.trainer.saveload import load_checkpoint, load_model, write_checkpoint
 from qaccel.trainer.steps import default_optimize_step
 from qaccel.trainer.trainer import Trainer
+from qaccel.launch.launchers import warm_up_in_kernel
+
+warm_up_in_kernel()
 
 __all__ = [
     "Accelerator", "DataLoaderConfiguration", "DistributedType", "ProjectConfiguration", "GradientAccumulationPlugin", "Preempted", "consolidate", "CheckpointError", "CollectiveMismatchError",

@@ -9,11 +9,14 @@ and its test; a new launcher that starts the ranks itself is only a class in env
 
 from __future__ import annotations
 
+import sys
+
+from qaccel import environment
 from qaccel.comm import session
 from qaccel.environment import Environment
-from qaccel.launch import caller, cluster, in_place
+from qaccel.launch import caller, cluster, in_place, server
 from qaccel.launch.protocol import HandBack, Launcher
-from qaccel.options import Config
+from qaccel.options import Config, StartMethod
 
 
 def choose(config: Config, env: Environment, hand_back: HandBack) -> Launcher:
@@ -25,3 +28,16 @@ def choose(config: Config, env: Environment, hand_back: HandBack) -> Launcher:
     if starts and config.nprocs > 1:
         return caller.PlainLaunch(config, env, hand_back)
     return in_place.InPlace(config, env, hand_back)
+
+
+def warm_up_in_kernel() -> None:
+    """In a Jupyter kernel that would start ranks itself, start the server as qaccel is imported. A kernel runs
+    threads, so its server is a fresh interpreter importing torch (≈ 1.6 s): started with the import cell, it is
+    ready by the time a later cell launches, where starting it with the Accelerator would make that launch wait."""
+    if _in_jupyter_kernel() and environment.detect().kind.creates_processes and session.current() is None:
+        server.warm_up(StartMethod.FORKSERVER)
+
+
+def _in_jupyter_kernel() -> bool:
+    ipython = sys.modules.get("IPython")
+    return getattr(getattr(ipython, "get_ipython", lambda: None)(), "kernel", None) is not None

@@ -8,20 +8,24 @@ and has not initialised CUDA: a child forked beside a running thread inherits wh
 forked child at all. So when the server is started (``Accelerator()``, or the first launch):
 
 - **forked from the caller** if, at that moment, the caller runs exactly one thread and CUDA is not initialised.
-  OpenBLAS (numpy's) keeps a pool of idle threads; it parks them itself before every fork, and is asked to do so
-  first, so that the count can prove the process single-threaded. The forked server then imports
-  ``torch._dynamo`` (which every optimizer and DistributedDataParallel need) and serves the launches of the
-  process. While a module is being imported (an Accelerator made at the top of an imported module) the fork
-  waits for the launch: a server forked then would hold that module half made.
-- **a fresh interpreter** otherwise, e.g. in a Jupyter kernel (it has threads), after the caller ran a
-  multi-threaded torch operation, or with CUDA initialised. It takes the caller's sys.path, imports torch and
-  ``torch._dynamo`` once, then serves the same way.
+  Libraries keep pools of idle threads: OpenBLAS (numpy's) parks its own before every fork, and GNU OpenMP
+  (torch's intra-op threads, after any parallel torch op) ends its pool on ``omp_pause_resource_all``. Both are
+  asked first (_quiet_pools), so that the count can prove the process single-threaded; each starts its threads
+  again when next needed. The forked server then imports ``torch._dynamo`` (which every optimizer and
+  DistributedDataParallel need; nothing, when the caller had it) and serves the launches of the process. While a
+  module is being imported (an Accelerator made at the top of an imported module) the fork waits for the launch:
+  a server forked then would hold that module half made.
+- **a fresh interpreter** otherwise, e.g. in a Jupyter kernel (it has threads), after ``torch.set_num_threads``
+  (torch's pthreadpool keeps threads that nothing stops), or with CUDA initialised. It takes the caller's
+  sys.path, imports torch and ``torch._dynamo`` once, then serves the same way. A Jupyter kernel starts it as
+  qaccel is imported (launchers.warm_up_in_kernel), so that a later cell's launch finds it ready.
 
 Both run multiprocessing's own forkserver loop, so its clients are unchanged, and both import with the garbage
 collector off (a third of the imports' time otherwise) and freeze the result before serving.
 
-**The first launch does not wait for that import** (serving): if the server has not finished it, the caller is
-still safe to fork and there is a core per rank, the launch is served by a *quick server* forked from the caller
+**The first launch does not wait for that import** (serving): if the server has not finished it (and was not
+forked from a caller that had it all: then it is ready in milliseconds), the caller is still safe to fork and
+there is a core per rank, the launch is served by a *quick server* forked from the caller
 at the call, with nothing to import, and the server is paused (SIGSTOP) until the launch ends, so that it takes
 no core from the ranks. A function that needs no dynamo starts in ~0.15 s; ranks that do need it (they build an
 optimizer or a DDP model) import it themselves, side by side, one core each, in about the time the server's own
@@ -79,7 +83,9 @@ _PR_SET_PDEATHSIG = 1  # prctl(2)
 LEFT_CALLER, READY = b"l", b"r"  # what a preloading server writes to its ready pipe
 QUICK_END_WAIT_S = 1.0  # how long the end of a quick-served launch waits for the quick server to exit
 LEFT_CALLER_WAIT_S = 2.0  # how long a first launch waits for a forked server to be scheduled at all
-_OPENBLAS_PARK = ("blas_thread_shutdown_",)  # OpenBLAS's own before-fork handler; its threads restart when needed
+_OPENBLAS, _OPENBLAS_PARK = "openblas", (("blas_thread_shutdown_", ()),)  # its own before-fork handler
+_GNU_OPENMP, _OPENMP_PAUSE = "libgomp", (("omp_pause_resource_all", (2,)),)  # 2: omp_pause_hard
+QUIET_WAIT_S = 0.01  # how long the stopped pools' threads may take to leave (they are gone within microseconds)
 
 
 def warm_up(start_method: StartMethod, launching: bool = False) -> None:
@@ -121,7 +127,8 @@ def serving(start_method: StartMethod, nprocs: int) -> Iterator[None]:
     try:
         with _sigint_held(), server._lock:  # a Ctrl-C held back here is raised at its end: quick is then set
             if (first and start_method is StartMethod.FORKSERVER and _preloading is not None
-                    and _preloading.pid == server._forkserver_pid and not _preloading.done()
+                    and _preloading.pid == server._forkserver_pid and not _preloading.has_all
+                    and not _preloading.done()
                     and nprocs <= len(os.sched_getaffinity(0)) and not _importing() and fork_is_safe()
                     and _preloading.dies_with_caller(LEFT_CALLER_WAIT_S)):
                 preloading = _preloading
@@ -147,15 +154,42 @@ def _end_quick(server: multiprocessing.forkserver.ForkServer, quick: _Handle, pr
 
 
 def fork_is_safe() -> bool:
-    """True when this process may be forked and the child use torch, threads and OpenMP: one thread (after
-    OpenBLAS parked its pool), CUDA not initialised, Linux, and a forkserver protocol this module knows."""
+    """True when this process may be forked and the child use torch, threads and OpenMP: Linux, a forkserver
+    protocol this module knows, CUDA not initialised, and one thread once the idle pools that can be stopped
+    were stopped (_quiet_pools)."""
     if not sys.platform.startswith("linux") or threading.active_count() != 1 or torch.cuda.is_initialized():
         return False
     if not _protocol_known():
         return False
-    if _thread_count() > 1:
-        _park_openblas()
-    return _thread_count() == 1
+    return _thread_count() == 1 or _quiet_pools()
+
+
+def _quiet_pools() -> bool:
+    """Ask the libraries whose idle thread pools can be stopped to stop them, as they would themselves, and
+    whether this process then runs one thread. Each starts its threads again when next needed.
+
+    - OpenBLAS (numpy's) parks its pool before every fork, by its own fork handler: asked first.
+    - GNU OpenMP (torch's intra-op threads, MKL's, oneDNN's): a child forked after its pool ran waits for ever in
+      its first parallel region with more than one thread, for threads that are not in it. OpenMP 5's
+      ``omp_pause_resource_all`` ends this thread's pool (another thread's stays, and is counted).
+
+    torch's pthreadpool (XNNPACK's), which ``torch.set_num_threads(n)`` makes with n - 1 threads, has no call that
+    ends them: after it, the count stays above one.
+    """
+    _call_in_loaded(_OPENBLAS, _OPENBLAS_PARK)
+    _call_in_loaded(_GNU_OPENMP, _OPENMP_PAUSE)
+    return _threads_end()
+
+
+def _threads_end(wait_s: float = QUIET_WAIT_S) -> bool:
+    """Whether this process runs one thread within ``wait_s``: stopped threads leave the kernel's list a moment
+    after they were told to end."""
+    deadline = time.monotonic() + wait_s
+    while _thread_count() > 1:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.0002)
+    return True
 
 
 def _running(server: multiprocessing.forkserver.ForkServer) -> bool:
@@ -189,6 +223,7 @@ class _Preloading:
     handle: _Handle
     ready_r: int
     forked: bool
+    has_all: bool  # forked from a caller that had imported all of PRELOAD: ready within milliseconds
     said: bytes = b""
     ended: bool = False  # EOF: it died
 
@@ -292,7 +327,8 @@ def _start(fork: bool, quick: bool = False) -> _Handle:
     if ready_r is not None:
         if _preloading is not None:
             os.close(_preloading.ready_r)
-        _preloading = _Preloading(handle, ready_r, forked=fork)
+        has_all = fork and all(name in sys.modules for name in PRELOAD)
+        _preloading = _Preloading(handle, ready_r, forked=fork, has_all=has_all)
     return handle
 
 
@@ -382,16 +418,16 @@ def _thread_count() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def _park_openblas() -> None:
-    """Ask every loaded OpenBLAS to stop its idle pool threads, as its own fork handler does before each fork."""
+def _call_in_loaded(library_name: str, functions: tuple[tuple[str, tuple[int, ...]], ...]) -> None:
+    """Call ``functions`` (name, arguments) in every loaded library whose file name contains ``library_name``."""
     with open("/proc/self/maps") as maps:
-        paths = {line.split()[-1] for line in maps if "openblas" in line.rsplit("/", 1)[-1].lower()}
+        paths = {line.split()[-1] for line in maps if library_name in line.rsplit("/", 1)[-1].lower()}
     for path in sorted(paths):
         with contextlib.suppress(OSError):
             library = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-            for name in _OPENBLAS_PARK:
+            for name, args in functions:
                 if hasattr(library, name):
-                    getattr(library, name)()
+                    getattr(library, name)(*args)
 
 
 @contextlib.contextmanager

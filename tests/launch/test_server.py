@@ -1,5 +1,5 @@
 """How the forkserver of a plain launch starts: forked from the caller when that is provably safe (one thread,
-after OpenBLAS parked its pool; no CUDA), else a fresh interpreter; that ranks of a forked server start as
+after OpenBLAS parked its pool and OpenMP ended its own; no CUDA), else a fresh interpreter; that ranks of a forked server start as
 those of a fresh one (no caller's signal handler, no output written twice, parallel ops working); and that a first
 launch is served by a quick server while the server's imports are paused."""
 
@@ -59,13 +59,37 @@ def _preloaded(facts):
         assert rank["dynamo"] and rank["gc_enabled"] and rank["frozen"] > 100_000, rank
 
 
-@pytest.mark.parametrize("mode", ["threaded", "openmp"])
+def test_a_caller_whose_openmp_pool_ran_has_it_stopped_and_forks_the_server():
+    """The seed's order: data built with parallel torch ops, then the Accelerator. The pool's threads are ended
+    (and counted gone) before the fork; ranks run parallel ops on more threads than the machine has cores."""
+    facts, stdout = _facts("openmp")
+    assert facts["caller_threads"] > 2 or len(os.sched_getaffinity(0)) == 1, "OpenMP's and OpenBLAS's pools ran"
+    assert not _fresh_interpreter(facts["command"]) and facts["command"][1].endswith("server_start.py")
+    assert facts["server_threads"] == 1
+    for rank in facts["ranks"]:
+        assert rank["threads"] == 4 and rank["product"] == 512.0 and rank["total"] == 2.0 * (1 << 20), rank
+
+
+@pytest.mark.parametrize("after", ["paused", "as_is"])
+def test_a_child_forked_after_an_openmp_pool_ran_hangs_unless_the_pool_was_stopped(after):
+    """Why the pool is stopped: without it, the child waits for ever in its first parallel region."""
+    if len(os.sched_getaffinity(0)) < 2:
+        component.unavailable("torch starts no OpenMP pool on one core: there is no pool to leave behind")
+    proc = subprocess.run([sys.executable, str(script_file("fork_after_openmp.py")), after], capture_output=True,
+                          text=True, env=script_env(), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == ("finished" if after == "paused" else "hung"), proc.stdout
+
+
+@pytest.mark.parametrize("mode", ["threaded", "pthreadpool"])
 def test_a_caller_running_other_threads_gets_a_fresh_interpreter_server(mode):
     facts, stdout = _facts(mode)
     assert _fresh_interpreter(facts["command"]), facts["command"]
     assert stdout.count("written before") == 1
     assert all(rank["parent"] == facts["server"] and rank["product"] == 512.0 for rank in facts["ranks"])
     _preloaded(facts)
+    if mode == "pthreadpool":
+        assert facts["caller_threads_at_launch"] > 1, "torch's pthreadpool stayed: nothing ends it"
 
 
 def _two_cores() -> None:
@@ -176,3 +200,46 @@ def test_a_jupyter_kernel_has_threads_and_gets_a_fresh_interpreter_server(tmp_pa
     facts = json.loads(line[len("FACTS "):])
     assert facts["threads"] > 1 and _fresh_interpreter(facts["command"]), facts
     assert facts["ranks"] == [[0, facts["server"]], [1, facts["server"]]]
+
+
+def test_importing_qaccel_in_a_jupyter_kernel_starts_the_server_that_its_first_launch_uses(tmp_path):
+    """A kernel's server is a fresh interpreter (≈ 1.6 s of imports): started by the import cell, it is ready for a
+    later cell's launch instead of making that launch wait."""
+    cells = ["""
+        import json, multiprocessing.forkserver, os
+        import qaccel
+        at_import = multiprocessing.forkserver._forkserver._forkserver_pid
+        """, """
+        acc = qaccel.Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
+
+        def parent():
+            return os.getppid()
+
+        with open(f"/proc/{at_import}/cmdline") as f:
+            command = f.read().split(chr(0))
+        print("FACTS " + json.dumps({"at_import": at_import, "command": command,
+                                     "parents": acc.distribute(parent, all_results=True)()}))
+        """]
+    text = run_in_kernel(cells, tmp_path)
+    facts = json.loads(next(line for line in text.splitlines() if line.startswith("FACTS "))[len("FACTS "):])
+    assert facts["at_import"] is not None and _fresh_interpreter(facts["command"]), facts
+    assert facts["parents"] == [facts["at_import"]] * 2, facts
+
+
+def test_importing_qaccel_in_a_script_starts_no_process():
+    """Outside a kernel the server starts with the first Accelerator that launches: a script that never launches
+    (nprocs=1, under torchrun, --help) has no process it did not ask for."""
+    code = """
+import multiprocessing.forkserver, multiprocessing.resource_tracker, os
+import qaccel
+try:
+    os.waitpid(-1, os.WNOHANG)  # raises when this process has no child at all
+    children = "some"
+except ChildProcessError:
+    children = "none"
+print(multiprocessing.forkserver._forkserver._forkserver_pid, multiprocessing.resource_tracker._resource_tracker._pid,
+      children)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=script_env(), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["None", "None", "none"], proc.stdout
