@@ -16,9 +16,19 @@ timed after a bare first one and a DDP second one, whose latency is printed on i
 same world forked by hand from that process (torch loaded, a gloo group, the same work), the baseline its target
 compares with. qaccel's own import is compared with ``import torch``, both timed in the same run.
 
+The seed's script is timed apart, the way its users write it: the model, its optimizer and the data built with
+torch ops in the caller first (their OpenMP pool runs), passed to the function, which prepares them, takes a step
+and reaches a barrier (call -> first step), then STEPS more steps. Spawn and Accelerate's notebook_launcher get
+the same caller and function. qaccel makes its ``Accelerator()`` right before ``distribute()`` (the seed's order,
+timed from the Accelerator) or at the top of the script. A second shape makes the optimizer in the function, so
+that the caller never imports torch._dynamo and the ranks need it. The same two shapes run in a Jupyter kernel
+as an import cell, a set-up cell and a launch cell, back to back ("Run All") and, for qaccel, with the launch
+KERNEL_PAUSE_S after the import cell. No OMP_NUM_THREADS is set unless you export it (the first line says).
+
     python benchmarks/launch.py            # 7 rounds
     python benchmarks/launch.py --quick    # 3 rounds
     pip install accelerate                 # first, for Accelerate's rows (skipped with a note without it)
+    pip install jupyter_client ipykernel   # first, for the Jupyter kernel's rows (or --no-kernel)
 
 Prints a table and PASS/MISS per target; exits 0 unless a run of qaccel crashes (a crashed sample of another runner
 is taken again and listed at the end).
@@ -42,12 +52,17 @@ from pathlib import Path
 from report import mlp, row, verdict
 
 WORLDS = (2, 4)
-STEPS = 50  # timed training steps after the first
+STEPS = 200  # timed training steps after the first
 LATER_LAUNCHES = 10
 LATER_VS_FORK = 2.0  # a later launch against the same world forked by hand (as tight as the 0.1 s it replaces)
 IMPORT_VS_TORCH = 0.1  # qaccel's own import (torch already imported) against import torch
 CHILD_TIMEOUT_S = 180
+SEED_SAMPLES = 1 << 16  # the seed's data set, built in the caller
+VS_ACCELERATE = 0.5  # a first launch against Accelerate's notebook_launcher (fork), same caller, same work
+KERNEL_PAUSE_S = 2  # a person's pause between a notebook's import cell and its launch cell
 KINDS = ("bare", "ddp")
+SEED_KINDS = ("seed", "seed_fn")  # the seed's script: its optimizer made by the caller, or in the function
+SHAPES = {"seed": "seed's script", "seed_fn": "seed's script, optimizer made in the function"}
 # Same work as `import qaccel` (qaccel imports torch first), and also prints qaccel's own share on top of torch.
 IMPORT_QACCEL = "import time, torch; t = time.perf_counter(); import qaccel; print(time.perf_counter() - t)"
 
@@ -69,6 +84,48 @@ def _work(kind: str, prepare, barrier) -> tuple[float, float]:
 
     def step() -> None:
         loss = torch.nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    step()
+    barrier()
+    ready = time.time()
+    for _ in range(STEPS):
+        step()
+    barrier()
+    return ready, time.time() - ready
+
+
+def _seed_setup(kind: str):
+    """The caller's own set-up in the seed's script: the model, its optimizer (kind "seed"; "seed_fn": the function
+    makes it) and the data built with torch ops (their pools run, several threads each) before any launcher is
+    called. Building an optimizer imports torch._dynamo: with "seed" the caller has it, with "seed_fn" not."""
+    import torch
+
+    model = mlp(32, 256)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3) if kind == "seed" else None
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(SEED_SAMPLES, 32, generator=gen), torch.randn(SEED_SAMPLES, 1, generator=gen)
+    with torch.no_grad():
+        x = (x - x.mean(0)) / x.std(0)  # normalised, as a data pipeline does: a multi-threaded op
+    return model, optimizer, x, y
+
+
+def _seed_work(model, optimizer, x, y, prepare, barrier) -> tuple[float, float]:
+    """The seed's training function: prepare what the caller built (and an optimizer, if it made none), one step,
+    barrier; then STEPS more steps."""
+    import torch
+
+    if optimizer is None:
+        model = prepare(model)
+        optimizer = prepare(torch.optim.Adam(model.parameters(), lr=1e-3))
+    else:
+        model, optimizer = prepare(model, optimizer)
+    batch = slice(0, 64)
+
+    def step() -> None:
+        loss = torch.nn.functional.mse_loss(model(x[batch]), y[batch])
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -126,17 +183,42 @@ def child_baseline(world: int, kind: str) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="bench-baseline-") as out_dir:
         port = _free_port()
-        t_call = time.time()
-        mp.spawn(_baseline_worker, args=(world, kind, port, out_dir), nprocs=world, join=True)
+        if kind in SEED_KINDS:
+            built = _seed_setup(kind)
+            t_call = time.time()
+            mp.spawn(_baseline_seed_worker, args=(world, built, port, out_dir), nprocs=world, join=True)
+        else:
+            t_call = time.time()
+            mp.spawn(_baseline_worker, args=(world, kind, port, out_dir), nprocs=world, join=True)
         return _collect(out_dir, world, t_call)
 
 
-def _accelerate_worker(world: int, kind: str, out_dir: str) -> None:
+def _baseline_seed_worker(rank: int, world: int, built: tuple, port: int, out_dir: str) -> None:
+    """One rank of the hand-written baseline in the seed's shape: the caller's model, optimizer and data."""
+    import torch
+    import torch.distributed as dist
+
+    _threads_per_rank(world)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+    def prepare(model, optimizer=None):
+        if optimizer is None:  # one object, as the seed's function passes it when it makes the optimizer
+            return model if isinstance(model, torch.optim.Optimizer) else torch.nn.parallel.DistributedDataParallel(model)
+        return torch.nn.parallel.DistributedDataParallel(model), optimizer
+
+    Path(out_dir, f"rank-{rank}").write_text(json.dumps(_seed_work(*built, prepare, dist.barrier)))
+    dist.destroy_process_group()
+
+
+def _accelerate_worker(world: int, kind: str, out_dir: str, built: tuple | None = None) -> None:
     from accelerate import Accelerator
 
     _threads_per_rank(world)
     acc = Accelerator(cpu=True)
-    ready_steps = _work(kind, acc.prepare, acc.wait_for_everyone)
+    if built is None:
+        ready_steps = _work(kind, acc.prepare, acc.wait_for_everyone)
+    else:
+        ready_steps = _seed_work(*built, acc.prepare, acc.wait_for_everyone)
     Path(out_dir, f"rank-{acc.process_index}").write_text(json.dumps(ready_steps))
 
 
@@ -148,9 +230,10 @@ def child_accelerate(world: int, kind: str) -> dict:
     from accelerate import notebook_launcher
 
     warnings.filterwarnings("ignore", message="OMP_NUM_THREADS")
+    built = _seed_setup(kind) if kind in SEED_KINDS else None
     with tempfile.TemporaryDirectory(prefix="bench-accelerate-") as out_dir:
         t_call = time.time()
-        notebook_launcher(_accelerate_worker, args=(world, kind, out_dir), num_processes=world,
+        notebook_launcher(_accelerate_worker, args=(world, kind, out_dir, built), num_processes=world,
                           use_port=str(_free_port()))
         return _collect(out_dir, world, t_call)
 
@@ -181,6 +264,81 @@ def child_qaccel(world: int, kind: str, threaded: int = 0, setup: int = 0) -> di
     ready = max(t for t, _ in results)
     return {"call": ready - t_call, "construct": ready - t_construct, "ready": ready,
             "steps": max(s for _, s in results)}
+
+
+def child_qaccel_seed(world: int, kind: str, top: int = 0) -> dict:
+    """qaccel's first launch in the seed's script: the model, optimizer and data built first, then
+    ``Accelerator()`` right before ``distribute()`` (timed from the Accelerator's construction); ``top``: the
+    Accelerator made at the top of the script instead, before the same set-up (timed from the call)."""
+    from qaccel import Accelerator
+
+    if top:
+        acc = Accelerator(nprocs=world, compute_setup="cpu")
+    built = _seed_setup(kind)
+    t_call = time.time()
+    if not top:
+        acc = Accelerator(nprocs=world, compute_setup="cpu")
+
+    def train(model, optimizer, x, y):
+        return _seed_work(model, optimizer, x, y, acc.prepare, acc.wait_for_everyone)
+
+    results = acc.distribute(train, all_results=True)(*built)
+    ready = max(t for t, _ in results)
+    return {"call": ready - t_call, "ready": ready, "steps": max(s for _, s in results)}
+
+
+KERNEL_IMPORTS = {
+    "qaccel": "import time, torch\nfrom qaccel import Accelerator\nimport launch",
+    "accelerate": "import tempfile, time, torch\nfrom accelerate import notebook_launcher\nimport launch",
+}
+KERNEL_LAUNCH = {
+    "qaccel": """
+t_call = time.time()
+acc = Accelerator(nprocs={world}, compute_setup="cpu")
+
+def train(model, optimizer, x, y):
+    return launch._seed_work(model, optimizer, x, y, acc.prepare, acc.wait_for_everyone)
+
+results = acc.distribute(train, all_results=True)(*built)
+print("RESULT", max(t for t, _ in results) - t_call)
+""",
+    "accelerate": """
+with tempfile.TemporaryDirectory() as out_dir:
+    t_call = time.time()
+    notebook_launcher(launch._accelerate_worker, args=({world}, "{kind}", out_dir, built), num_processes={world},
+                      use_port=str(launch._free_port()))
+    print("RESULT", launch._collect(out_dir, {world}, t_call)["call"])
+""",
+}
+
+
+def child_kernel(world: int, kind: str, runner: str, pause: int = 0) -> dict:
+    """A first launch in a Jupyter kernel, the seed's notebook: an import cell, a set-up cell (the seed's), then
+    the launch cell, timed from the call; run back to back ("Run All"), or ``pause`` seconds after the import cell
+    (a person running the cells)."""
+    import textwrap
+
+    import jupyter_client
+
+    manager = jupyter_client.KernelManager(kernel_name="python3")
+    manager.start_kernel(cwd=os.path.dirname(os.path.abspath(__file__)))
+    client = manager.client()
+    client.start_channels()
+    shown: list = []
+    try:
+        client.wait_for_ready(timeout=60)
+        cells = [KERNEL_IMPORTS[runner], f"time.sleep({pause})" if pause else "", f"built = launch._seed_setup('{kind}')",
+                 KERNEL_LAUNCH[runner].format(world=world, kind=kind)]
+        for cell in cells:
+            reply = client.execute_interactive(textwrap.dedent(cell), timeout=CHILD_TIMEOUT_S,
+                                               output_hook=shown.append)
+            if reply["content"]["status"] != "ok":
+                raise RuntimeError(f"a cell failed in the kernel: {reply['content']}")
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+    text = "".join(m["content"].get("text", "") for m in shown if m["msg_type"] == "stream")
+    return {"call": float(next(line for line in text.splitlines() if line.startswith("RESULT ")).split()[1])}
 
 
 def _forked_world(world: int, kind: str) -> float:
@@ -226,7 +384,8 @@ def child_later(world: int, count: int) -> dict:
     return later
 
 
-CHILDREN = {"baseline": child_baseline, "accelerate": child_accelerate, "qaccel": child_qaccel, "later": child_later}
+CHILDREN = {"baseline": child_baseline, "accelerate": child_accelerate, "qaccel": child_qaccel,
+            "qaccel_seed": child_qaccel_seed, "kernel": child_kernel, "later": child_later}
 
 
 # ---- the driver ----
@@ -277,20 +436,38 @@ def _runners(with_accelerate: bool) -> list[tuple[str, tuple]]:
     return runners + ([("accelerate", ("accelerate",))] if with_accelerate else [])
 
 
+def _seed_runners(with_accelerate: bool) -> list[tuple[str, tuple]]:
+    """(label, child arguments after world and kind) of each runner timed in the seed's script shape."""
+    runners = [("spawn", ("baseline",)), ("qaccel, seed's order", ("qaccel_seed",)),
+               ("qaccel, Accelerator at the top", ("qaccel_seed", 1))]
+    return runners + ([("accelerate", ("accelerate",))] if with_accelerate else [])
+
+
+def _kernel_runners(with_accelerate: bool, with_kernel: bool) -> list[tuple[str, tuple]]:
+    """(label, child arguments after world and kind) of each runner timed in a Jupyter kernel (the seed's shapes)."""
+    if not with_kernel:
+        return []
+    runners = [("kernel, qaccel, Run All", ("kernel", "qaccel")),
+               (f"kernel, qaccel, launch {KERNEL_PAUSE_S} s after the import", ("kernel", "qaccel", KERNEL_PAUSE_S))]
+    return runners + ([("kernel, accelerate, Run All", ("kernel", "accelerate"))] if with_accelerate else [])
+
+
 def _child_args(args: tuple, world: int, kind: str) -> tuple:
     return (args[0], world, kind, *args[1:])
 
 
-def measure_world(world: int, rounds: int, with_accelerate: bool) -> dict:
+def measure_world(world: int, rounds: int, with_accelerate: bool, with_kernel: bool) -> dict:
     """First launches of every runner and kind, ``rounds`` rounds with alternating samples; later launches."""
-    runners = _runners(with_accelerate)
-    first: dict[tuple[str, str], list[dict]] = {(label, kind): [] for label, _ in runners for kind in KINDS}
+    runs = [(label, args, kind) for kind in KINDS for label, args in _runners(with_accelerate)]
+    runs += [(label, args, kind) for kind in SEED_KINDS for label, args in _seed_runners(with_accelerate)]
+    runs += [(label, args, kind) for kind in SEED_KINDS for label, args in _kernel_runners(with_accelerate,
+                                                                                            with_kernel)]
+    first: dict[tuple[str, str], list[dict]] = {(label, kind): [] for label, _, kind in runs}
     for i in range(rounds):
         line = []
-        for kind in KINDS:
-            for label, args in runners:
-                first[label, kind].append(sample(label, *_child_args(args, world, kind)))
-                line.append(f"{label} {kind} {first[label, kind][-1]['call']:.2f}")
+        for label, args, kind in runs:
+            first[label, kind].append(sample(label, *_child_args(args, world, kind)))
+            line.append(f"{label} {kind} {first[label, kind][-1]['call']:.2f}")
         print(f"  world {world}, round {i + 1}: " + ", ".join(line) + " s", flush=True)
     later = run_child("later", world, LATER_LAUNCHES)
     print(f"  world {world}, second launch (DDP, right after a bare first) {later['second'][0]:.3f} s; later launches: "
@@ -299,7 +476,7 @@ def measure_world(world: int, rounds: int, with_accelerate: bool) -> dict:
     return {"first": first, "later": later}
 
 
-def report_world(world: int, data: dict, with_accelerate: bool) -> list[tuple[bool, str]]:
+def report_world(world: int, data: dict, with_accelerate: bool, with_kernel: bool) -> list[tuple[bool, str]]:
     """Print the world's table; return its (passed, target) lines."""
     first, later = data["first"], data["later"]
 
@@ -317,12 +494,32 @@ def report_world(world: int, data: dict, with_accelerate: bool) -> list[tuple[bo
         rows.append(row(f"forked by hand, later launches, {kind}", later[f"fork {kind}"]))
     for label, _ in _runners(with_accelerate):
         rows.append(row(f"{label}, {STEPS} steps after the first", [s["steps"] for s in first[label, "ddp"]]))
+    for kind in SEED_KINDS:
+        for label, _ in _seed_runners(with_accelerate) + _kernel_runners(with_accelerate, with_kernel):
+            rows.append(row(f"{SHAPES[kind]}: {label}, call -> first step", [s["call"] for s in first[label, kind]]))
+        for label, _ in _seed_runners(with_accelerate):
+            rows.append(row(f"{SHAPES[kind]}: {label}, {STEPS} steps", [s["steps"] for s in first[label, kind]]))
     print(f"\nworld {world}, CPU, gloo; seconds; first launches: medians of {len(first['spawn', 'bare'])} rounds")
     print(f"{'':56s} {'median':>8s} {'min':>8s} {'max':>8s}")
     for name, median, low, high in rows:
         print(f"{name:56s} {median:8.3f} {low:8.3f} {high:8.3f}")
 
     targets = []
+    for kind in SEED_KINDS:
+        for label in ("qaccel, seed's order", "qaccel, Accelerator at the top"):
+            targets += _seed_targets(world, kind, label, med, with_accelerate)
+    for kind in SEED_KINDS if with_kernel and with_accelerate else ():
+        ours, theirs = med("kernel, qaccel, Run All", kind), med("kernel, accelerate, Run All", kind)
+        paused = med(f"kernel, qaccel, launch {KERNEL_PAUSE_S} s after the import", kind)
+        targets.append((ours <= VS_ACCELERATE * theirs, f"world {world}, {SHAPES[kind]} in a Jupyter kernel, Run All: "
+                        f"first launch <= {VS_ACCELERATE} x Accelerate's: {ours:.3f} s = {ours / theirs:.2f} x "
+                        f"{theirs:.3f} s ({paused:.3f} s = {paused / theirs:.2f} x when launched {KERNEL_PAUSE_S} s "
+                        "after the import cell)"))
+    if with_accelerate:
+        threaded, theirs = med("qaccel, caller threaded", "ddp"), med("accelerate", "ddp")
+        targets.append((threaded <= VS_ACCELERATE * theirs, f"world {world}, first launch DDP with a threaded caller "
+                        f"(a Jupyter kernel's path: fresh-interpreter server) <= {VS_ACCELERATE} x Accelerate: "
+                        f"{threaded:.3f} s = {threaded / theirs:.2f} x {theirs:.3f} s"))
     for kind in KINDS:
         ours, spawn = med("qaccel", kind), med("spawn", kind)
         targets.append((ours <= 0.6 * spawn, f"world {world}, first launch {kind} <= 0.6 x spawn: {ours:.3f} s = "
@@ -350,10 +547,24 @@ def report_world(world: int, data: dict, with_accelerate: bool) -> list[tuple[bo
                         "the set-up)"))
     targets.append((None, f"world {world}, second launch, DDP, right after a bare first one: {later['second'][0]:.3f} s "
                     "(it waits for the rest of the server's import, which the first launch did not)"))
-    threaded = med("qaccel, caller threaded", "ddp")
-    targets.append((None, f"world {world}, first launch DDP with a threaded caller (fresh-interpreter server): "
-                    f"{threaded:.3f} s = {threaded / med('spawn', 'ddp'):.2f} x spawn"))
     return targets
+
+
+def _seed_targets(world: int, kind: str, label: str, med, with_accelerate: bool) -> list[tuple[bool | None, str]]:
+    """The seed's script (its ``kind``), qaccel run as ``label``: first launch against Accelerate's and spawn's,
+    and its steps against spawn's ranks'."""
+    ours, spawn = med(label, kind), med("spawn", kind)
+    name = f"world {world}, {SHAPES[kind]}, {label}"
+    against = f"{ours:.3f} s = {ours / spawn:.2f} x spawn ({spawn:.3f} s)"
+    if with_accelerate:
+        theirs = med("accelerate", kind)
+        targets = [(ours <= VS_ACCELERATE * theirs, f"{name}: first launch <= {VS_ACCELERATE} x Accelerate's "
+                    f"notebook_launcher: {against}, {ours / theirs:.2f} x Accelerate ({theirs:.3f} s)")]
+    else:
+        targets = [(None, f"{name}: first launch {against}")]
+    steps, spawn_steps = med(label, kind, "steps"), med("spawn", kind, "steps")
+    return targets + [(steps <= 1.05 * spawn_steps, f"{name}: {STEPS} steps <= 1.05 x spawn's ranks: {steps:.3f} s "
+                       f"= {steps / spawn_steps:.2f} x")]
 
 
 def main() -> int:
@@ -361,6 +572,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=7, help="rounds of first launches (default 7)")
     parser.add_argument("--quick", action="store_true", help="3 rounds")
     parser.add_argument("--worlds", type=int, nargs="+", default=list(WORLDS), help="world sizes (default 2 4)")
+    parser.add_argument("--no-kernel", action="store_true", help="skip the Jupyter kernel's rows")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     opts = parser.parse_args()
 
@@ -376,6 +588,9 @@ def main() -> int:
     with_accelerate = importlib.util.find_spec("accelerate") is not None
     if not with_accelerate:
         print("note: accelerate is not installed (pip install accelerate): its rows and target are skipped")
+    with_kernel = importlib.util.find_spec("jupyter_client") is not None and not opts.no_kernel
+    if not with_kernel:
+        print("note: the Jupyter kernel's rows are skipped (--no-kernel, or pip install jupyter_client ipykernel)")
 
     print(f"import time: {rounds} x (torch, qaccel), alternating ...", flush=True)
     imp_torch, imp_qaccel, imp_own = [], [], []
@@ -385,11 +600,13 @@ def main() -> int:
         imp_qaccel.append(wall)
         imp_own.append(float(own))
 
+    threads = os.environ.get("OMP_NUM_THREADS")
+    print(f"OMP_NUM_THREADS {'is ' + threads if threads else 'is not set'} in the callers", flush=True)
     print("first launches, a fresh interpreter each ...", flush=True)
-    data = {world: measure_world(world, rounds, with_accelerate) for world in opts.worlds}
+    data = {world: measure_world(world, rounds, with_accelerate, with_kernel) for world in opts.worlds}
     targets = []
     for world in opts.worlds:
-        targets += report_world(world, data[world], with_accelerate)
+        targets += report_world(world, data[world], with_accelerate, with_kernel)
 
     own = statistics.median(imp_own)
     print(f"\nimport torch {statistics.median(imp_torch):.3f} s, import torch + qaccel "
