@@ -7,8 +7,9 @@ distribute() call and applied in each rank before fn runs, making a rank start a
 - logging: the root logger's level and handlers (formatter, level and filters included), ``logging.disable``,
   and every other logger configured differently from what the rank's own imports made (level, propagation,
   handlers); a handler travels by value, with its lock made anew, stdout/stderr bound to the rank's, and a file
-  handler reopened for appending (the caller already created or truncated the file);
-- warnings filters;
+  handler reopened for appending (the caller already created or truncated the file); a Jupyter kernel's own
+  application logger stays the kernel's;
+- warnings filters (a library's warning class travels by name: _travelling_filter);
 - torch: default dtype, deterministic algorithms, float32 matmul precision, anomaly detection, cuDNN flags;
 - global RNG states: python ``random``, numpy's legacy global RNG, torch's CPU generator, and CUDA's (its
   states when the caller initialised CUDA, else the seed ``torch.manual_seed`` gave it, which CUDA applies lazily);
@@ -82,7 +83,7 @@ def capture() -> Inherited:
     return Inherited(
         loggers=loggers,
         logging_disable=logging.root.manager.disable,
-        warning_filters=list(warnings.filters),
+        warning_filters=[_travelling_filter(entry) for entry in warnings.filters],
         default_dtype=torch.get_default_dtype(),
         deterministic=(torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()),
         matmul_precision=torch.get_float32_matmul_precision(),
@@ -99,7 +100,7 @@ def apply(inherited: Inherited) -> None:
     for setup in inherited.loggers:
         _apply_logger(setup)
     logging.disable(inherited.logging_disable)
-    warnings.filters[:] = inherited.warning_filters
+    warnings.filters[:] = [_rank_filter(entry) for entry in inherited.warning_filters]
     _filters_changed()
     if torch.get_default_dtype() != inherited.default_dtype:
         torch.set_default_dtype(inherited.default_dtype)
@@ -150,15 +151,65 @@ def _script_globals(objects: list[Any]) -> dict[str, Any] | None:
 # ---- logging ----
 
 
+def _travelling_filter(entry: tuple) -> tuple:
+    """A warnings filter as it travels: a category of a library module goes by name (_NamedCategory), so that
+    the rank does not import that module to unpickle it (a Jupyter kernel's filter on IPython's completer warning
+    made every rank import all of IPython, 0.15 s a launch)."""
+    action, message, category, module, lineno = entry
+    if category.__module__ in ("builtins", "__main__"):
+        return entry
+    return action, message, (category.__module__, category.__qualname__), module, lineno
+
+
+def _rank_filter(entry: tuple) -> tuple:
+    action, message, category, module, lineno = entry
+    if isinstance(category, tuple):
+        category = _category(*category)
+    return action, message, category, module, lineno
+
+
+def _category(module: str, qualname: str) -> type:
+    """The warning class ``module.qualname`` if the rank has imported its module, else a stand-in that matches it
+    (and its subclasses) by name, as the class itself would, once something the rank runs imports it."""
+    if module in sys.modules:
+        found: Any = sys.modules[module]
+        for part in qualname.split("."):
+            found = getattr(found, part, None)
+        if isinstance(found, type):
+            return found
+    return _NamedCategory(qualname.rsplit(".", 1)[-1], (Warning,),
+                          {"names": (module, qualname), "__module__": module, "__qualname__": qualname})
+
+
+class _NamedCategory(type):
+    """The metaclass of a warning category named but not imported: ``issubclass(category, stand_in)``, which the
+    warnings machinery asks of each filter, is true of the named class and its subclasses."""
+
+    names: tuple[str, str]
+
+    def __subclasscheck__(cls, subclass: type) -> bool:
+        return any((getattr(base, "__module__", None), getattr(base, "__qualname__", None)) == cls.names
+                   for base in getattr(subclass, "__mro__", ()))
+
+
 def _configured_loggers() -> list[tuple[str, logging.Logger]]:
     """The root logger, and every logger whose configuration is not the default one."""
     found = [("", logging.root)]
+    kernel_app = _kernel_app_logger()
     for name, logger in list(logging.root.manager.loggerDict.items()):
-        if isinstance(logger, logging.Logger) and (
+        if isinstance(logger, logging.Logger) and logger is not kernel_app and (
             logger.level != logging.NOTSET or logger.handlers or not logger.propagate or logger.disabled
         ):
             found.append((name, logger))
     return found
+
+
+def _kernel_app_logger() -> logging.Logger | None:
+    """A Jupyter kernel's own application logger, which writes the kernel's messages to the terminal that started
+    it: it belongs to the kernel, as pytest's capture handlers belong to the test process, not to the ranks."""
+    kernelapp = sys.modules.get("ipykernel.kernelapp")
+    app = getattr(kernelapp, "IPKernelApp", None)
+    return app.instance().log if app is not None and app.initialized() else None
 
 
 def _signature(logger: logging.Logger) -> tuple:

@@ -3,17 +3,20 @@ run that code themselves: logging, warnings filters, the default dtype and the g
 
 from __future__ import annotations
 
+import json
 import logging
 import logging.handlers
 import multiprocessing
 import os
 import random
+import subprocess
+import sys
 import warnings
 
 import numpy as np
 import pytest
 import torch
-from support.procs import once_per_session, result_lines, run_script, run_torchrun, script_file
+from support.procs import once_per_session, result_lines, run_script, run_torchrun, script_env, script_file
 
 from qaccel.launch import inherit
 
@@ -111,3 +114,15 @@ def test_settings_that_cannot_travel_do_not_stop_the_launch(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "OUT [0, 1]" in proc.stdout
     assert "top-level settings (logging, warnings filters, RNG states, ...) cannot be sent" in proc.stderr
+
+
+def test_a_filter_on_a_library_warning_applies_in_ranks_that_have_not_imported_the_library(tmp_path):
+    """The category travels by name: a rank does not import the library to unpickle the filter (in a Jupyter
+    kernel, IPython's completer warning made each rank import all of IPython), and the filter applies once the
+    rank imports it."""
+    (tmp_path / "libwarn.py").write_text("class LibWarning(UserWarning):\n    pass\n")
+    proc = subprocess.run([sys.executable, str(script_file("library_warning_filter.py")), str(tmp_path)],
+                          capture_output=True, text=True, env=script_env(), timeout=100)
+    assert proc.returncode == 0, proc.stderr
+    ranks = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RANKS "))[6:])
+    assert ranks == [[False, "raised"], [False, "raised"]], ranks

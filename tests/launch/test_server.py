@@ -206,14 +206,14 @@ def test_importing_qaccel_in_a_jupyter_kernel_starts_the_server_that_its_first_l
     """A kernel's server is a fresh interpreter (≈ 1.6 s of imports): started by the import cell, it is ready for a
     later cell's launch instead of making that launch wait."""
     cells = ["""
-        import json, multiprocessing.forkserver, os
+        import json, multiprocessing.forkserver, os, sys
         import qaccel
         at_import = multiprocessing.forkserver._forkserver._forkserver_pid
         """, """
         acc = qaccel.Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
 
         def parent():
-            return os.getppid()
+            return os.getppid(), "IPython" in sys.modules
 
         with open(f"/proc/{at_import}/cmdline") as f:
             command = f.read().split(chr(0))
@@ -223,7 +223,8 @@ def test_importing_qaccel_in_a_jupyter_kernel_starts_the_server_that_its_first_l
     text = run_in_kernel(cells, tmp_path)
     facts = json.loads(next(line for line in text.splitlines() if line.startswith("FACTS "))[len("FACTS "):])
     assert facts["at_import"] is not None and _fresh_interpreter(facts["command"]), facts
-    assert facts["parents"] == [facts["at_import"]] * 2, facts
+    assert facts["parents"] == [[facts["at_import"], False]] * 2, "the kernel's IPython is not imported in ranks"
+    assert "cannot be copied" not in text, "the kernel's own logger stays the kernel's"
 
 
 def test_importing_qaccel_in_a_script_starts_no_process():
