@@ -80,7 +80,12 @@ def _work(kind: str, prepare, barrier) -> tuple[float, float]:
     model = mlp(32, 256)
     model, optimizer = prepare(model, torch.optim.Adam(model.parameters(), lr=1e-3))
     gen = torch.Generator().manual_seed(0)
-    x, y = torch.randn(64, 32, generator=gen), torch.randn(64, 1, generator=gen)
+    return _train(model, optimizer, torch.randn(64, 32, generator=gen), torch.randn(64, 1, generator=gen), barrier)
+
+
+def _train(model, optimizer, x, y, barrier) -> tuple[float, float]:
+    """One step, a barrier (the time past it: ready), STEPS more steps, a barrier: (ready, the steps' seconds)."""
+    import torch
 
     def step() -> None:
         loss = torch.nn.functional.mse_loss(model(x), y)
@@ -122,21 +127,7 @@ def _seed_work(model, optimizer, x, y, prepare, barrier) -> tuple[float, float]:
         optimizer = prepare(torch.optim.Adam(model.parameters(), lr=1e-3))
     else:
         model, optimizer = prepare(model, optimizer)
-    batch = slice(0, 64)
-
-    def step() -> None:
-        loss = torch.nn.functional.mse_loss(model(x[batch]), y[batch])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-
-    step()
-    barrier()
-    ready = time.time()
-    for _ in range(STEPS):
-        step()
-    barrier()
-    return ready, time.time() - ready
+    return _train(model, optimizer, x[:64], y[:64], barrier)
 
 
 def _threads_per_rank(world: int) -> None:
@@ -155,18 +146,22 @@ def _collect(out_dir: str, world: int, t_call: float) -> dict:
 # ---- children: each runs in a fresh interpreter and prints one JSON line ----
 
 
-def _baseline_worker(rank: int, world: int, kind: str, port: int, out_dir: str) -> None:
-    """One rank of the hand-written baseline: gloo group over TCP, DDP by hand."""
+def _baseline_worker(rank: int, world: int, kind: str, port: int, out_dir: str, built: tuple | None = None) -> None:
+    """One rank of the hand-written baseline: gloo group over TCP, DDP by hand; ``built``: the seed's model,
+    optimizer and data, from the caller."""
     import torch
     import torch.distributed as dist
 
     _threads_per_rank(world)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
-    def prepare(model, optimizer):
+    def prepare(model, optimizer=None):
+        if optimizer is None:  # one object, as the seed's function passes it when it makes the optimizer
+            return model if isinstance(model, torch.optim.Optimizer) else torch.nn.parallel.DistributedDataParallel(model)
         return torch.nn.parallel.DistributedDataParallel(model), optimizer
 
-    Path(out_dir, f"rank-{rank}").write_text(json.dumps(_work(kind, prepare, dist.barrier)))
+    work = _work(kind, prepare, dist.barrier) if built is None else _seed_work(*built, prepare, dist.barrier)
+    Path(out_dir, f"rank-{rank}").write_text(json.dumps(work))
     dist.destroy_process_group()
 
 
@@ -183,31 +178,10 @@ def child_baseline(world: int, kind: str) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="bench-baseline-") as out_dir:
         port = _free_port()
-        if kind in SEED_KINDS:
-            built = _seed_setup(kind)
-            t_call = time.time()
-            mp.spawn(_baseline_seed_worker, args=(world, built, port, out_dir), nprocs=world, join=True)
-        else:
-            t_call = time.time()
-            mp.spawn(_baseline_worker, args=(world, kind, port, out_dir), nprocs=world, join=True)
+        built = _seed_setup(kind) if kind in SEED_KINDS else None
+        t_call = time.time()
+        mp.spawn(_baseline_worker, args=(world, kind, port, out_dir, built), nprocs=world, join=True)
         return _collect(out_dir, world, t_call)
-
-
-def _baseline_seed_worker(rank: int, world: int, built: tuple, port: int, out_dir: str) -> None:
-    """One rank of the hand-written baseline in the seed's shape: the caller's model, optimizer and data."""
-    import torch
-    import torch.distributed as dist
-
-    _threads_per_rank(world)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-
-    def prepare(model, optimizer=None):
-        if optimizer is None:  # one object, as the seed's function passes it when it makes the optimizer
-            return model if isinstance(model, torch.optim.Optimizer) else torch.nn.parallel.DistributedDataParallel(model)
-        return torch.nn.parallel.DistributedDataParallel(model), optimizer
-
-    Path(out_dir, f"rank-{rank}").write_text(json.dumps(_seed_work(*built, prepare, dist.barrier)))
-    dist.destroy_process_group()
 
 
 def _accelerate_worker(world: int, kind: str, out_dir: str, built: tuple | None = None) -> None:
