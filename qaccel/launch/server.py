@@ -83,8 +83,11 @@ _PR_SET_PDEATHSIG = 1  # prctl(2)
 LEFT_CALLER, READY = b"l", b"r"  # what a preloading server writes to its ready pipe
 QUICK_END_WAIT_S = 1.0  # how long the end of a quick-served launch waits for the quick server to exit
 LEFT_CALLER_WAIT_S = 2.0  # how long a first launch waits for a forked server to be scheduled at all
-_OPENBLAS, _OPENBLAS_PARK = "openblas", (("blas_thread_shutdown_", ()),)  # its own before-fork handler
-_GNU_OPENMP, _OPENMP_PAUSE = "libgomp", (("omp_pause_resource_all", (2,)),)  # 2: omp_pause_hard
+# the pools _quiet_pools stops, in this order: the library (a part of its file name), the calls that stop its pool
+_POOL_STOPS = {
+    "openblas": (("blas_thread_shutdown_", ()),),  # OpenBLAS's own before-fork handler
+    "libgomp": (("omp_pause_resource_all", (2,)),),  # GNU OpenMP; 2: omp_pause_hard
+}
 QUIET_WAIT_S = 0.01  # how long the stopped pools' threads may take to leave (they are gone within microseconds)
 
 
@@ -176,8 +179,7 @@ def _quiet_pools() -> bool:
     torch's pthreadpool (XNNPACK's), which ``torch.set_num_threads(n)`` makes with n - 1 threads, has no call that
     ends them: after it, the count stays above one.
     """
-    _call_in_loaded(_OPENBLAS, _OPENBLAS_PARK)
-    _call_in_loaded(_GNU_OPENMP, _OPENMP_PAUSE)
+    _call_in_loaded(_POOL_STOPS)
     return _threads_end()
 
 
@@ -418,16 +420,20 @@ def _thread_count() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def _call_in_loaded(library_name: str, functions: tuple[tuple[str, tuple[int, ...]], ...]) -> None:
-    """Call ``functions`` (name, arguments) in every loaded library whose file name contains ``library_name``."""
+def _call_in_loaded(calls: dict[str, tuple[tuple[str, tuple[int, ...]], ...]]) -> None:
+    """For each library of ``calls`` (a part of a file name), in order, call its functions (name, arguments) in
+    every loaded library whose file name contains it."""
     with open("/proc/self/maps") as maps:
-        paths = {line.split()[-1] for line in maps if library_name in line.rsplit("/", 1)[-1].lower()}
-    for path in sorted(paths):
-        with contextlib.suppress(OSError):
-            library = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-            for name, args in functions:
-                if hasattr(library, name):
-                    getattr(library, name)(*args)
+        paths = sorted({line.split()[-1] for line in maps if "/" in line})
+    for library_name, functions in calls.items():
+        for path in paths:
+            if library_name not in path.rsplit("/", 1)[-1].lower():
+                continue
+            with contextlib.suppress(OSError):
+                library = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+                for name, args in functions:
+                    if hasattr(library, name):
+                        getattr(library, name)(*args)
 
 
 @contextlib.contextmanager
