@@ -68,6 +68,7 @@ def test_a_caller_whose_openmp_pool_ran_has_it_stopped_and_forks_the_server():
     assert facts["server_threads"] == 1
     for rank in facts["ranks"]:
         assert rank["threads"] == 4 and rank["product"] == 512.0 and rank["total"] == 2.0 * (1 << 20), rank
+    assert facts["caller_after"] == 2.0 * (1 << 20), "the caller's parallel ops run after its pool was stopped"
 
 
 @pytest.mark.parametrize("after", ["paused", "as_is"])

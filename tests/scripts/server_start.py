@@ -54,6 +54,7 @@ def facts():
 
 if __name__ == "__main__":
     ranks = [acc.distribute(facts, all_results=True)() for _ in range(2)]
+    after = float((torch.ones(1 << 20) * 2).sum())  # the caller's own parallel ops, its pool started again
     server = multiprocessing.forkserver._forkserver._forkserver_pid
     with open(f"/proc/{server}/cmdline") as cmdline:
         command = cmdline.read().split("\0")
@@ -62,4 +63,5 @@ if __name__ == "__main__":
         "caller_threads": THREADS, "caller_threads_at_launch": len(os.listdir("/proc/self/task")),
         "server": server, "command": command,
         "server_threads": len(os.listdir(f"/proc/{server}/task")), "ranks": ranks[0] + ranks[1],
+        "caller_after": after,
     }))
