@@ -148,7 +148,7 @@ def _script_globals(objects: list[Any]) -> dict[str, Any] | None:
     return None
 
 
-# ---- logging ----
+# ---- warnings filters ----
 
 
 def _travelling_filter(entry: tuple) -> tuple:
@@ -190,6 +190,9 @@ class _NamedCategory(type):
     def __subclasscheck__(cls, subclass: type) -> bool:
         return any((getattr(base, "__module__", None), getattr(base, "__qualname__", None)) == cls.names
                    for base in getattr(subclass, "__mro__", ()))
+
+
+# ---- logging ----
 
 
 def _configured_loggers() -> list[tuple[str, logging.Logger]]:

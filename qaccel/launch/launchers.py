@@ -22,7 +22,7 @@ from qaccel.options import Config, StartMethod
 def choose(config: Config, env: Environment, hand_back: HandBack) -> Launcher:
     """The launcher for this process: a plain process with several ranks to start launches them (on the cluster,
     if one is given); every other process, and every process inside a session (a rank), runs fn in place."""
-    starts = env.kind.creates_processes and session.current() is None
+    starts = _starts_ranks(env)
     if starts and config.cluster is not None:
         return cluster.ClusterJob(config, env, hand_back)
     if starts and config.nprocs > 1:
@@ -34,8 +34,13 @@ def warm_up_in_kernel() -> None:
     """In a Jupyter kernel that would start ranks itself, start the server as qaccel is imported. A kernel runs
     threads, so its server is a fresh interpreter importing torch (≈ 1.6 s): started with the import cell, it is
     ready by the time a later cell launches, where starting it with the Accelerator would make that launch wait."""
-    if _in_jupyter_kernel() and environment.detect().kind.creates_processes and session.current() is None:
+    if _in_jupyter_kernel() and _starts_ranks(environment.detect()):
         server.warm_up(StartMethod.FORKSERVER)
+
+
+def _starts_ranks(env: Environment) -> bool:
+    """A process that starts ranks itself: no launcher made it a rank, and it is inside no session (no rank)."""
+    return env.kind.creates_processes and session.current() is None
 
 
 def _in_jupyter_kernel() -> bool:
