@@ -5,7 +5,7 @@ Latency of one launch = (latest time.time() any rank records right after its fir
 time.time() when it calls the launcher). Every "first launch" sample runs in a fresh interpreter (this script
 re-run with --child), so each runner's start-up is paid each time, as a user pays it running ``python train.py``.
 Each is timed bare (barrier only) and with real work: a 256-wide MLP prepared (DDP) with Adam and one training
-step taken before the barrier; then 50 more steps are timed (the time per step must not depend on how the ranks
+step taken before the barrier; then STEPS (200) more steps are timed (the time per step must not depend on how the ranks
 were started). Samples of the runners alternate within each round.
 
 qaccel is run three ways: as a script made with ``Accelerator()`` at its top runs it, calling at once (the server
@@ -18,7 +18,8 @@ compares with. qaccel's own import is compared with ``import torch``, both timed
 
 The seed's script is timed apart, the way its users write it: the model, its optimizer and the data built with
 torch ops in the caller first (their OpenMP pool runs), passed to the function, which prepares them, takes a step
-and reaches a barrier (call -> first step), then STEPS more steps. Spawn and Accelerate's notebook_launcher get
+and reaches a barrier (call -> first step), then STEPS more steps. Spawn, the same workers forked by hand (the
+floor of any launcher: the ranks inherit all the caller built and imported) and Accelerate's notebook_launcher get
 the same caller and function. qaccel makes its ``Accelerator()`` right before ``distribute()`` (the seed's order,
 timed from the Accelerator) or at the top of the script. A second shape makes the optimizer in the function, so
 that the caller never imports torch._dynamo and the ranks need it. The same two shapes run in a Jupyter kernel
@@ -172,15 +173,17 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def child_baseline(world: int, kind: str) -> dict:
-    """What a user writes by hand: mp.spawn the workers."""
+def child_baseline(world: int, kind: str, method: str = "spawn") -> dict:
+    """What a user writes by hand: mp.spawn the workers; ``method`` "fork": fork them, the floor of any launcher
+    in the seed's script (the ranks inherit the caller's model, data and imports)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="bench-baseline-") as out_dir:
         port = _free_port()
         built = _seed_setup(kind) if kind in SEED_KINDS else None
         t_call = time.time()
-        mp.spawn(_baseline_worker, args=(world, kind, port, out_dir, built), nprocs=world, join=True)
+        mp.start_processes(_baseline_worker, args=(world, kind, port, out_dir, built), nprocs=world, join=True,
+                           start_method=method)
         return _collect(out_dir, world, t_call)
 
 
@@ -412,8 +415,8 @@ def _runners(with_accelerate: bool) -> list[tuple[str, tuple]]:
 
 def _seed_runners(with_accelerate: bool) -> list[tuple[str, tuple]]:
     """(label, child arguments after world and kind) of each runner timed in the seed's script shape."""
-    runners = [("spawn", ("baseline",)), ("qaccel, seed's order", ("qaccel_seed",)),
-               ("qaccel, Accelerator at the top", ("qaccel_seed", 1))]
+    runners = [("spawn", ("baseline",)), ("forked by hand", ("baseline", "fork")),
+               ("qaccel, seed's order", ("qaccel_seed",)), ("qaccel, Accelerator at the top", ("qaccel_seed", 1))]
     return runners + ([("accelerate", ("accelerate",))] if with_accelerate else [])
 
 
@@ -482,6 +485,11 @@ def report_world(world: int, data: dict, with_accelerate: bool, with_kernel: boo
     for kind in SEED_KINDS:
         for label in ("qaccel, seed's order", "qaccel, Accelerator at the top"):
             targets += _seed_targets(world, kind, label, med, with_accelerate)
+    for kind in SEED_KINDS if with_accelerate else ():
+        fork, theirs = med("forked by hand", kind), med("accelerate", kind)
+        targets.append((None, f"world {world}, {SHAPES[kind]}: forked by hand (os.fork, gloo, DDP; no launcher) "
+                        f"{fork:.3f} s = {fork / theirs:.2f} x Accelerate ({theirs:.3f} s), the floor of a first "
+                        "launch"))
     for kind in SEED_KINDS if with_kernel and with_accelerate else ():
         ours, theirs = med("kernel, qaccel, Run All", kind), med("kernel, accelerate, Run All", kind)
         paused = med(f"kernel, qaccel, launch {KERNEL_PAUSE_S} s after the import", kind)
