@@ -21,8 +21,8 @@ from qaccel.launch import cluster, in_place, launchers
 from qaccel.launch.protocol import HandBack, Launcher
 from qaccel.nested import map_leaves
 from qaccel.options import Backend, DeviceType, DistributedType, MixedPrecision, Strategy
-from qaccel.train import (batch, checkpoint, gradients, precision, prepare, profiling, progress, seeding, sharding,
-                          stopping)
+from qaccel.train import (background, batch, checkpoint, gradients, precision, prepare, profiling, progress, seeding,
+                          sharding, stopping)
 from qaccel.train.batch_size import release_memory
 from qaccel.train.registry import GradientState, Registry
 from qaccel.train.uneven import overridden as uneven_batches
@@ -425,7 +425,7 @@ class Accelerator:
         checkpoint.save(obj, path, self._live())
 
     def save_state(self, directory: str | os.PathLike | None = None, *, keep: int | None = None,
-                   safe_serialization: bool = True) -> str:
+                   background: bool = False, safe_serialization: bool = True) -> str:
         """Checkpoint prepared models, optimizers, LR schedulers and loaders, the fp16 scaler, every rank's RNG
         states, registered objects and the step count, atomically; returns the checkpoint's path. Call it on
         every rank. ``safe_serialization`` (Accelerate's) changes nothing: the files are qaccel's, checksummed.
@@ -433,13 +433,26 @@ class Accelerator:
         ``keep=K`` makes ``directory`` a folder of checkpoints named by step (``checkpoint_<step>``) of which the
         K newest stay. Without a directory, it saves into the folder given to resume(), keeping as many as it said,
         or else numbered into ``<project_dir>/checkpoints``.
+
+        ``background=True`` returns once the state is copied aside (one extra copy of it in CPU memory, until the
+        files are written) and writes the files while training goes on: the checkpoint is complete when its marker
+        is written, as any. One save at a time: the next save, a load and the end of the call wait for it. A failure
+        is raised on every rank at a prepared optimizer's step() once every rank's save ended, or by the next save,
+        load, wait_for_checkpoint() or the end of the distribute() call.
         """
+        if not isinstance(background, bool):
+            raise TypeError(f"background must be True or False; got {background!r}")
         registry = self._registry()
         numbered = keep is not None
         if directory is None:
             directory, resume_keep = self._checkpoints("save_state()")
             keep, numbered = resume_keep if keep is None else keep, True
-        return checkpoint.save_state(directory, registry, self._live(), _keep(keep), numbered)
+        return checkpoint.save_state(directory, registry, self._live(), _keep(keep), numbered, background)
+
+    def wait_for_checkpoint(self) -> str | None:
+        """Wait for the save_state(background=True) in flight: its checkpoint's path, complete now (None when no
+        save is in flight), or the save's failure raised. Call it on every rank."""
+        return background.wait(self._registry())
 
     def load_state(self, directory: str | os.PathLike | None = None, *, missing_ok: bool = False) -> str | None:
         """Restore a save_state() checkpoint into the objects prepared (and registered) in this run, in order.
@@ -498,13 +511,19 @@ class Accelerator:
             sys.stderr.write(checkpoint.resumed_line(loaded, registry, ctx) + "\n")
             sys.stderr.flush()
         if registry.stopper is None:
-            registry.stopper = stopping.Stopper(ctx, self.save_state, requeue, self._config.timeout)
+            registry.stopper = stopping.Stopper(ctx, self._save_at_stop, requeue, self._config.timeout)
             for loader in registry.loaders:
                 stopping.shield_workers(loader)
             run = session.current_run()
             if run is not None:
                 run.at_call_end(functools.partial(_end_stop, registry))
         return loaded
+
+    def _save_at_stop(self) -> str:
+        """A stop's save: blocking, after the background save in flight, whose failure is said, not raised (the
+        state at the stop is what the next run needs)."""
+        background.settle(self._registry())
+        return self.save_state()
 
     def register_for_checkpointing(self, *objs: Any) -> None:
         """Add objects with state_dict()/load_state_dict() to what save_state() writes."""

@@ -144,6 +144,18 @@ def test_a_second_fit_continues_the_folders_checkpoints_and_ends_where_one_long_
         f"checkpoint_{steps:08d}" for steps in (4, 8, 12, 16, 20)], "after each epoch, 0 to 4"
 
 
+def test_checkpoints_written_in_the_background_resume_as_the_blocking_ones(tmp_path):
+    fields = dict(nprocs=2, checkpoint_every=1, checkpoint_in_background=True)
+    _trainer(_config(tmp_path, max_iter=2, **fields)).fit()
+    more = _trainer(_config(tmp_path, max_iter=4, **fields))
+    more.fit()  # from the first fit's last checkpoint, written in the background
+    straight = _trainer(_config(tmp_path, nprocs=2, max_iter=4, checkpoint_every=1, log_folder=tmp_path / "straight"))
+    straight.fit()
+    assert torch.equal(_params(more.model), _params(straight.model)), "bitwise the same as one blocking fit"
+    assert sorted(p.name for p in (more.log_folder / "checkpoints").iterdir()) == [
+        f"checkpoint_{steps:08d}" for steps in (4, 8, 12, 16, 20)], "every one complete, nothing half-written"
+
+
 def test_early_stopping_stops_every_rank_after_the_same_epoch(tmp_path):
     stop = EarlyStopping(on="val_epoch_end", called_every=1, monitor="val_loss", patience=1, mode="max")
     trainer = _trainer(_config(tmp_path, nprocs=2, max_iter=10, val_every=1, callbacks=[stop]))

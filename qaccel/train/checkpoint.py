@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import errno
+import functools
 import glob
 import hashlib
 import json
@@ -24,7 +25,7 @@ from qaccel import storage
 from qaccel.comm import collectives
 from qaccel.comm.session import RankContext
 from qaccel.errors import CheckpointError
-from qaccel.train import prepare, sharding
+from qaccel.train import background, prepare, sharding
 from qaccel.train.registry import Registry
 
 MODEL_FILE = "model.pt"
@@ -81,8 +82,24 @@ def save_model(model: torch.nn.Module, directory: str | os.PathLike, ctx: RankCo
 # ---- saving ----
 
 
+@dataclass
+class _Saving:
+    """One save_state(): where it goes, and what it writes, taken at the call (a background save's copied aside)."""
+
+    directory: str
+    target: str
+    tmp: str
+    numbered: bool
+    keep: int | None
+    parts: dict[str, list[Any]]  # rank 0: what it writes as .pt files (models and optimizers unless sharded)
+    rngs: list[Any]  # rank 0: every rank's random states
+    marker: dict[str, Any]  # rank 0: the marker's entries but the files
+    sharded: dict[str, Any] | None  # every rank: its shards of the models and optimizers (strategy="fsdp")
+
+
 def save_state(
-    directory: str | os.PathLike, registry: Registry, ctx: RankContext, keep: int | None = None, numbered: bool = False
+    directory: str | os.PathLike, registry: Registry, ctx: RankContext, keep: int | None = None, numbered: bool = False,
+    in_background: bool = False,
 ) -> str:
     """Checkpoint everything a resumed run needs, atomically: models, optimizers, schedulers, the fp16 scaler,
     every rank's RNG states, loader positions, registered objects and the step count. Returns the path written.
@@ -92,18 +109,71 @@ def save_state(
     parts into a temporary directory beside the target and swaps it in. A crash before the swap leaves the previous
     checkpoint untouched; a crash between the swap's two renames leaves it as ``<target>.old-*``, which load_state()
     falls back to. A failure is raised on every rank; a full disk as an OSError saying how much room there was.
+
+    ``in_background``: return once the state is copied aside; a thread writes the files (see background.py). A
+    save still in flight ends first, whatever ``in_background`` is.
     """
     directory = os.path.abspath(os.fspath(directory))
     target = os.path.join(directory, f"checkpoint_{registry.updates:08d}") if numbered else directory
+    background.wait(registry)
     tmp = collectives.broadcast(_new_tmp(target) if ctx.rank == 0 else None, 0, ctx)
+    try:
+        saving = _collect(directory, target, tmp, numbered, keep, registry, ctx, in_background)
+    except BaseException:
+        if ctx.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if in_background:
+        background.start(registry, ctx, target, functools.partial(_write, saving, ctx))
+    else:
+        _write(saving, ctx, background.Peers(ctx))
+    return target
+
+
+def _collect(directory: str, target: str, tmp: str, numbered: bool, keep: int | None, registry: Registry,
+             ctx: RankContext, copy: bool) -> _Saving:
+    """What this save writes, read from the objects now (``copy``: copied aside, for a background save). Rank 0's
+    parts fail on every rank: the peers learn of it with the RNG states they send."""
+    failure: Exception | None = None
+    parts: dict[str, list[Any]] = {}
+    marker: dict[str, Any] = {}
+    sharded = None
+    try:
+        if registry.mesh is not None:
+            sharded = sharding.state_dicts(registry.models, _optimizers(registry))
+        if ctx.rank == 0:
+            parts, marker = _parts(registry), _new_marker(registry, ctx.world_size)
+        if copy:
+            parts, sharded = background.copy_aside(parts), background.copy_aside(sharded)
+    except Exception as exc:  # noqa: BLE001 - told to every rank, then raised here
+        failure = exc
+    gathered = collectives.gather_object((_rng_state(), None if failure is None else _told(failure)), ctx)
+    if failure is not None:
+        raise failure
+    for rank, (_, told) in enumerate(gathered):
+        if told is not None:
+            raise RuntimeError(f"save_state() failed on rank {rank} ({told}); the previous checkpoint stands")
+    return _Saving(directory, target, tmp, numbered, keep, parts, [rng for rng, _ in gathered] if ctx.rank == 0 else [],
+                   marker, sharded)
+
+
+def _told(exc: BaseException) -> str:
+    """``exc`` in words for the other ranks, with qaccel's notes (the file it was writing)."""
+    return " ".join([f"{type(exc).__name__}: {exc}", *getattr(exc, "__notes__", [])])
+
+
+def _write(saving: _Saving, ctx: RankContext, peers: background.Peers) -> None:
+    """Write what ``saving`` holds and swap it in, on every rank, the ranks talking through ``peers``: each its
+    shards, rank 0 the rest and the marker last. Raises on every rank when any part failed."""
+    tmp, target = saving.tmp, saving.target
     failure: BaseException | None = None
     try:
         shard_sums: dict[str, dict[str, int]] = {}
-        if registry.mesh is not None:  # sharded models: every rank writes its own shards (fails on every rank)
+        if saving.sharded is not None:  # sharded models: every rank writes its own shards (fails on every rank)
             sharded = os.path.join(tmp, SHARDED_DIR)
-            sharding.save_sharded(sharded, registry.models, _optimizers(registry))
+            sharding.save_sharded(sharded, saving.sharded, peers.group)
             shard_sums = _own_shard_sums(sharded, ctx.rank)
-        gathered = collectives.gather_object((_rng_state(), shard_sums), ctx)
+        gathered = peers.gather(shard_sums)
     except BaseException as exc:
         written = storage.tree_size(tmp) if ctx.rank == 0 else None
         if ctx.rank == 0:
@@ -113,18 +183,18 @@ def save_state(
         raise
     if ctx.rank == 0:
         try:
-            _write_checkpoint(target, tmp, registry, gathered, ctx.world_size)
-            if numbered and keep is not None:
-                _prune(directory, keep)
+            _write_checkpoint(saving, gathered)
+            if saving.numbered and saving.keep is not None:
+                _prune(saving.directory, saving.keep)
         except Exception as exc:  # noqa: BLE001 - told to every rank, then raised here
             written = storage.tree_size(tmp)
             shutil.rmtree(tmp, ignore_errors=True)
-            failure, told = exc, (None, f"{type(exc).__name__}: {exc}")
+            failure, told = exc, (None, _told(exc))
             if storage.disk_full(exc) is not None:  # every rank raises the same OSError
                 failure = _saving_failed(exc, target, written)
                 failure.__cause__, told = exc, (failure.errno, failure.strerror)
     # In place of a barrier: every rank learns whether rank 0's part failed, so none trains on as if it was saved.
-    outcome = collectives.broadcast(None if failure is None else told, 0, ctx)
+    outcome = peers.broadcast(None if failure is None else told)
     if failure is not None:
         raise failure
     if outcome is not None:
@@ -132,7 +202,6 @@ def save_state(
         if errno_ is not None:
             raise OSError(errno_, text)
         raise RuntimeError(f"save_state() failed on rank 0 ({text}); the previous checkpoint stands")
-    return target
 
 
 def _saving_failed(exc: BaseException, target: str, written: int | None) -> OSError:
@@ -165,13 +234,17 @@ def _own_shard_sums(sharded: str, rank: int) -> dict[str, dict[str, int]]:
             for name in sorted(os.listdir(sharded)) if name.startswith(f"__{rank}_")}
 
 
-def _write_checkpoint(directory: str, tmp: str, registry: Registry, gathered: list[tuple[dict, dict]],
-                      world_size: int) -> None:
-    """Rank 0 writes everything but the shards (peers sent their RNG states and shard sums), the marker last with
-    every file's size and checksum, and swaps the folder in, so a failure here cannot pull a directory from under a
-    peer that is still writing."""
-    files = {name: sums.to_json() for name, sums in _write_parts(tmp, registry).items()}
-    for rank, (rng, shard_sums) in enumerate(gathered):
+def _write_checkpoint(saving: _Saving, gathered: list[dict[str, dict[str, int]]]) -> None:
+    """Rank 0 writes everything but the shards (the peers sent their RNG states at the call and their shards' sums
+    now), the marker last with every file's size and checksum, and swaps the folder in, so a failure here cannot
+    pull a directory from under a peer that is still writing."""
+    tmp = saving.tmp
+    files = {}
+    for kind, items in saving.parts.items():
+        for i, item in enumerate(items):
+            name = "scaler.pt" if kind == "scaler" else f"{kind}_{i}.pt"
+            files[name] = storage.save(item, os.path.join(tmp, name)).to_json()
+    for rank, (rng, shard_sums) in enumerate(zip(saving.rngs, gathered)):
         files[f"random_states_{rank}.pt"] = storage.save(rng, os.path.join(tmp, f"random_states_{rank}.pt")).to_json()
         files.update(shard_sums)
     for base, _, names in os.walk(os.path.join(tmp, SHARDED_DIR)):
@@ -179,15 +252,9 @@ def _write_checkpoint(directory: str, tmp: str, registry: Registry, gathered: li
             relative = os.path.relpath(os.path.join(base, name), tmp).replace(os.sep, "/")
             if relative not in files:
                 files[relative] = storage.sums(os.path.join(base, name)).to_json()
-    marker: dict[str, Any] = {"format": FORMAT, "step": registry.updates, "world_size": world_size,
-                              "accumulation_steps": registry.accumulation_steps}
-    if registry.mesh is not None:
-        marker["sharded"] = {"model": len(registry.models), "optimizer": len(registry.optimizers)}
-    trackers = registry.trackers.state()  # rank 0's runs (log_with), continued by load_state()
-    if trackers is not None:
-        marker["trackers"] = trackers
-    marker["files"] = dict(sorted(files.items()))
+    marker = {**saving.marker, "files": dict(sorted(files.items()))}
     storage.write_bytes(json.dumps(marker, indent=1).encode(), os.path.join(tmp, MARKER_FILE))
+    directory = saving.target
     old = f"{directory}.old-{secrets.token_hex(6)}" if os.path.exists(directory) else None
     if old:
         os.rename(directory, old)
@@ -196,8 +263,21 @@ def _write_checkpoint(directory: str, tmp: str, registry: Registry, gathered: li
         shutil.rmtree(old)
 
 
-def _write_parts(tmp: str, registry: Registry) -> dict[str, storage.Sums]:
-    sharded = registry.mesh is not None  # then models and optimizers are in SHARDED_DIR
+def _new_marker(registry: Registry, world_size: int) -> dict[str, Any]:
+    """The marker's entries but the files, as the registry says now."""
+    marker: dict[str, Any] = {"format": FORMAT, "step": registry.updates, "world_size": world_size,
+                              "accumulation_steps": registry.accumulation_steps}
+    if registry.mesh is not None:
+        marker["sharded"] = {"model": len(registry.models), "optimizer": len(registry.optimizers)}
+    trackers = registry.trackers.state()  # rank 0's runs (log_with), continued by load_state()
+    if trackers is not None:
+        marker["trackers"] = trackers
+    return marker
+
+
+def _parts(registry: Registry) -> dict[str, list[Any]]:
+    """Rank 0's state dicts, by kind (the models and optimizers are in the shards when they are sharded)."""
+    sharded = registry.mesh is not None
     parts = {
         "model": [] if sharded else [get_state_dict(m) for m in registry.models],
         "optimizer": [] if sharded else [o.state_dict() for o in registry.optimizers],
@@ -207,12 +287,7 @@ def _write_parts(tmp: str, registry: Registry) -> dict[str, storage.Sums]:
     }
     if registry.scaler is not None:
         parts["scaler"] = [registry.scaler.state_dict()]
-    written = {}
-    for kind, items in parts.items():
-        for i, item in enumerate(items):
-            name = "scaler.pt" if kind == "scaler" else f"{kind}_{i}.pt"
-            written[name] = storage.save(item, os.path.join(tmp, name))
-    return written
+    return parts
 
 
 def _prune(directory: str, keep: int) -> None:
@@ -306,6 +381,7 @@ def load_state(directory: str | os.PathLike, registry: Registry, ctx: RankContex
     which no one may be watching) the next older intact one is read, with a warning naming what was skipped.
     """
     directory = os.path.abspath(os.fspath(directory))
+    background.wait(registry)  # a background save in flight may be writing the checkpoint asked for
     candidates = collectives.broadcast(_candidates(directory) if ctx.rank == 0 else None, 0, ctx)
     if not candidates:
         if missing_ok:

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from qaccel.train import sharding
+from qaccel.comm import session
+from qaccel.train import background, sharding
 
 if TYPE_CHECKING:
     from qaccel.train.registry import Registry
@@ -61,6 +62,8 @@ class PreparedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         self.step_was_skipped = False
         registry = self._registry
+        if registry.saving is not None:  # a background save's failure is raised here, at the same step on every rank
+            background.poll(registry, session.current())
         if registry.accumulation_steps > 1 and not registry.accumulating_loop:
             raise RuntimeError(_outside_accumulate(registry))
         if not registry.sync_gradients:

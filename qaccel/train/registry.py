@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.stateful import Stateful  # 0.6 s to import: for the annotation only
     from torch.distributed.device_mesh import DeviceMesh
 
+    from qaccel.train.background import Flight, Peers
     from qaccel.train.data import PreparedDataLoader
     from qaccel.train.gradients import PreparedOptimizer
     from qaccel.train.stopping import Stopper
@@ -74,6 +75,8 @@ class Registry:
     accumulating: bool = False  # strategy="fsdp": sharded models hold unsharded gradients over micro-steps
     trigger: bool = False  # set_trigger() was called on this rank since the last check_trigger() that saw one
     trackers: Trackers = field(default_factory=Trackers)  # log_with's, once init_trackers() started them
+    saving: Flight | None = None  # the background save in flight (background.py)
+    save_peers: Peers | None = None  # how the background saves' threads talk, from the session's first one
 
     def release(self, finished: bool = True) -> None:
         """Forget the session's objects as it ends. Prepared optimizers and loaders point back here, so these lists

@@ -158,11 +158,12 @@ def state_dicts(models: list[torch.nn.Module], optimizers: list[Any]) -> dict[st
     return out
 
 
-def save_sharded(path: str, models: list[torch.nn.Module], optimizers: list[Any]) -> None:
-    """Every rank writes its shards under ``path`` (rank 0 also the metadata). A collective."""
+def save_sharded(path: str, states: dict[str, Any], group: Any = None) -> None:
+    """Every rank writes its shards of ``states`` (state_dicts()'s) under ``path`` (rank 0 also the metadata). A
+    collective over ``group`` (None: the default group)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(state_dicts(models, optimizers), storage_writer=_writer(path))
+    dcp.save(states, storage_writer=_writer(path), process_group=group)
 
 
 def _writer(path: str) -> Any:

@@ -52,6 +52,9 @@ class TrainConfig(options.Options):
     """Write the epoch's metrics to the tracker every this many epochs (validation metrics are always written)."""
     checkpoint_every: int = 0
     """Save a checkpoint every this many epochs (ignored with ``checkpoint_best_only``)."""
+    checkpoint_in_background: bool = False
+    """Write the checkpoints (``checkpoint_every``'s and the best one) while training goes on: each save returns once
+    the state is copied aside (``save_state(background=True)``)."""
     plot_every: int = 0
     """Call ``plotting_functions`` and log their figures every this many epochs."""
     callbacks: list[Callback] = field(default_factory=list)
@@ -96,8 +99,8 @@ class TrainConfig(options.Options):
         _count("batch_size", self.batch_size, 1)
         for name in ("print_every", "write_every", "checkpoint_every", "plot_every", "val_every"):
             _count(name, getattr(self, name), 0)
-        for name in ("log_model", "create_subfolder_per_run", "checkpoint_best_only", "verbose",
-                     "all_reduce_metrics"):
+        for name in ("log_model", "create_subfolder_per_run", "checkpoint_best_only", "checkpoint_in_background",
+                     "verbose", "all_reduce_metrics"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"TrainConfig.{name} must be True or False; got {getattr(self, name)!r}")
         if isinstance(self.val_epsilon, bool) or not isinstance(self.val_epsilon, (int, float)) \

@@ -382,9 +382,10 @@ class Trainer:
         """Save a checkpoint in the run's folder (every rank): numbered, or the ``best`` one."""
         if self.log_folder is None:
             raise RuntimeError("save_checkpoint() saves into the run's folder: call it during fit()")
+        background = self.config.checkpoint_in_background
         if best:
-            return self.accelerator.save_state(self.log_folder / BEST)
-        return self.accelerator.save_state()
+            return self.accelerator.save_state(self.log_folder / BEST, background=background)
+        return self.accelerator.save_state(background=background)
 
     # ---- inside a rank ----
 

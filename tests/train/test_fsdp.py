@@ -240,16 +240,20 @@ def test_a_sharded_model_returned_from_a_rank_says_what_to_return_instead():
 # ---- checkpoints ----
 
 
+class _Unwritable:
+    def __reduce__(self):
+        raise OSError("disk full")
+
+
 class Exploding:
-    """A registered object whose state_dict raises when told to: a save that dies after the shards are written."""
+    """A registered object whose state cannot be written when told so: a save that dies after the shards are
+    written (rank 0 writes the registered objects after them)."""
 
     def __init__(self):
         self.explode = False
 
     def state_dict(self):
-        if self.explode:
-            raise OSError("disk full")
-        return {}
+        return {"payload": _Unwritable()} if self.explode else {}
 
     def load_state_dict(self, state):
         pass
@@ -288,8 +292,11 @@ def checkpoints(tmp_path_factory):
     acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=60, strategy="fsdp", fsdp_modules=[Block])
     full = acc.distribute(_checkpointed)(acc, str(root / "full"), EPOCHS)
     failed = acc.distribute(_checkpointed, all_results=True)(acc, str(root / "part"), EPOCHS, explode_at=2)
-    assert failed == ["save failed: disk full", "save failed: save_state() failed on rank 0 (OSError: disk full); "
-                      "the previous checkpoint stands"]
+    written = f"{root / 'part' / 'checkpoint_00000012'}.tmp-"
+    assert failed[0] == "save failed: disk full"
+    assert failed[1].startswith(f"save failed: save_state() failed on rank 0 (OSError: disk full [qaccel] while "
+                                f"writing {written}") and failed[1].endswith("/registered_0.pt); the previous "
+                                                                             "checkpoint stands"), failed[1]
     after_failed_save = sorted(os.listdir(root / "part"))
     assert acc.distribute(_checkpointed)(acc, str(root / "part"), EPOCHS, stop_after=2) == "stopped"
     return {"acc": acc, "root": root, "full": full, "after_failed_save": after_failed_save}

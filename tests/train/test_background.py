@@ -1,0 +1,276 @@
+"""save_state(background=True): training goes on while the files are written; what is written is the state at the
+call, bitwise; a failure reaches every rank at the same step; a crash, a full disk or a stop leaves the previous
+checkpoint the newest complete one; one copy of the state at most, given back when the save ends."""
+
+from __future__ import annotations
+
+import errno
+import glob
+import os
+import signal
+import time
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from qaccel import Accelerator, Preempted
+from qaccel.train.checkpoint import MARKER_FILE, newest_checkpoint
+
+pytestmark = pytest.mark.timeout(240)
+
+WIDTH = 1024  # 1M parameters: 4 MiB, Adam's moments twice that; writing them takes far longer than spoiling them
+STATE_MIB = 12
+
+
+def _accelerator(kind: str) -> Accelerator:
+    if kind == "one process":
+        return Accelerator(nprocs=1, compute_setup="cpu")
+    options = {"strategy": "fsdp", "fsdp_min_params": 1} if kind == "fsdp" else {}
+    return Accelerator(nprocs=2, compute_setup="cpu", timeout=60, **options)
+
+
+def _setup(acc, seed=0, width=WIDTH):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh(), torch.nn.Linear(width, 1))
+    return acc.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-3))
+
+
+def _step(acc, model, optimizer, width=WIDTH):
+    x = torch.randn(8, width)  # from the global generator, whose state the checkpoint holds
+    optimizer.zero_grad()
+    acc.backward(model(x).pow(2).mean())
+    optimizer.step()
+
+
+def _spoil(model, optimizer):
+    """Change every parameter, optimizer state (the step counts too) and the random state, in place."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(-3).add_(1)
+        for state in optimizer.state.values():
+            for value in state.values():
+                if torch.is_tensor(value):
+                    value.add_(7)
+    torch.randn(5)
+
+
+def _save_then_spoil(acc, folder, background):
+    """Three steps, a save, and at once every value the save holds changed (torch #144657)."""
+    model, optimizer = _setup(acc)
+    for _ in range(3):
+        _step(acc, model, optimizer)
+    path = acc.save_state(folder, background=background)
+    complete_at_return = os.path.exists(os.path.join(path, MARKER_FILE))
+    _spoil(model, optimizer)
+    return path, complete_at_return, acc.wait_for_checkpoint()
+
+
+def _resume_and_train(acc, folder):
+    model, optimizer = _setup(acc, seed=1)
+    acc.load_state(folder)
+    for _ in range(3):
+        _step(acc, model, optimizer)
+    return {k: v.clone() for k, v in acc.get_state_dict(model).items()}, acc.step
+
+
+@pytest.mark.parametrize("kind", ["one process", "ddp", "fsdp"])
+def test_a_background_save_writes_the_state_at_the_call_and_resumes_as_a_blocking_one(tmp_path, kind):
+    acc = _accelerator(kind)
+    blocking = acc.distribute(_save_then_spoil)(acc, str(tmp_path / "blocking"), False)
+    background = acc.distribute(_save_then_spoil)(acc, str(tmp_path / "background"), True)
+    assert blocking == (str(tmp_path / "blocking"), True, None), "a blocking save is complete when it returns"
+    assert background == (str(tmp_path / "background"), False, str(tmp_path / "background")), \
+        "returned before the files were written; complete once waited for"
+    if kind != "fsdp":
+        for name in ("model_0.pt", "optimizer_0.pt", "random_states_0.pt"):
+            saved = [torch.load(tmp_path / which / name, weights_only=True) for which in ("blocking", "background")]
+            assert _equal(*saved), name
+    (state, step), (expected, expected_step) = (acc.distribute(_resume_and_train)(acc, str(tmp_path / which))
+                                                for which in ("background", "blocking"))
+    assert step == expected_step == 6
+    assert state.keys() == expected.keys() and all(torch.equal(state[k], expected[k]) for k in expected)
+
+
+def _equal(a, b) -> bool:
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_equal, a, b))
+    return a == b
+
+
+# ---- failures ----
+
+
+class _Unwritable:
+    """Copied aside at the call, but its pickling fails: in the save's thread, while it writes the files."""
+
+    def __deepcopy__(self, memo):
+        return _Unwritable()
+
+    def __reduce__(self):
+        raise OSError("the device went away")
+
+
+class _Failing:
+    def __init__(self):
+        self.fail = False
+
+    def state_dict(self):
+        return {"payload": _Unwritable()} if self.fail else {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def _until_raised(acc, model, optimizer, width=WIDTH):
+    """Steps until one raises: at which step, and what (type, message, notes)."""
+    for i in range(10_000):
+        try:
+            _step(acc, model, optimizer, width)
+        except Exception as exc:  # noqa: BLE001 - the test compares what every rank raised
+            return i, type(exc).__name__, str(exc), getattr(exc, "__notes__", [])
+        time.sleep(0.001)
+    return None
+
+
+def _failing_in_the_thread(acc, folder):
+    model, optimizer = _setup(acc)
+    failing = _Failing()
+    acc.register_for_checkpointing(failing)
+    _step(acc, model, optimizer)
+    first = acc.save_state(folder, keep=5, background=True)
+    failing.fail = True
+    _step(acc, model, optimizer)  # it waits for nothing: the first save may be in flight still
+    acc.save_state(folder, keep=5, background=True)  # waits for the first, then fails in its thread
+    return first, _until_raised(acc, model, optimizer), acc.wait_for_checkpoint()
+
+
+def test_a_failed_background_save_is_raised_on_every_rank_at_the_same_step(acc, tmp_path):
+    folder = tmp_path / "ckpt"
+    ranks = acc.distribute(_failing_in_the_thread, all_results=True)(acc, str(folder))
+    target = folder / "checkpoint_00000002"
+    (first, (at, kind, message, notes), waited), (_, (at_1, kind_1, message_1, notes_1), _) = ranks
+    assert at == at_1, "the same step on every rank"
+    assert (kind, message) == ("OSError", "the device went away")
+    assert notes[0] == f"[qaccel] while writing {target}.tmp-" + notes[0].split(".tmp-")[1], "the file"
+    assert notes[0].endswith("/registered_0.pt")
+    assert kind_1 == "RuntimeError"
+    assert message_1 == f"save_state() failed on rank 0 (OSError: the device went away {notes[0]}); the previous " \
+                        "checkpoint stands"
+    for said in (notes[-1], notes_1[-1]):
+        assert said == f"[qaccel] raised by the background save of {target} (save_state at step 2); the " \
+                       "checkpoint before it stands"
+    assert waited is None, "raised once, then forgotten"
+    assert os.listdir(folder) == ["checkpoint_00000001"] and first == str(folder / "checkpoint_00000001")
+
+
+def _fill_up_in_background(acc, folder):
+    model, optimizer = _setup(acc, width=300)  # 0.34 MiB, Adam's moments twice that: one checkpoint fits in 2 MiB
+    _step(acc, model, optimizer, 300)
+    first = acc.save_state(folder, keep=5, background=True)
+    _step(acc, model, optimizer, 300)
+    acc.save_state(folder, keep=5, background=True)
+    return first, _until_raised(acc, model, optimizer, 300)
+
+
+@pytest.mark.small_disk
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_a_disk_that_fills_up_during_a_background_save_is_raised_on_every_rank(small_disk, kind):
+    acc = _accelerator(kind)
+    folder = os.path.join(small_disk, "ckpt")
+    ranks = acc.distribute(_fill_up_in_background, all_results=True)(acc, folder)
+    assert ranks[0][1][0] == ranks[1][1][0], "the same step on every rank"
+    for first, (_, kind_, message, notes) in ranks:
+        assert kind_ == "OSError", message
+        assert message.startswith(f"[Errno {errno.ENOSPC}] save_state() could not write {folder}/checkpoint_00000002:"
+                                  " the disk is full while writing "), message
+        assert "the previous checkpoint stands" in message and "checkpoint_00000002.tmp-" in message
+        assert notes[-1].startswith(f"[qaccel] raised by the background save of {folder}/checkpoint_00000002")
+    assert os.listdir(folder) == ["checkpoint_00000001"], "the previous checkpoint, and nothing half-written"
+    assert first == os.path.join(folder, "checkpoint_00000001")
+
+
+def _killed_while_writing(acc, folder):
+    model, optimizer = _setup(acc)
+    _step(acc, model, optimizer)
+    acc.save_state(folder, keep=5)
+    _step(acc, model, optimizer)
+    acc.save_state(folder, keep=5, background=True)
+    if acc.rank == 0:
+        while not glob.glob(os.path.join(glob.escape(folder), "checkpoint_00000002.tmp-*", "*.pt")):
+            time.sleep(0.001)
+        os.kill(os.getpid(), signal.SIGKILL)  # the thread has begun writing
+    acc.wait_for_checkpoint()
+
+
+def _load(acc, folder):
+    model, optimizer = _setup(acc, seed=1)
+    return acc.load_state(folder), acc.step
+
+
+def test_a_rank_killed_during_a_background_save_leaves_the_previous_checkpoint_the_newest(acc, tmp_path):
+    folder = str(tmp_path / "ckpt")
+    with pytest.raises(Exception, match="rank 0"):
+        acc.distribute(_killed_while_writing)(acc, folder)
+    assert newest_checkpoint(folder) == os.path.join(folder, "checkpoint_00000001")
+    assert acc.distribute(_load)(acc, folder) == (os.path.join(folder, "checkpoint_00000001"), 1)
+
+
+def _stopped_while_writing(acc, folder):
+    model, optimizer = _setup(acc)
+    loader = acc.prepare(DataLoader(TensorDataset(torch.zeros(400, 1)), batch_size=1))
+    acc.resume(folder, keep=None)
+    for _ in loader:
+        _step(acc, model, optimizer)
+        if acc.step == 2:
+            acc.save_state(background=True)
+            if acc.rank == 0:
+                os.kill(os.getpid(), signal.SIGTERM)
+    return "finished"
+
+
+def test_a_stop_signal_waits_for_the_background_save_in_flight_then_saves(acc, tmp_path):
+    folder = tmp_path / "ckpt"
+    with pytest.raises(Preempted) as stopped:
+        acc.distribute(_stopped_while_writing)(acc, str(folder))
+    stop = stopped.value.checkpoint
+    assert stop != str(folder / "checkpoint_00000002"), "the stop came at a later step"
+    names = sorted(os.listdir(folder))
+    assert names == ["checkpoint_00000002", os.path.basename(stop)], "both complete, nothing half-written"
+    for name in names:
+        assert (folder / name / MARKER_FILE).exists()
+    assert newest_checkpoint(folder) == stop
+
+
+# ---- one save at a time, one copy at most ----
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _saves_in_a_row(acc, folder, count):
+    model, optimizer = _setup(acc)
+    at_call, idle = [], []
+    for i in range(count):
+        _step(acc, model, optimizer)
+        before = _rss_mib()
+        acc.save_state(folder, keep=2, background=True)  # waits for the one before
+        at_call.append(_rss_mib() - before)
+        if i % 5 == 4:
+            acc.wait_for_checkpoint()
+            idle.append(_rss_mib())  # no save in flight: no copy held
+    return at_call, idle, sorted(os.listdir(folder))
+
+
+def test_saves_in_a_row_wait_for_each_other_and_the_copy_is_given_back(single, tmp_path):
+    at_call, idle, names = single.distribute(_saves_in_a_row)(single, str(tmp_path / "ckpt"), 20)
+    assert names == ["checkpoint_00000019", "checkpoint_00000020"]
+    assert max(at_call) <= 1.25 * STATE_MIB + 4, f"one copy of the state at most: {at_call} MiB"
+    assert idle[-1] <= idle[0] + 1.5 * STATE_MIB, f"20 saves do not grow the process (a copy kept: 15 x 12 MiB): " \
+                                                 f"{idle} MiB"
