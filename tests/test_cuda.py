@@ -243,6 +243,42 @@ def test_forked_loader_workers_of_a_rank_that_uses_cuda_and_a_spawned_child_that
     assert {method for _, _, method in out} == {"fork"}
 
 
+# ---- save_state(background=True) of GPU tensors: copied to the CPU at the call ----
+
+
+def _saved_then_changed(acc, folder, background):
+    """Three steps on the GPU, a save, every parameter and optimizer state changed at once; what loads back."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Tanh(), torch.nn.Linear(512, 1))
+    model, optimizer = acc.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-3))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        optimizer.zero_grad()
+        acc.backward(model(acc.prepare_batch(torch.randn(8, 512, generator=g))).pow(2).mean())
+        optimizer.step()
+    acc.save_state(folder, background=background)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1)
+        for state in optimizer.state.values():
+            for value in state.values():
+                if torch.is_tensor(value):
+                    value.add_(1)
+    acc.wait_for_checkpoint()
+    acc.load_state(folder)
+    devices = {str(p.device) for p in model.parameters()}
+    return {k: v.detach().cpu().clone() for k, v in acc.get_state_dict(model).items()}, devices
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_background_save_on_the_gpu_writes_the_state_at_the_call(strategy, tmp_path):
+    acc = Accelerator(compute_setup="gpu", strategy=strategy)
+    (blocking, devices), (background, _) = (acc.distribute(_saved_then_changed)(acc, str(tmp_path / way), way == "bg")
+                                            for way in ("blocking", "bg"))
+    assert devices == {"cuda:0"}
+    assert blocking.keys() == background.keys() and all(torch.equal(blocking[k], background[k]) for k in blocking)
+
+
 # ---- strategy="fsdp" (FSDP2) on the GPU: a one-rank NCCL mesh; and CPU ranks on a GPU machine stay on the CPU ----
 
 
