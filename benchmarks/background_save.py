@@ -45,16 +45,11 @@ import torch
 import torch.distributed as dist
 
 from qaccel import Accelerator
-from report import verdict
+from report import resident, verdict
 
 SAVE_AT = 2  # the checkpoint is asked for before this step of the window
 WAYS = ("none", "torch.save", "blocking", "background", "dcp async")
 TARGETS = {"lost": 0.1, "steps": 1.15, "blocking": 1.10}
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def _torch_save(acc, model, optimizer, path: str) -> None:
@@ -108,8 +103,9 @@ def _window(acc, model, optimizer, way: str, folder: str, steps: int, width: int
         future.result()
     wait = time.perf_counter() - start
     dist.barrier()
-    shutil.rmtree(path, ignore_errors=True) if acc.is_main_process and os.path.isdir(path) else None
-    if acc.is_main_process and os.path.isfile(path):
+    if acc.is_main_process and os.path.isdir(path):
+        shutil.rmtree(path)
+    elif acc.is_main_process and os.path.isfile(path):
         os.remove(path)
     return {"times": times, "during": during, "call": call, "wait": wait}
 
@@ -125,9 +121,8 @@ def _train(acc, layers: int, width: int, strategy: str, rounds: int, steps: int,
         optimizer.step()
     group = dist.new_group(backend="gloo")
     ways = [w for w in WAYS if not (strategy == "fsdp" and w == "torch.save")]
-    out: dict = {"rounds": [], "rss": [], "state_mb": 0}
     local = [t.to_local() if hasattr(t, "to_local") else t for t in model.parameters()]
-    out["state_mb"] = sum(t.numel() * t.element_size() * 3 for t in local) / 1e6
+    out: dict = {"rounds": [], "rss": [], "state_mb": sum(t.numel() * t.element_size() * 3 for t in local) / 1e6}
     for r in range(rounds):
         order = ways[r % len(ways):] + ways[:r % len(ways)]
         windows = {}
@@ -137,7 +132,7 @@ def _train(acc, layers: int, width: int, strategy: str, rounds: int, steps: int,
                 out["first call"] = first["call"]
             windows[way] = _window(acc, model, optimizer, way, folder, steps, width, group)
         out["rounds"].append(windows)
-        out["rss"].append(_rss_mib())
+        out["rss"].append(resident() / 2**20)
     return out
 
 
@@ -151,8 +146,7 @@ def _slowest(ranks: list[dict], round_: int, way: str) -> dict:
         lost = window["call"] + sum(t - normal for t in during) + window["wait"]
         figures.append({"lost": lost, "during": len(during), "steps": (statistics.mean(during) / normal) if during
                         else None, "normal": normal, "wait": window["wait"], "call": window["call"]})
-    worst = max(figures, key=lambda f: f["lost"])
-    return worst
+    return max(figures, key=lambda f: f["lost"])
 
 
 def main() -> None:

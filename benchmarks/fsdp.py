@@ -60,7 +60,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from qaccel import Accelerator
-from report import row, verdict
+from report import resident, row, verdict
 from step_overhead import timed_section
 
 LAYERS, WIDTH, BATCH = 24, 2048, 8
@@ -109,11 +109,6 @@ def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict
         "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
         "optimizer": sum(local_bytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)),
     }
-
-
-def resident() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * resource.getpagesize()
 
 
 def memory_probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:

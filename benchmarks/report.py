@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import resource
 import statistics
 import time
 
@@ -15,6 +16,12 @@ def row(name: str, samples: list[float]) -> tuple[str, float, float, float]:
 def verdict(ok: bool) -> str:
     """PASS or MISS: benchmarks report against their targets, they do not gate."""
     return "PASS" if ok else "MISS"
+
+
+def resident() -> int:
+    """This process's resident set, in bytes."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize()
 
 
 def timed(block, calls: int) -> float:

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from qaccel import Accelerator, Preempted
 from qaccel.train.checkpoint import MARKER_FILE, newest_checkpoint
+from support.states import FailsWhenTold
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -105,27 +106,6 @@ def _equal(a, b) -> bool:
 # ---- failures ----
 
 
-class _Unwritable:
-    """Copied aside at the call, but its pickling fails: in the save's thread, while it writes the files."""
-
-    def __deepcopy__(self, memo):
-        return _Unwritable()
-
-    def __reduce__(self):
-        raise OSError("the device went away")
-
-
-class _Failing:
-    def __init__(self):
-        self.fail = False
-
-    def state_dict(self):
-        return {"payload": _Unwritable()} if self.fail else {}
-
-    def load_state_dict(self, state):
-        pass
-
-
 def _until_raised(acc, model, optimizer, width=WIDTH):
     """Steps until one raises: at which step, and what (type, message, notes)."""
     for i in range(10_000):
@@ -139,7 +119,7 @@ def _until_raised(acc, model, optimizer, width=WIDTH):
 
 def _failing_in_the_thread(acc, folder):
     model, optimizer = _setup(acc)
-    failing = _Failing()
+    failing = FailsWhenTold("the device went away")
     acc.register_for_checkpointing(failing)
     _step(acc, model, optimizer)
     first = acc.save_state(folder, keep=5, background=True)

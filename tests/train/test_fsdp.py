@@ -17,6 +17,7 @@ from qaccel.options import FSDP_MIN_PARAMS, Backend, MixedPrecision, Strategy, _
 from qaccel.train.sharding import units
 from support.procs import once_per_session, run_script, run_torchrun, slurm_env
 from support.real_train import REAL, checked, real_env
+from support.states import FailsWhenTold
 
 EPOCHS = 3
 
@@ -240,25 +241,6 @@ def test_a_sharded_model_returned_from_a_rank_says_what_to_return_instead():
 # ---- checkpoints ----
 
 
-class _Unwritable:
-    def __reduce__(self):
-        raise OSError("disk full")
-
-
-class Exploding:
-    """A registered object whose state cannot be written when told so: a save that dies after the shards are
-    written (rank 0 writes the registered objects after them)."""
-
-    def __init__(self):
-        self.explode = False
-
-    def state_dict(self):
-        return {"payload": _Unwritable()} if self.explode else {}
-
-    def load_state_dict(self, state):
-        pass
-
-
 def _checkpointed(acc, ckpt, epochs, stop_after=None, explode_at=None):
     torch.manual_seed(0)
     model = Net()
@@ -266,7 +248,7 @@ def _checkpointed(acc, ckpt, epochs, stop_after=None, explode_at=None):
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 5, 0.5)
     loader = DataLoader(_data(), batch_size=4, shuffle=True)
     model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
-    exploding = Exploding()
+    exploding = FailsWhenTold("disk full")  # rank 0 writes registered objects after the shards
     acc.register_for_checkpointing(exploding)
     acc.resume(ckpt, keep=2)
     for epoch in range(loader.epoch, epochs):
@@ -275,7 +257,7 @@ def _checkpointed(acc, ckpt, epochs, stop_after=None, explode_at=None):
             optimizer.step()
             optimizer.zero_grad()
             scheduler.step()
-        exploding.explode = epoch + 1 == explode_at
+        exploding.fail = epoch + 1 == explode_at
         try:
             acc.save_state()
         except (OSError, RuntimeError) as failed:  # rank 0's own error; the others are told of it
@@ -326,7 +308,7 @@ def _load(acc, ckpt):
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 5, 0.5)
     loader = DataLoader(_data(), batch_size=4, shuffle=True)
     model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
-    acc.register_for_checkpointing(Exploding())
+    acc.register_for_checkpointing(FailsWhenTold("disk full"))
     acc.load_state(ckpt)
     moments = sorted(round(float(s["exp_avg_sq"].sum()), 6) for s in optimizer.state.values()) \
         if acc.world_size == 1 or acc.strategy == "ddp" else None
