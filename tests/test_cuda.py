@@ -124,7 +124,7 @@ def test_device_placement_false_leaves_the_model_and_batches_on_the_cpu():
     acc = Accelerator(compute_setup="gpu", device_placement=False)
     model, loader = acc.prepare(_mlp(), torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=4))
     assert next(model.parameters()).device.type == "cpu" and next(iter(loader)).device.type == "cpu"
-    placed, = Accelerator(compute_setup="gpu").prepare(_mlp(), device_placement=[True])
+    placed = Accelerator(compute_setup="gpu").prepare(_mlp(), device_placement=[True])
     assert next(placed.parameters()).device.type == "cuda"
 
 

@@ -2,7 +2,7 @@
 thread of each rank writes the files while training goes on; the checkpoint is complete, as any, once its marker is.
 
 The copy puts every tensor into new CPU memory, a CPU tensor's too (the next optimizer step changes those in place:
-torch #144657); FSDP2's shards go through torch.distributed.checkpoint's stager, which keeps their layout. It is
+torch #144657); an FSDP2 shard (a DTensor) is copied by its own to(), which keeps its mesh and placements. It is
 dropped when the save ends, so a rank holds at most one copy of its state, and only while a save is in flight. The
 thread runs at the lowest priority (NICE): it writes with what training leaves of the cores. The threads talk over a
 gloo group of their own, made at the first background save of the session: their collectives must not interleave
@@ -93,30 +93,18 @@ class Flight:
 
 def copy_aside(state: Any) -> Any:
     """``state`` with every tensor copied into new CPU memory (one tensor met twice is copied once), the rest deep
-    copied. FSDP2's shards (DTensors) are copied by torch.distributed.checkpoint's stager, which keeps their layout."""
+    copied."""
     if not state:
         return state
     memo: dict[int, Any] = {}
-    stagers: list[Any] = []
 
     def copy_tensor(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor) and id(leaf) not in memo:
-            if type(leaf) in (torch.Tensor, torch.nn.Parameter):
-                memo[id(leaf)] = _copied(leaf)
-            else:
-                if not stagers:
-                    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-                    stagers.append(DefaultStager(StagingOptions(False, False, False, False)))
-                memo[id(leaf)] = stagers[0].stage(leaf)
+            memo[id(leaf)] = _copied(leaf)
         return leaf
 
-    try:
-        map_leaves(state, copy_tensor)
-        return copy.deepcopy(state, memo)
-    finally:
-        for stager in stagers:
-            stager.close()  # it would keep its copies for the next save
+    map_leaves(state, copy_tensor)
+    return copy.deepcopy(state, memo)
 
 
 def _copied(tensor: torch.Tensor) -> torch.Tensor:
@@ -125,8 +113,8 @@ def _copied(tensor: torch.Tensor) -> torch.Tensor:
     memory here, 0.08 s into memory already touched; 2 MiB pages made it slower once written checkpoints filled
     the page cache)."""
     tensor = tensor.detach()
-    if tensor.layout is not torch.strided or tensor.is_quantized:
-        return tensor.to("cpu", copy=True)
+    if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided or tensor.is_quantized:
+        return tensor.to("cpu", copy=True)  # a DTensor copies its shard and keeps its mesh and placements
     return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu").copy_(tensor)
 
 
