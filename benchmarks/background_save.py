@@ -7,7 +7,9 @@ Adam: a state of 1.21 GB (parameters and two moments). DDP: each rank holds all 
 
 One launch. After --warmup steps, each round runs every way, in an order that rotates every round, as two windows
 in a row of --steps training steps, each with one checkpoint asked for before step SAVE_AT; the second window
-counts (a run saves one way, again and again: the first pays for memory the other ways left in use). The ways:
+counts, saving over the first one's checkpoint as a run saves again and again (torch.save overwrites its file,
+save_state replaces its folder, async_save rewrites its files); the first pays for memory the other ways left in
+use. The ways:
 
     none        no checkpoint: the window's median step is the normal step of the round
     torch.save  by hand: rank 0 torch.save of the model's and optimizer's state dicts to one file, flushed and
@@ -62,8 +64,9 @@ def _torch_save(acc, model, optimizer, path: str) -> None:
     dist.barrier()
 
 
-def _window(acc, model, optimizer, way: str, folder: str, steps: int, width: int, group) -> dict:
-    """One window of ``steps`` steps, with the checkpoint of ``way`` before step SAVE_AT: this rank's timings."""
+def _window(acc, model, optimizer, way: str, folder: str, steps: int, width: int, group, last: bool) -> dict:
+    """One window of ``steps`` steps, with the checkpoint of ``way`` before step SAVE_AT: this rank's timings. The
+    checkpoint is removed after the ``last`` window of the way only: the next one follows it, as in a run."""
     x = torch.randn(8, width)
     path = os.path.join(folder, way.replace(" ", "_").replace(".", "_"))
     times, during, call, future = [], [], 0.0, None
@@ -103,10 +106,11 @@ def _window(acc, model, optimizer, way: str, folder: str, steps: int, width: int
         future.result()
     wait = time.perf_counter() - start
     dist.barrier()
-    if acc.is_main_process and os.path.isdir(path):
-        shutil.rmtree(path)
-    elif acc.is_main_process and os.path.isfile(path):
-        os.remove(path)
+    if last and acc.is_main_process:
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.isfile(path):
+            os.remove(path)
     return {"times": times, "during": during, "call": call, "wait": wait}
 
 
@@ -127,10 +131,10 @@ def _train(acc, layers: int, width: int, strategy: str, rounds: int, steps: int,
         order = ways[r % len(ways):] + ways[:r % len(ways)]
         windows = {}
         for way in order:  # the second of two windows in a row: a run saves one way, again and again
-            first = _window(acc, model, optimizer, way, folder, steps, width, group)
+            first = _window(acc, model, optimizer, way, folder, steps, width, group, last=False)
             if r == 0 and way == "background":
                 out["first call"] = first["call"]
-            windows[way] = _window(acc, model, optimizer, way, folder, steps, width, group)
+            windows[way] = _window(acc, model, optimizer, way, folder, steps, width, group, last=True)
         out["rounds"].append(windows)
         out["rss"].append(resident() / 2**20)
     return out

@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from qaccel import Accelerator, CheckpointError, ProjectConfiguration
+from support.pagecache import cached_in, droppable
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -114,6 +115,29 @@ def _load_weight(acc, ckpt):
     model = acc.prepare(torch.nn.Linear(2, 1))
     acc.load_state(ckpt)
     return acc.unwrap_model(model).weight.flatten().tolist()
+
+
+def _two_numbered_saves(acc, folder):
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    model, optimizer = acc.prepare(model, torch.optim.Adam(model.parameters()))
+    cached = []
+    for _ in range(2):
+        model(torch.randn(2, 256)).sum().backward()
+        optimizer.step()
+        cached.append(cached_in(acc.save_state(folder, keep=5)))
+    return cached, {name: cached_in(os.path.join(folder, name)) for name in sorted(os.listdir(folder))}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_save_first_drops_the_checkpoint_before_it_from_the_page_cache(strategy, tmp_path):
+    """The pages freed are what the save's copy and files take next (see _hand_on_pages)."""
+    if why := droppable(tmp_path):
+        pytest.skip(why)
+    sharding = {"strategy": "fsdp", "fsdp_min_params": 1} if strategy == "fsdp" else {}
+    acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=60, **sharding)
+    written, now = acc.distribute(_two_numbered_saves)(acc, str(tmp_path))
+    assert all(written), "a checkpoint just written is in the page cache"
+    assert now == {"checkpoint_00000001": {}, "checkpoint_00000002": written[1]}
 
 
 def test_a_failed_save_leaves_the_previous_checkpoint_intact(acc, tmp_path):
