@@ -15,8 +15,8 @@ use. The ways:
     torch.save  by hand: rank 0 torch.save of the model's and optimizer's state dicts to one file, flushed and
                 fsynced, then a barrier (DDP only: under FSDP2 no rank has the whole state)
     blocking    save_state(folder)
-    background  save_state(folder, background=True); a step is "during the save" until the checkpoint's marker is
-                there; wait_for_checkpoint() after the window
+    background  save_state(folder, background=True); a step is "during the save" until the new checkpoint is in
+                place of the one before it; wait_for_checkpoint() after the window
     dcp async   by hand: torch.distributed.checkpoint.async_save of the model's and optimizer's state dicts
                 (torch's stager copies them) over a gloo group of its own; a step is "during the save" until the
                 future is done; its result() after the window
@@ -42,6 +42,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -64,13 +65,21 @@ def _torch_save(acc, model, optimizer, path: str) -> None:
     dist.barrier()
 
 
+def _folder_id(path: str) -> int | None:
+    """The inode of the complete checkpoint at ``path`` (save_state swaps a new folder in), None if there is none."""
+    try:
+        return os.stat(path).st_ino if os.path.exists(os.path.join(path, "qaccel_state.json")) else None
+    except OSError:
+        return None
+
+
 def _window(acc, model, optimizer, way: str, folder: str, steps: int, width: int, group, last: bool) -> dict:
     """One window of ``steps`` steps, with the checkpoint of ``way`` before step SAVE_AT: this rank's timings. The
     checkpoint is removed after the ``last`` window of the way only: the next one follows it, as in a run."""
     x = torch.randn(8, width)
     path = os.path.join(folder, way.replace(" ", "_").replace(".", "_"))
     times, during, call, future = [], [], 0.0, None
-    in_flight = False
+    in_flight, before = False, None
     dist.barrier()
     for i in range(steps):
         if i == SAVE_AT and way != "none":
@@ -80,6 +89,7 @@ def _window(acc, model, optimizer, way: str, folder: str, steps: int, width: int
             elif way == "blocking":
                 acc.save_state(path)
             elif way == "background":
+                before = _folder_id(path)  # the checkpoint before it: in flight until another folder is in place
                 acc.save_state(path, background=True)
                 in_flight = True
             else:
@@ -90,8 +100,7 @@ def _window(acc, model, optimizer, way: str, folder: str, steps: int, width: int
                 in_flight = True
             call = time.perf_counter() - start
         if in_flight:
-            in_flight = not future.done() if future is not None else \
-                not os.path.exists(os.path.join(path, "qaccel_state.json"))
+            in_flight = not future.done() if future is not None else _folder_id(path) in (before, None)
         start = time.perf_counter()
         loss = model(x).pow(2).mean()
         optimizer.zero_grad()
@@ -124,6 +133,8 @@ def _train(acc, layers: int, width: int, strategy: str, rounds: int, steps: int,
         acc.backward(model(x).pow(2).mean())
         optimizer.step()
     group = dist.new_group(backend="gloo")
+    # async_save over its own previous checkpoint, as a run makes it: torch warns that it overwrites, each time
+    warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
     ways = [w for w in WAYS if not (strategy == "fsdp" and w == "torch.save")]
     local = [t.to_local() if hasattr(t, "to_local") else t for t in model.parameters()]
     out: dict = {"rounds": [], "rss": [], "state_mb": sum(t.numel() * t.element_size() * 3 for t in local) / 1e6}

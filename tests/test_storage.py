@@ -1,18 +1,17 @@
-"""qaccel.storage: written files are atomic and durable, and can give their page cache back."""
+"""qaccel.storage.release: a durable file's pages leave the page cache, and what it cannot open is passed over."""
 
 from __future__ import annotations
 
 import os
 
-import pytest
-
 from qaccel import storage
+from support import component
 from support.pagecache import cached_pages, droppable
 
 
 def test_release_drops_a_durable_files_pages_and_the_file_reads_back_the_same(tmp_path):
     if why := droppable(tmp_path):
-        pytest.skip(why)
+        component.unavailable(why)
     data = os.urandom(4 << 20)
     path = tmp_path / "part.bin"
     written = storage.write_bytes(data, path)
@@ -24,7 +23,7 @@ def test_release_drops_a_durable_files_pages_and_the_file_reads_back_the_same(tm
 
 def test_release_of_a_folder_drops_every_file_under_it_and_ignores_what_it_cannot_open(tmp_path):
     if why := droppable(tmp_path):
-        pytest.skip(why)
+        component.unavailable(why)
     (tmp_path / "sub").mkdir()
     for name in ("a.bin", "sub/b.bin"):
         storage.write_bytes(os.urandom(1 << 20), tmp_path / name)

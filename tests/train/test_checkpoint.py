@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from qaccel import Accelerator, CheckpointError, ProjectConfiguration
+from support import component
 from support.pagecache import cached_in, droppable
 
 pytestmark = pytest.mark.timeout(240)
@@ -132,7 +133,7 @@ def _two_numbered_saves(acc, folder):
 def test_a_save_first_drops_the_checkpoint_before_it_from_the_page_cache(strategy, tmp_path):
     """The pages freed are what the save's copy and files take next (see _hand_on_pages)."""
     if why := droppable(tmp_path):
-        pytest.skip(why)
+        component.unavailable(why)
     sharding = {"strategy": "fsdp", "fsdp_min_params": 1} if strategy == "fsdp" else {}
     acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=60, **sharding)
     written, now = acc.distribute(_two_numbered_saves)(acc, str(tmp_path))
