@@ -136,7 +136,7 @@ def _hand_on_pages(directory: str, target: str, numbered: bool) -> None:
     the page cache, on every rank, just before this save takes memory for its copy and files: the pages freed are
     reused at once. On a VM that hands free memory back to its host (virtio-balloon's free page reporting), memory
     taken anew costs a fault in the host per page, and writing a checkpoint beside a cached one is what made the
-    blocking save slower than torch.save overwriting its own file (benchmarks/background_save.py)."""
+    blocking save slower than torch.save overwriting its own file (benchmarks/repeated_save.py)."""
     if numbered:
         complete = _numbered(directory)
         previous = complete[-1][1] if complete else None
