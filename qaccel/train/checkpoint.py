@@ -116,7 +116,7 @@ def save_state(
     directory = os.path.abspath(os.fspath(directory))
     target = os.path.join(directory, f"checkpoint_{registry.updates:08d}") if numbered else directory
     background.wait(registry)
-    _hand_on_pages(directory, target, numbered)
+    _hand_on_pages(directory, target, numbered, ctx.rank)
     tmp = collectives.broadcast(_new_tmp(target) if ctx.rank == 0 else None, 0, ctx)
     try:
         saving = _collect(directory, target, tmp, numbered, keep, registry, ctx, in_background)
@@ -131,19 +131,26 @@ def save_state(
     return target
 
 
-def _hand_on_pages(directory: str, target: str, numbered: bool) -> None:
+def _hand_on_pages(directory: str, target: str, numbered: bool, rank: int) -> None:
     """Drop the checkpoint this save follows (the newest of ``directory``, or the one at ``target`` it replaces) from
-    the page cache, on every rank, just before this save takes memory for its copy and files: the pages freed are
-    reused at once. On a VM that hands free memory back to its host (virtio-balloon's free page reporting), memory
-    taken anew costs a fault in the host per page, and writing a checkpoint beside a cached one is what made the
-    blocking save slower than torch.save overwriting its own file (benchmarks/repeated_save.py)."""
+    the page cache just before this save takes memory for its copy and files, so that the pages freed are reused at
+    once: rank 0 drops every file, each other rank its own shards (only its host holds their pages), so that a save
+    opens each file about once, not once per rank. On a VM that hands free memory back to its host (virtio-balloon's
+    free page reporting), memory taken anew costs a fault in the host per page, and writing a checkpoint beside a
+    cached one is what made the blocking save slower than torch.save overwriting its own file
+    (benchmarks/repeated_save.py)."""
     if numbered:
         complete = _numbered(directory)
         previous = complete[-1][1] if complete else None
     else:
         previous = target if os.path.isdir(target) else None
-    if previous is not None:
+    if previous is None:
+        return
+    if rank == 0:
         storage.release(previous)
+    else:
+        for shard in glob.glob(os.path.join(glob.escape(previous), SHARDED_DIR, f"__{rank}_*")):
+            storage.release(shard)
 
 
 def _collect(directory: str, target: str, tmp: str, numbered: bool, keep: int | None, registry: Registry,
