@@ -1,5 +1,5 @@
-"""Shared fixtures, and the rule for tests that need a real component (markers slurm, two_hosts, small_disk and mpi, see
-support/component.py): they run only where the component can, else they are skipped saying why, or fail under
+"""Shared fixtures, and the rule for tests that need a real component (markers slurm, two_hosts, small_disk, mpi and
+other_user, see support/component.py): they run only where the component can, else they are skipped saying why, or fail under
 CI=true."""
 
 import contextlib
@@ -14,7 +14,7 @@ import pytest
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
 
-from support import component  # noqa: E402 - after the path is set
+from support import component, other_user  # noqa: E402 - after the path is set
 from support.slurm_cluster import LocalSlurm  # noqa: E402
 
 # A shell starts a background job (`cmd &`) with SIGINT ignored, and an ignored signal stays ignored across fork and
@@ -27,7 +27,8 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         pass
 
 _COMPONENTS = {"slurm": component.slurm_missing, "two_hosts": component.two_hosts_missing,
-               "small_disk": component.small_disk_missing, "mpi": component.mpi_missing}
+               "small_disk": component.small_disk_missing, "mpi": component.mpi_missing,
+               "other_user": other_user.missing}
 _WHY_NOT = pytest.StashKey[dict]()
 
 

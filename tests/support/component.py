@@ -1,5 +1,6 @@
 """Tests that need a real component: a local SLURM (marker ``slurm``), two simulated hosts (marker ``two_hosts``),
-a small file system that fills up (marker ``small_disk``) or Open MPI's mpirun (marker ``mpi``).
+a small file system that fills up (marker ``small_disk``), Open MPI's mpirun (marker ``mpi``) or a second unix account
+(marker ``other_user``, support/other_user.py).
 
 Whether the component can run here, installing what it needs with apt-get when root, and what happens when it
 cannot: the test is skipped with the reason, or fails under CI=true, so that CI never passes without it.
@@ -176,7 +177,9 @@ def report(environ: Mapping[str, str] = os.environ) -> list[str]:
     mpi = "mpirun found" if shutil.which("mpirun") else (
         "Open MPI not installed: installing it with apt-get (root) before the first test" if root
         else f"Open MPI not installed and not root: {cannot}")
-    return [f"slurm tests: {slurm}", f"two_hosts tests: {hosts}", f"small_disk tests: {disk}", f"mpi tests: {mpi}"]
+    other = "root: makes a second unix account (useradd)" if root else f"not root: {cannot}"
+    return [f"slurm tests: {slurm}", f"two_hosts tests: {hosts}", f"small_disk tests: {disk}", f"mpi tests: {mpi}",
+            f"other_user tests: {other}"]
 
 
 def apt_get_install(packages: Sequence[str], missing: Callable[[], list[str]], announce: Announce,
