@@ -16,7 +16,6 @@ from qaccel.comm import hangs, session
 from qaccel.comm.session import RankContext
 from qaccel.errors import CollectiveMismatchError
 from qaccel.nested import map_leaves
-from qaccel.options import Backend
 
 REDUCE_OPS = ("mean", "sum", "max", "min")
 _TORCH_OPS = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -53,7 +52,7 @@ def _agreed(ctx: RankContext, name: str, describe: Callable[..., str] | None, fn
     """
     call = name.replace("()", f"({describe(*args, **kwargs)})" if describe is not None else "()")
     digest = int.from_bytes(hashlib.blake2b(call.encode(), digest_size=7).digest(), "big")
-    extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=_comm_device(ctx))
+    extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=session.comm_device(ctx))
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
     if extremes[0].item() != -extremes[1].item():
         everyone: list[Any] = [None] * ctx.world_size
@@ -102,10 +101,6 @@ def _describe_broadcast(obj: Any, src: int, *rest: Any) -> str:
 def is_distributed() -> bool:
     """True where a process group exists, also a one-rank group the user made: its collectives are real."""
     return dist.is_available() and dist.is_initialized()
-
-
-def _comm_device(ctx: RankContext) -> torch.device:
-    return ctx.device if ctx.backend is Backend.NCCL else torch.device("cpu")
 
 
 @tracked("all_reduce_dict()", _describe_dict)
@@ -159,7 +154,7 @@ def _reduce_flat(tensors: list[torch.Tensor], op: str, ctx: RankContext) -> list
     on copies, so results do not depend on the world size.
     """
     world = ctx.world_size if is_distributed() else 1
-    device = _comm_device(ctx)
+    device = session.comm_device(ctx)
     groups: dict[torch.dtype, list[int]] = {}
     for i, tensor in enumerate(tensors):
         groups.setdefault(torch.int64 if tensor.dtype == torch.bool else tensor.dtype, []).append(i)
@@ -186,7 +181,7 @@ def broadcast(obj: Any, src: int, ctx: RankContext) -> Any:
     if not is_distributed():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, device=_comm_device(ctx))
+    dist.broadcast_object_list(box, src=src, device=session.comm_device(ctx))
     return box[0]
 
 
@@ -232,7 +227,7 @@ def _gather_tensor(tensor: torch.Tensor, shapes: list[tuple[int, ...]], ctx: Ran
     if any(shape[1:] != shapes[0][1:] for shape in shapes):
         raise ValueError(f"gather: tensors must match in every dim but dim 0; got shapes {shapes} by rank")
     longest = max(shape[0] for shape in shapes)
-    send = tensor.detach().to(_comm_device(ctx))
+    send = tensor.detach().to(session.comm_device(ctx))
     if send.shape[0] < longest:
         send = torch.cat([send, send.new_zeros((longest - send.shape[0], *send.shape[1:]))])
     chunks = [send.new_empty(send.shape) for _ in range(ctx.world_size)]

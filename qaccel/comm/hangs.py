@@ -27,7 +27,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from qaccel.comm.sealed import Sealed
 
 REPORT_WAIT_S = 3.0  # how long a rank that timed out waits for the others' answers
 CLOSE_WAIT_S = 2.0  # for the watcher to return from the store once woken
@@ -183,17 +186,18 @@ def is_timeout(exc: BaseException) -> bool:
 class Watch:
     """This rank's watcher for one session: answers requests through the store, and SIGUSR2."""
 
-    def __init__(self, rank: int, world_size: int, timeout: float, store: Any | None, to_log: bool,
+    def __init__(self, rank: int, world_size: int, timeout: float, store: Sealed | None, to_log: bool,
                  session_number: int) -> None:
-        """``store``: the group's rendezvous store (None for a group made without one, e.g. MPI's: then this rank
-        still says where it is, but cannot ask the others). ``session_number``: keeps sessions' keys apart."""
+        """``store``: qaccel's keys in the group's rendezvous store (None for a group made without one, e.g. MPI's:
+        then this rank still says where it is, but cannot ask the others). ``session_number``: keeps sessions' keys
+        apart. Requests and answers are sealed (sealed.py), answers also encrypted: they hold the user's source."""
         self.rank, self.world_size, self.timeout, self.to_log = rank, world_size, timeout, to_log
         self.calls = Calls()
-        self.prefix = f"qaccel_where/{session_number}/"
-        self.store = store
+        self.store = None if store is None else store.under(f"qaccel_where/{session_number}/")
         self.main = threading.get_ident()
         self.explained = False
-        self.listener = own_connection(store, _NEVER)  # blocked on, as long as the job runs
+        # blocked on, as long as the job runs
+        self.listener = None if self.store is None else self.store.connection(_NEVER)
         if self.listener is not None:
             self.thread = threading.Thread(target=self._listen, name="qaccel-where", daemon=True)
             self.thread.start()
@@ -206,7 +210,7 @@ class Watch:
         if self.usr2 is not None:
             self.usr2.close()
             self.usr2 = None  # it points back here: no cycle is left for the collector
-        if self.listener is None:
+        if self.listener is None or self.store is None:
             return
         try:
             self.store.set(self._key("wake", self.rank), "end")
@@ -226,8 +230,9 @@ class Watch:
         finally:
             self.calls.leave()
 
-    def _key(self, kind: str, rank: int) -> str:
-        return f"{self.prefix}{kind}/{rank}"
+    @staticmethod
+    def _key(kind: str, rank: int) -> str:
+        return f"{kind}/{rank}"
 
     def where_now(self, state: str | None = None) -> Where:
         """Where the main thread is now (from another thread)."""
@@ -235,12 +240,15 @@ class Watch:
         return Where.of(self.rank, self.calls, live_frames(frame), state)
 
     def _listen(self) -> None:
+        assert self.listener is not None
         try:
-            request = self.listener.get(self._key("wake", self.rank))
+            wake = self._key("wake", self.rank)
+            while (request := self.listener.get(wake)) is None:  # not sealed by this run: not a request
+                self.listener.delete(wake)
             if request == b"end" or self.explained:
                 return
             where = self.where_now()
-            self.listener.set(self._key("report", self.rank), json.dumps(where.__dict__))
+            self.listener.set(self._key("report", self.rank), json.dumps(where.__dict__), secret=True)
             if self.to_log:
                 _write_stderr(f"[qaccel] {request.decode()}; where rank {self.rank} of {self.world_size} is:\n"
                               f"{where.summary()}\n{where.details()}\n")
@@ -261,10 +269,11 @@ class Watch:
         others = [r for r in range(self.world_size) if r != self.rank]
         request = f"rank {self.rank} timed out after {self.timeout:g} s"
         try:
-            if self.listener is None:
+            if self.listener is None or self.store is None:
                 raise RuntimeError("this process group has no store that can be shared between threads")
-            self.store.set(self._key("report", self.rank), json.dumps(mine.__dict__))
-            self.store.multi_set([self._key("wake", r) for r in others], [request] * len(others))
+            self.store.set(self._key("report", self.rank), json.dumps(mine.__dict__), secret=True)  # if one asks
+            for rank in others:
+                self.store.set(self._key("wake", rank), request)
             wheres, missing = self._answers(others)
         except Exception as store_error:  # noqa: BLE001 - still say where this rank is
             wheres, missing = [], others
@@ -273,25 +282,11 @@ class Watch:
         exc.add_note(report(title, sorted([mine, *wheres], key=lambda w: w.rank), missing))
 
     def _answers(self, ranks: list[int]) -> tuple[list[Where], list[int]]:
+        assert self.store is not None
         keys = {r: self._key("report", r) for r in ranks}
-        deadline = time.monotonic() + REPORT_WAIT_S
-        while not self.store.check(list(keys.values())) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        present = [r for r in ranks if self.store.check([keys[r]])]
-        answers = self.store.multi_get([keys[r] for r in present]) if present else []
-        wheres = [Where(**json.loads(a)) for a in answers]
-        return wheres, [r for r in ranks if r not in present]
-
-
-def own_connection(store: Any | None, timeout: datetime.timedelta) -> Any | None:
-    """A connection of its own to ``store``, for a thread: its operations wait neither for the main thread's nor
-    for another thread's. None for no store, or one that cannot be cloned (a FileStore, say)."""
-    try:
-        connection = store.clone()
-        connection.set_timeout(timeout)
-        return connection
-    except Exception:  # noqa: BLE001
-        return None
+        answers = self.store.gather(list(keys.values()), REPORT_WAIT_S, secret=True)
+        wheres = [Where(**json.loads(answers[key])) for key in keys.values() if key in answers]
+        return wheres, [r for r, key in keys.items() if key not in answers]
 
 
 def _write_stderr(text: str) -> None:

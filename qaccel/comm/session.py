@@ -24,7 +24,7 @@ import torch.distributed as dist
 # wait until their timeout instead of failing at once (the batch-size search relies on that).
 import torch.distributed.nn.functional  # noqa: F401
 
-from qaccel.comm import hangs
+from qaccel.comm import hangs, sealed
 from qaccel.environment import Environment
 from qaccel.options import Backend, Config, DeviceType
 
@@ -62,6 +62,9 @@ class Run:
     timeout: float = 1800.0  # seconds a collective of the session's group waits
     # Why a collective now would wait forever (a loop step only some ranks take, even_batches=False); None: fine.
     alone: str | None = None
+    # qaccel's keys in the group's rendezvous store, sealed with the launch's key; None in a world of one, or
+    # for a group made without a store (MPI's)
+    store: sealed.Sealed | None = None
     watch: hangs.Watch | None = None  # says where this rank is when asked; None in a world of one
     # What holds this session's process group (prepared DDP and FSDP models): see release().
     bound: weakref.WeakSet = field(default_factory=weakref.WeakSet)
@@ -259,13 +262,14 @@ def apply_thread_budget(local_world_size: int) -> None:
 @contextmanager
 def session(
     ctx: RankContext, timeout: float, store: Callable[[int], dist.Store | None] | None = None, group_of_one: bool = False,
-    debug: bool = False, where_to_log: bool = False, process_ends: bool = False,
+    debug: bool = False, where_to_log: bool = False, process_ends: bool = False, key: bytes | None = None,
 ) -> Iterator[RankContext]:
     """Run a block as rank ``ctx``: device, threads and process group set up, always torn down afterwards.
 
     ``store(number)`` opens the rendezvous store for the session numbered ``number`` (None: a new group finds
     its own). A group the caller had already initialised is reused and left alone. ``group_of_one``: make a group even for
-    a world of one (FSDP2 shards over a device mesh, which needs one). ``debug``: see Run.debug.
+    a world of one (FSDP2 shards over a device mesh, which needs one). ``debug``: see Run.debug. ``key``: what
+    seals qaccel's keys in the store (sealed.py), the same on every rank; None: rank 0 makes one and sends it.
     ``where_to_log``: a rank asked where it is also prints it to its own output (under torchrun and srun, where
     each rank has its log; a plain launch's caller gets the answers in its error instead). ``process_ends``: the
     process exits after the session (a rank qaccel started), so no later session can meet what this one leaves.
@@ -291,7 +295,8 @@ def session(
             if getattr(hook, "__name__", "") == "_distributed_excepthook":
                 sys.excepthook = hook  # torch wraps it at each init: one "[rankN]: " prefix, not one per session
         if ctx.world_size > 1 and dist.is_initialized():
-            run.watch = hangs.Watch(ctx.rank, ctx.world_size, timeout, default_store(), where_to_log, run.number)
+            run.store = _sealed_store(ctx, key)
+            run.watch = hangs.Watch(ctx.rank, ctx.world_size, timeout, run.store, where_to_log, run.number)
         with _users_group_calls(ctx) if owns_group else nullcontext():
             yield ctx
         run.close(finished=True)
@@ -385,6 +390,21 @@ def renew_group(run: Run, store: dist.Store) -> None:
         time.sleep(GLOO_DRAIN_S)
     _init_group(run.ctx.backend, store=store, rank=run.ctx.rank, world_size=run.ctx.world_size,
                 timeout=datetime.timedelta(seconds=run.timeout))
+
+
+def _sealed_store(ctx: RankContext, key: bytes | None) -> sealed.Sealed | None:
+    """qaccel's keys in the default group's store, sealed with ``key`` or rank 0's (one broadcast as the session
+    starts); None for a group made without a store."""
+    store = default_store()
+    if store is None:
+        return None
+    return sealed.Sealed(store, key if key is not None else sealed.from_rank_0(None, ctx.rank, comm_device(ctx)),
+                         ctx.rank)
+
+
+def comm_device(ctx: RankContext) -> torch.device:
+    """Where the tensors of a collective live: the rank's GPU under NCCL, else the CPU."""
+    return ctx.device if ctx.backend is Backend.NCCL else torch.device("cpu")
 
 
 def default_store() -> dist.Store | None:

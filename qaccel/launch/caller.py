@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterator
 import torch.distributed as dist
 
 from qaccel import storage
+from qaccel.comm import sealed
 from qaccel.environment import Environment
 from qaccel.errors import Preempted, RankError
 from qaccel.launch import inherit, output, pickling, server, worker
@@ -50,6 +51,9 @@ from qaccel.launch.protocol import HandBack, Launcher
 from qaccel.launch.run_dir import run_directory
 from qaccel.options import Config
 
+# The ranks' group meets in a FileStore of the run directory, which no other user can open (False: in the caller's
+# TCPStore on 127.0.0.1, which any local user can; benchmarks/auth.py measures what the private one costs).
+PRIVATE_STORE = True
 STOP_GRACE_S = 3.0
 CAUSE_GRACE_S = 3.0
 _PREPARE_LOCK = threading.Lock()
@@ -86,12 +90,13 @@ def _launch(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, a
     environ["TORCHELASTIC_MAX_RESTARTS"] = str(config.max_restarts)
     with _sigint_after():
         payload = _dumps_payload(fn, args, kwargs)
+    umask = _umask()  # a umask set since the server started reaches the ranks and what they write
     procs: list = []
     with _forwarding_signals(procs) as received, run_directory() as run_dir:
         storage.write_bytes(payload, Path(run_dir, "payload"), durable=False)
         for attempt in itertools.count():
             environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
-            failures = _attempt(ctx, procs, run_dir, config, all_results, plain, environ, received)
+            failures = _attempt(ctx, procs, run_dir, config, all_results, plain, environ, received, umask)
             stop = next((sig for sig in received if sig in STOP_SIGNALS), None)
             if not failures and stop is None:
                 results = [_read_result(run_dir, rank) for rank in range(config.nprocs if all_results else 1)]
@@ -118,9 +123,15 @@ def _launch(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, a
 
 
 def _attempt(ctx: Any, procs: list, run_dir: str, config: Config, all_results: bool, plain: Callable[[Any], Any],
-             environ: dict[str, str], received: _Received) -> list[RankFailure]:
-    """Start the ranks, wait for them, stop them; the failures seen (none: every rank returned)."""
+             environ: dict[str, str], received: _Received, umask: int) -> list[RankFailure]:
+    """Start the ranks, wait for them, stop them; the failures seen (none: every rank returned).
+
+    The ranks' group meets in a FileStore of the run directory, which no other user can open, with qaccel's keys
+    sealed by a key made for the attempt (comm/sealed.py); the caller's TCPStore on 127.0.0.1 (MASTER_PORT) serves
+    only code of the user's that makes its own group with env://, as torchrun's store would."""
     store = _loopback_store(config.timeout)
+    key = sealed.new_key()
+    group_store = os.path.join(run_dir, f"store-{environ['TORCHELASTIC_RESTART_COUNT']}") if PRIVATE_STORE else ""
     procs.clear()
     readers = []
     outputs: list[output.PrefixedOutput] = []  # with rank_prefix: each rank's stdout and stderr, read here
@@ -132,7 +143,7 @@ def _attempt(ctx: Any, procs: list, run_dir: str, config: Config, all_results: b
             if streams is not None:
                 outputs.append(streams)
             spec = worker.RankSpec(run_dir, rank, config.nprocs, store.port, config, all_results or rank == 0, plain,
-                                   dict(environ))
+                                   dict(environ), group_store, key, umask)
             ends = streams.ends if streams is not None else None
             proc = ctx.Process(target=worker.rank_main, args=(spec, writer, ends), name=f"qaccel-rank-{rank}")
             _start_without_main(proc)
@@ -152,6 +163,21 @@ def _attempt(ctx: Any, procs: list, run_dir: str, config: Config, all_results: b
             reader.close()
         output.finish(outputs)  # every line the ranks wrote is out before distribute() returns or raises
         del store
+
+
+def _umask() -> int:
+    """This process's umask, read without setting it (Linux's /proc says it; setting it back and forth would leave
+    a file another thread creates meanwhile open to all)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
 
 
 def _clear_reports(run_dir: str) -> None:

@@ -28,20 +28,20 @@ class FailureReport(Protocol):
 
 
 def rank_session(ctx: RankContext, config: Config, store: Callable[[int], dist.Store | None],
-                 **options: bool) -> contextlib.AbstractContextManager[RankContext]:
-    """The session of rank ``ctx`` as ``config`` sets it up (FSDP's group of one, debug); ``options``: more of
-    ``session.session``'s switches."""
+                 key: bytes | None = None, **options: bool) -> contextlib.AbstractContextManager[RankContext]:
+    """The session of rank ``ctx`` as ``config`` sets it up (FSDP's group of one, debug); ``key``: what seals qaccel's
+    keys in the store (None: rank 0's); ``options``: more of ``session.session``'s switches."""
     return session.session(ctx, config.timeout, store=store, group_of_one=config.strategy is Strategy.FSDP,
-                           debug=config.debug, **options)
+                           debug=config.debug, key=key, **options)
 
 
 def run_as_rank(ctx: RankContext, config: Config, body: Callable[[], R], report: FailureReport,
-                store: Callable[[int], dist.Store | None], **options: bool) -> R:
+                store: Callable[[int], dist.Store | None], key: bytes | None = None, **options: bool) -> R:
     """``body()`` in a session of rank ``ctx``; ``store(session_number)`` opens the rendezvous store (inside, so that
-    its failure is reported too); ``options``: more of ``session.session``'s switches."""
+    its failure is reported too); ``key`` and ``options``: see rank_session."""
     early = 0  # id() of the exception reported early: not the exception, whose traceback holds this frame
     try:
-        with rank_session(ctx, config, store, **options):
+        with rank_session(ctx, config, store, key, **options):
             try:
                 return body()
             except BaseException as exc:

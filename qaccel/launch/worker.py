@@ -49,9 +49,11 @@ from qaccel.options import Config
 CHILD_START_METHOD = "fork"
 
 
-def become_worker(environ: dict[str, str]) -> None:
-    """Turn this freshly started rank process into a torchrun-like worker with environment ``environ``."""
+def become_worker(environ: dict[str, str], umask: int) -> None:
+    """Turn this freshly started rank process into a torchrun-like worker with environment ``environ`` and the
+    caller's ``umask`` (the server it was forked from has the one of its own start)."""
     os.setsid()
+    os.umask(umask)
     imports.import_quietly_when_needed()  # forked before the server imported torch._dynamo: see server.serving
     os.environ.clear()
     os.environ.update(environ)
@@ -63,16 +65,20 @@ def become_worker(environ: dict[str, str]) -> None:
 
 @dataclass(frozen=True)
 class RankSpec:
-    """What one rank process is told at start; everything else it reads from the run directory."""
+    """What one rank process is told at start, through the forkserver's pipe (no one else can read it); everything
+    else it reads from the run directory."""
 
     run_dir: str
     rank: int
     world_size: int
-    port: int
+    port: int  # the caller's TCPStore, MASTER_PORT: for code of the user's that joins env:// itself, as under torchrun
     config: Config
     keep_result: bool
     plain: Callable[[Any], Any]  # what an object of the result is outside its rank (protocol.HandBack.pickled)
     environ: dict[str, str]
+    store: str  # the file the ranks' group meets in (a FileStore in the private run directory); "": the TCPStore
+    key: bytes  # seals qaccel's keys in that store (comm/sealed.py)
+    umask: int  # the caller's, at the launch
 
 
 def _torchrun_extras(spec: RankSpec) -> dict[str, str]:
@@ -107,7 +113,7 @@ def rank_main(spec: RankSpec, caller: multiprocessing.connection.Connection,
     config = spec.config
     layout = Environment(Kind.PLAIN, rank=spec.rank, local_rank=spec.rank, world_size=spec.world_size,
                          local_world_size=spec.world_size, master_addr="127.0.0.1", master_port=spec.port)
-    become_worker({**spec.environ, **rank_variables(layout), **_torchrun_extras(spec)})
+    become_worker({**spec.environ, **rank_variables(layout), **_torchrun_extras(spec)}, spec.umask)
     threads, _ = session.thread_budget(spec.world_size)
     if threads is not None:  # torchrun exports 1; qaccel's budget, for what the rank starts and reads it
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
@@ -118,7 +124,12 @@ def rank_main(spec: RankSpec, caller: multiprocessing.connection.Connection,
     ctx = session.rank_context(config, spec.rank, spec.rank, 0, spec.world_size, spec.world_size)
 
     def store(session_number: int) -> dist.Store:
-        return dist.TCPStore("127.0.0.1", spec.port, None, False, timeout=datetime.timedelta(seconds=config.timeout))
+        timeout = datetime.timedelta(seconds=config.timeout)
+        if not spec.store:
+            return dist.TCPStore("127.0.0.1", spec.port, None, False, timeout=timeout)
+        opened = dist.FileStore(spec.store, -1)  # in the run directory (0700): no other user can open it
+        opened.set_timeout(timeout)
+        return opened
 
     def body() -> None:
         caller_state.forget_inherited()
@@ -132,7 +143,7 @@ def rank_main(spec: RankSpec, caller: multiprocessing.connection.Connection,
                                 durable=False)
 
     try:
-        run_as_rank(ctx, config, body, _CallerReport(spec, caller), store, process_ends=True)
+        run_as_rank(ctx, config, body, _CallerReport(spec, caller), store, key=spec.key, process_ends=True)
     except BaseException:
         raise SystemExit(1) from None
 

@@ -12,7 +12,6 @@ all of them.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import enum
 import functools
 import gc
@@ -23,10 +22,10 @@ import traceback
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.distributed as dist
 
 from qaccel import errors
 from qaccel.comm import session
+from qaccel.comm.sealed import Sealed
 from qaccel.options import Backend
 
 # Messages of the errors that mean "out of memory" (Accelerate's list): an allocation failed, so a smaller batch
@@ -119,9 +118,9 @@ def find_executable_batch_size(
 
 
 class Agreement:
-    """The ranks' agreement over one call's attempts, through the session's rendezvous store."""
+    """The ranks' agreement over one call's attempts, through the session's rendezvous store (its sealed keys)."""
 
-    def __init__(self, run: session.Run, store: dist.Store) -> None:
+    def __init__(self, run: session.Run, store: Sealed) -> None:
         self.run = run
         self.store = store
 
@@ -129,12 +128,9 @@ class Agreement:
     def begin(cls) -> Agreement | None:
         """The agreement for a call in a session of several ranks, or None (a process alone retries alone)."""
         run = session.current_run()
-        store = session.default_store() if dist.is_initialized() else None
-        if run is None or run.ctx.world_size < 2 or store is None:
+        if run is None or run.ctx.world_size < 2 or run.store is None:
             return None
-        # every rank calls in the same order, so its own count numbers the call as its peers' do
-        call = store.add(f"qaccel/batch_size/calls/rank{run.ctx.rank}", 1)
-        return cls(run, dist.PrefixStore(f"qaccel/batch_size/{call}", store))
+        return cls(run, run.store.under(run.key("qaccel_batch_size")))  # every rank calls in the same order
 
     @contextlib.contextmanager
     def watch(self, attempt: int) -> Iterator[None]:
@@ -147,7 +143,7 @@ class Agreement:
 
         def abort_when_a_peer_is_out() -> None:
             while not stop.wait(WATCH_INTERVAL_S):
-                if self.store.check([f"{attempt}/out_of_memory"]):
+                if self.store.value(f"{attempt}/out_of_memory") is not None:
                     session.leave_group(self.run.ctx)
                     return
 
@@ -170,25 +166,28 @@ class Agreement:
         if mine is Outcome.RAISED:  # the search ends here; the launcher stops peers waiting for this rank
             return mine
         keys = [f"{attempt}/rank{rank}" for rank in range(ctx.world_size)]
-        try:
-            self.store.wait(keys, datetime.timedelta(seconds=self.run.timeout))
-        except Exception as exc:
-            missing = [rank for rank, key in enumerate(keys) if not self.store.check([key])]
+        outcomes = self.store.gather(keys, self.run.timeout)
+        if len(outcomes) < len(keys):
+            missing = [rank for rank, key in enumerate(keys) if key not in outcomes]
             raise RuntimeError(f"find_executable_batch_size: rank(s) {missing} did not finish the attempt at batch "
-                               f"size {batch_size} within {self.run.timeout:g} s") from exc
-        outcomes = {Outcome(self.store.get(key).decode()) for key in keys}
-        return Outcome.OUT_OF_MEMORY if Outcome.OUT_OF_MEMORY in outcomes else mine
+                               f"size {batch_size} within {self.run.timeout:g} s")
+        everyone = {Outcome(outcome.decode()) for outcome in outcomes.values()}
+        return Outcome.OUT_OF_MEMORY if Outcome.OUT_OF_MEMORY in everyone else mine
 
     def renew(self, attempt: int) -> None:
         """Every rank into a new group for the next attempt."""
-        session.renew_group(self.run, dist.PrefixStore(f"{attempt}/group", self.store))
+        session.renew_group(self.run, self.store.plain(f"{attempt}/group"))
 
     def next_size(self, attempt: int, reducer: Callable[[], int]) -> int:
         """The next size, rank 0's: a reducer of the user's may differ between ranks."""
         size = reducer()
         if self.run.ctx.rank == 0:
             self.store.set(f"{attempt}/next", str(size))
-        return int(self.store.get(f"{attempt}/next").decode())
+        chosen = self.store.gather([f"{attempt}/next"], self.run.timeout)
+        if not chosen:
+            raise RuntimeError(f"find_executable_batch_size: rank 0 gave no next batch size within "
+                               f"{self.run.timeout:g} s")
+        return int(chosen[f"{attempt}/next"].decode())
 
 
 def _outcome(error: Exception | None) -> Outcome:

@@ -31,13 +31,12 @@ from typing import Any, Callable, Iterator
 import torch
 
 from qaccel.comm import collectives
-from qaccel.comm.hangs import own_connection
-from qaccel.comm.session import RankContext, current_run, default_store
+from qaccel.comm.sealed import Sealed
+from qaccel.comm.session import RankContext, current_run
 from qaccel.environment import slurm_job_state
 from qaccel.errors import Preempted
 
 CHECK_EVERY_S = 0.5  # how often each rank looks whether another announced a stop: a stop is agreed within about this
-AGREE_POLL_S = 0.002  # how often a rank looks whether every rank has said where its next check point is
 STORE_TIMEOUT = datetime.timedelta(seconds=60)  # one operation of the stop's store connection (they take µs)
 CLOSE_WAIT_S = 5.0  # for the watching thread to return at the session's end
 NEVER = 1 << 62  # Stopper.stop_at with no stop agreed: no check point count reaches it
@@ -246,8 +245,9 @@ class Stopper:
         self.error: BaseException | None = None  # what broke the watching thread, raised at the next check point
         self.agreed = threading.Event()
         self.ending = False  # the session ends: the watching thread returns
-        run, store = current_run(), default_store()
-        if ctx.world_size > 1 and (run is None or store is None):
+        run = current_run()
+        store = None if run is None else run.store
+        if ctx.world_size > 1 and store is None:
             raise RuntimeError(f"resume() on rank {ctx.rank} of {ctx.world_size}: the ranks agree on a stop through "
                                "their process group's rendezvous store, and this group has none (made by the MPI "
                                "backend?); start the ranks with qaccel, torchrun or srun")
@@ -259,8 +259,9 @@ class Stopper:
         if ctx.world_size == 1 and self.armed.received:  # armed already, by a stop this one is nested in
             self.stop_at = 0
         if ctx.world_size > 1:
-            connection = own_connection(store, STORE_TIMEOUT) or store
-            self.board = _Board(connection, run.key("qaccel_stop"), ctx.world_size, lambda: self.ending)
+            assert run is not None and store is not None
+            connection = store.connection(STORE_TIMEOUT) or store
+            self.board = _Board(connection.under(run.key("qaccel_stop")), ctx.rank, ctx.world_size, lambda: self.ending)
             self.thread = threading.Thread(target=self._watch, name="qaccel-stop", daemon=True)
             self.thread.start()
 
@@ -358,34 +359,29 @@ class Stopper:
 
 
 class _Board:
-    """A stop's shared state in the session's rendezvous store: the signal announced (0: none yet; the first
-    announcement stands), and where the ranks' next check points are, the furthest kept by compare-and-set."""
+    """A stop's shared state in the session's rendezvous store, sealed (sealed.py): the signal announced (none yet
+    while the key is missing; the first announcement stands), and where each rank's next check point is."""
 
-    def __init__(self, store: Any, prefix: str, world_size: int, ending: Callable[[], bool]) -> None:
-        self.store, self.world_size, self.ending = store, world_size, ending
-        self.signal, self.furthest, self.arrived = prefix + "signal", prefix + "furthest", prefix + "arrived"
-        store.compare_set(self.signal, "", "0")  # by whichever rank comes first
-        store.compare_set(self.furthest, "", "0")
+    def __init__(self, store: Sealed, rank: int, world_size: int, ending: Callable[[], bool]) -> None:
+        self.store, self.rank, self.world_size, self.ending = store, rank, world_size, ending
 
     def announce(self, signum: int) -> None:
-        self.store.compare_set(self.signal, "0", str(signum))
+        self.store.set_first("signal", str(signum))
 
     def announced(self) -> int:
-        return int(self.store.get(self.signal))
+        value = self.store.value("signal")
+        return int(value) if value else 0
 
     def agree(self, next_point: int) -> int | None:
         """Tell where this rank's next check point is; once every rank has, the furthest of them (None: the
         session ended first)."""
-        current = self.store.get(self.furthest)
-        while int(current) < next_point:  # a failed compare-and-set gives the value that won: try again above it
-            current = self.store.compare_set(self.furthest, current, str(next_point))
-        arrived = self.store.add(self.arrived, 1)
-        while arrived < self.world_size:
-            if self.ending():
-                return None
-            time.sleep(AGREE_POLL_S)
-            arrived = self.store.add(self.arrived, 0)
-        return int(self.store.get(self.furthest))
+        self.store.set(f"next/{self.rank}", str(next_point))
+        names = [f"next/{rank}" for rank in range(self.world_size)]
+        while not self.ending():
+            points = self.store.gather(names, STORE_TIMEOUT.total_seconds(), stop=self.ending)
+            if len(points) == len(names):
+                return max(int(point) for point in points.values())
+        return None
 
 
 def _requeue(job_id: str) -> bool:

@@ -25,7 +25,7 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.utils.serialization  # noqa: F401 - torch.save imports it, later than the account could
+import torch.utils.serialization  # torch.save imports it, later than the account could
 
 from qaccel import storage  # imported as root: the account may not read the interpreter's folders
 
@@ -70,23 +70,26 @@ def _dump(store):
 def store_attack(port: str, world: str):
     store = dist.TCPStore("127.0.0.1", int(port), None, False, timeout=datetime.timedelta(seconds=10))
     before = _dump(store)
-    done = []
-    sessions = set()
+    prefixes = set()  # where a process group's keys live: the keys of gloo's rendezvous give it away
     for key in before:
-        head, found, rest = key.partition("qaccel_stop/")
-        if found:
-            sessions.add((head, rest.split("/")[0]))
-            if key.endswith("/signal"):
+        for mark in ("qaccel_stop/", "qaccel_where/", "cpu//", "cuda//"):
+            if mark in key:
+                prefixes.add(key[:key.index(mark)])
+    done = []
+    for prefix in sorted(prefixes):
+        for session in (1, 2):
+            for number in range(3):  # the session's uses of the store, numbered in order
+                key = f"{prefix}qaccel_stop/{session}/{number}/signal"
                 store.set(key, "15")
-                done.append(f"stop {key}")
+                done.append(key)
+            for rank in range(int(world)):
+                key = f"{prefix}qaccel_where/{session}/wake/{rank}"
+                store.set(key, "another user asks")
+                done.append(key)
+    for key in before:
         if "batch_size" in key:
-            store.set(key, "out_of_memory")
-            done.append(f"batch size {key}")
-    for head, session in sorted(sessions):
-        for rank in range(int(world)):
-            key = f"{head}qaccel_where/{session}/wake/{rank}"
-            store.set(key, "another user asks")
-            done.append(f"where {key}")
+            store.set(key, "out of memory")
+            done.append(key)
     time.sleep(3.0)  # the ranks' answers, and their stop, if they take it
     return {"before": before, "after": _dump(store), "done": done}
 
