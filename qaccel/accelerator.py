@@ -454,18 +454,23 @@ class Accelerator:
         save is in flight), or the save's failure raised. Call it on every rank."""
         return background.wait(self._registry())
 
-    def load_state(self, directory: str | os.PathLike | None = None, *, missing_ok: bool = False) -> str | None:
+    def load_state(self, directory: str | os.PathLike | None = None, *, missing_ok: bool = False,
+                   allow_pickle: bool | None = None) -> str | None:
         """Restore a save_state() checkpoint into the objects prepared (and registered) in this run, in order.
 
         ``directory`` is a checkpoint, or a folder of them whose newest complete one is read (a half-written
         one never is). Returns the path read; with ``missing_ok``, None if there is none yet. A damaged checkpoint
         (a file cut short, changed or missing), or one written for other objects, raises CheckpointError on every
         rank, and nothing is loaded.
+
+        Files are read as plain data (``torch.load(weights_only=True)``). What needs full unpickling, which can run
+        code (a registered object's state holding objects of your classes, a sharded checkpoint's metadata), is
+        read only from a folder no one but you can write, unless ``allow_pickle=True``; ``False``: never.
         """
         registry = self._registry()
         if directory is None:
             directory = self._checkpoints("load_state()")[0]
-        return checkpoint.load_state(directory, registry, self._live(), missing_ok)
+        return checkpoint.load_state(directory, registry, self._live(), missing_ok, allow_pickle=allow_pickle)
 
     def _checkpoints(self, caller: str) -> tuple[str, int | None]:
         """Where save_state() and load_state() without a folder go: resume()'s folder and keep, else the project's
@@ -480,13 +485,13 @@ class Accelerator:
 
     def resume(
         self, directory: str | os.PathLike | None = None, keep: int | None = 3, *,
-        requeue_signal: int | str | None = "SIGUSR1",
+        requeue_signal: int | str | None = "SIGUSR1", allow_pickle: bool | None = None,
     ) -> str | None:
         """Make ``directory`` this run's checkpoint folder, continue from its newest intact checkpoint if there is
         one, and stop cleanly on a signal. Returns the checkpoint loaded (None on a first start).
 
         Damaged checkpoints are skipped, with a warning naming them; if every one is damaged, CheckpointError.
-        Without a directory: ``<project_dir>/checkpoints``.
+        Without a directory: ``<project_dir>/checkpoints``. ``allow_pickle``: see load_state().
 
         Afterwards save_state() with no argument saves into ``directory`` as ``checkpoint_<step>``, keeping the
         ``keep`` newest (None: all). On SIGTERM, Ctrl-C (a second one stops at once) or ``requeue_signal`` every rank
@@ -505,7 +510,8 @@ class Accelerator:
         requeue = None if requeue_signal is None else stopping.as_signal(requeue_signal, "requeue_signal")
         registry, ctx = self._registry(), self._live()
         registry.checkpoints = (os.fspath(directory), keep)
-        loaded = checkpoint.load_state(directory, registry, ctx, missing_ok=True, fall_back=True)
+        loaded = checkpoint.load_state(directory, registry, ctx, missing_ok=True, fall_back=True,
+                                       allow_pickle=allow_pickle)
         if loaded is not None and ctx.rank == 0:
             # one write: the ranks of torchrun or srun may share this stream
             sys.stderr.write(checkpoint.resumed_line(loaded, registry, ctx) + "\n")

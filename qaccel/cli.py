@@ -164,7 +164,7 @@ def smoke_test(args: argparse.Namespace) -> int:
 
 def consolidate(args: argparse.Namespace) -> int:
     """One plain model file from a (sharded) save_state() checkpoint."""
-    found = checkpoint.consolidate(args.checkpoint, args.out, args.model)
+    found = checkpoint.consolidate(args.checkpoint, args.out, args.model, allow_pickle=args.allow_pickle or None)
     size = os.path.getsize(args.out) / 2**20
     print(f"qaccel consolidate: model {args.model} of {found} -> {args.out} ({size:.1f} MiB); load it with "
           "model.load_state_dict(torch.load(path, weights_only=True))")
@@ -208,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("checkpoint", help="a save_state() checkpoint, or a folder of them (the newest is read)")
     p.add_argument("out", help="the file to write")
     p.add_argument("--model", type=int, default=0, help="which prepared model, in prepare() order (default 0)")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="read a sharded checkpoint's metadata (a pickle) even from a folder others can write")
     p = sub.add_parser("inspect", help="show a checkpoint's world size, step and loader positions without loading it")
     p.add_argument("checkpoint", help="a save_state() checkpoint, or a folder of them (the newest is read)")
     p = sub.add_parser("where", help="make the ranks of a running job print where they are (SIGUSR2)")

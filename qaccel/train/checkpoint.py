@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from qaccel import storage
+from qaccel import storage, unpickling
 from qaccel.comm import collectives
 from qaccel.comm.session import RankContext
 from qaccel.errors import CheckpointError
@@ -394,7 +394,7 @@ class _Read:
 
 
 def load_state(directory: str | os.PathLike, registry: Registry, ctx: RankContext, missing_ok: bool = False,
-               fall_back: bool = False) -> str | None:
+               fall_back: bool = False, allow_pickle: bool | None = None) -> str | None:
     """Restore what save_state() wrote into the objects prepared (and registered) in this run, in order.
 
     ``directory`` is a checkpoint or a folder of numbered ones (the newest complete one is read). Returns the path
@@ -402,6 +402,11 @@ def load_state(directory: str | os.PathLike, registry: Registry, ctx: RankContex
     the sizes and checksums in the marker, and every part is read and checked against the prepared objects, before
     any object changes; a damaged checkpoint raises CheckpointError on every rank, or with ``fall_back`` (resume,
     which no one may be watching) the next older intact one is read, with a warning naming what was skipped.
+
+    Only the files the marker lists are read, and only the parts this run prepared and registered; with
+    ``torch.load(weights_only=True)``, but for what needs full unpickling (a registered object's own types, a
+    sharded checkpoint's metadata), read as ``allow_pickle`` says (unpickling.py): by default only from a folder
+    no one else can write.
     """
     directory = os.path.abspath(os.fspath(directory))
     background.wait(registry)  # a background save in flight may be writing the checkpoint asked for
@@ -413,7 +418,7 @@ def load_state(directory: str | os.PathLike, registry: Registry, ctx: RankContex
     skipped: list[CheckpointError] = []
     for found in candidates:
         try:
-            read = _read_checked(found, registry, ctx)
+            read = _read_checked(found, registry, ctx, allow_pickle)
         except CheckpointError as failed:
             if not (fall_back and failed.damaged):
                 raise
@@ -429,11 +434,11 @@ def load_state(directory: str | os.PathLike, registry: Registry, ctx: RankContex
                           damaged=True)
 
 
-def _read_checked(found: str, registry: Registry, ctx: RankContext) -> _Read:
+def _read_checked(found: str, registry: Registry, ctx: RankContext, allow_pickle: bool | None) -> _Read:
     """Check the files (each rank a share), read the parts and check that they fit the prepared objects, all before
     any object changes. The ranks agree on the outcome in one collective, so all raise the same CheckpointError:
     damaged, naming the first damaged file (a file that differs from what was written before one torch could not
-    read), else naming the first thing that does not fit."""
+    read), else naming the first thing that does not fit or may not be unpickled."""
     problems: list[tuple[int, str, str]] = []  # (0: not what was written, 1: unreadable; file; why)
     misfit: tuple[str, str | None] | None = None
     read = None
@@ -444,17 +449,24 @@ def _read_checked(found: str, registry: Registry, ctx: RankContext) -> _Read:
     else:
         files = sorted(marker["files"].items())
         share = files[ctx.rank::ctx.world_size] if ctx.world_size > 1 else files
+        try:
+            _check_counts(found, marker, registry)  # before any file is read: only what this run has is
+        except CheckpointError as exc:
+            misfit = (str(exc), exc.file)
         # The share is checked in a second thread while the parts are read (numpy's sum and torch's reads release
         # the GIL), so checking costs little more than reading (benchmarks/checkpoint_integrity.py).
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qaccel-check") as pool:
             checking = pool.submit(lambda: [(0, name, why) for name, recorded in share
                                             if (why := storage.damage(os.path.join(found, name), recorded))])
-            try:
-                read = _read_parts(found, marker, registry, ctx)
-            except _Unreadable as exc:
-                problems.append((1, exc.file, exc.why))
+            if misfit is None:
+                try:
+                    read = _read_parts(found, marker, registry, ctx, allow_pickle)
+                except _Unreadable as exc:
+                    problems.append((1, exc.file, exc.why))
+                except unpickling.Untrusted as exc:
+                    misfit = (f"checkpoint {found} was not loaded: {exc}", exc.path)
             problems += checking.result()
-        if not problems:
+        if not problems and misfit is None:
             try:
                 _check_fit(found, read, registry, ctx)
             except CheckpointError as exc:
@@ -493,19 +505,35 @@ def _marker(directory: str) -> dict[str, Any]:
     return marker
 
 
-def _read_parts(found: str, marker: dict[str, Any], registry: Registry, ctx: RankContext) -> _Read:
-    read = _Read(marker, os.path.isdir(os.path.join(found, SHARDED_DIR)))
+def _listed(marker: dict[str, Any], kind: str) -> int:
+    """How many ``kind`` parts (``<kind>_0.pt``, ``<kind>_1.pt``, ...) the marker lists."""
+    count = 0
+    while f"{kind}_{count}.pt" in marker["files"]:
+        count += 1
+    return count
+
+
+def _sharded(marker: dict[str, Any]) -> bool:
+    return "sharded" in marker
+
+
+def _read_parts(found: str, marker: dict[str, Any], registry: Registry, ctx: RankContext,
+                allow_pickle: bool | None) -> _Read:
+    """The parts the marker lists, read as plain data; a registered object's state that needs more, and a sharded
+    checkpoint's metadata (torch.distributed.checkpoint pickles it), as ``allow_pickle`` says (unpickling.py)."""
+    read = _Read(marker, _sharded(marker))
     kinds = ["scheduler", "loader", "registered"] if read.sharded else ["model", "optimizer", "scheduler", "loader",
                                                                          "registered"]
     for kind in kinds:
-        count = len(glob.glob(os.path.join(glob.escape(found), f"{kind}_*.pt")))
-        read.parts[kind] = [_read(found, f"{kind}_{i}.pt", ctx, weights_only=kind != "registered")
-                            for i in range(count)]
+        read.parts[kind] = [_read(found, f"{kind}_{i}.pt", ctx, allow_pickle if kind == "registered" else False)
+                            for i in range(_listed(marker, kind))]
     if registry.scaler is not None:
         read.parts["scaler"] = [_read(found, "scaler.pt", ctx)]
-    if os.path.exists(os.path.join(found, f"random_states_{ctx.rank}.pt")):
+    if f"random_states_{ctx.rank}.pt" in marker["files"]:
         read.rng = _read(found, f"random_states_{ctx.rank}.pt", ctx)
     if read.sharded:
+        unpickling.check(os.path.join(found, SHARDED_DIR), "torch.distributed.checkpoint pickles its metadata",
+                         allow_pickle)
         try:
             read.shapes = sharding.saved_shapes(os.path.join(found, SHARDED_DIR))
         except Exception as exc:  # noqa: BLE001 - any failure to read it is damage
@@ -513,24 +541,31 @@ def _read_parts(found: str, marker: dict[str, Any], registry: Registry, ctx: Ran
     return read
 
 
-def _read(found: str, name: str, ctx: RankContext, weights_only: bool = True) -> Any:
+def _read(found: str, name: str, ctx: RankContext, allow_pickle: bool | None = False) -> Any:
     try:
-        return torch.load(os.path.join(found, name), map_location=ctx.device, weights_only=weights_only)
+        return unpickling.load(os.path.join(found, name), allow_pickle, map_location=ctx.device)
+    except unpickling.Untrusted:
+        raise
     except Exception as exc:  # noqa: BLE001 - torch names neither the file nor the checkpoint
         first = str(exc).splitlines()[0].split(". ")[0] if str(exc) else ""
         raise _Unreadable(name, f"cannot be read ({type(exc).__name__}: {first})") from exc
 
 
-def _check_fit(found: str, read: _Read, registry: Registry, ctx: RankContext) -> None:
-    """Raise CheckpointError, before anything is loaded, when the checkpoint was not written for these objects."""
+def _check_counts(found: str, marker: dict[str, Any], registry: Registry) -> None:
+    """Raise CheckpointError, before any file is read, when the checkpoint holds other numbers of objects than this
+    run prepared and registered."""
     counts = {"scheduler": registry.schedulers, "loader": registry.loaders, "registered": registry.registered}
-    if read.sharded:
+    if _sharded(marker):
         for kind, objects in (("model", registry.models), ("optimizer", registry.optimizers)):
-            _check_count(found, kind, read.marker.get("sharded", {}).get(kind, 0), len(objects))
+            _check_count(found, kind, marker.get("sharded", {}).get(kind, 0), len(objects))
     else:
         counts = {"model": registry.models, "optimizer": registry.optimizers, **counts}
     for kind, objects in counts.items():
-        _check_count(found, kind, len(read.parts[kind]), len(objects))
+        _check_count(found, kind, _listed(marker, kind), len(objects))
+
+
+def _check_fit(found: str, read: _Read, registry: Registry, ctx: RankContext) -> None:
+    """Raise CheckpointError, before anything is loaded, when the checkpoint was not written for these objects."""
     for i, model in enumerate(registry.models):
         if read.sharded:
             prefix = f"model_{i}."
@@ -659,14 +694,14 @@ def inspect(path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {found}: {exc}", found) from None
     accumulation = int(marker.get("accumulation_steps", 1))
     loaders = []
-    for i in range(len(glob.glob(os.path.join(glob.escape(found), "loader_*.pt")))):
+    for i in range(_listed(marker, "loader")):
         state = torch.load(os.path.join(found, f"loader_{i}.pt"), weights_only=True)
         world = int(state.get("world_size", marker.get("world_size", 1)))
         batch = state.get("batch_size")
         loaders.append({**state, "global_batch": None if batch is None else
                         batch * accumulation * (1 if state.get("split_batches") else world)})
     return {"path": found, "world_size": marker.get("world_size"), "step": marker.get("step"),
-            "accumulation_steps": accumulation, "sharded": "sharded" in marker, "loaders": loaders}
+            "accumulation_steps": accumulation, "sharded": _sharded(marker), "loaders": loaders}
 
 
 def _found(directory: str) -> str:
@@ -708,10 +743,12 @@ def resumed_line(found: str, registry: Registry, ctx: RankContext) -> str:
             " (keep_global_batch=True keeps it)")
 
 
-def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, model: int = 0) -> str:
+def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, model: int = 0,
+                allow_pickle: bool | None = None) -> str:
     """Write prepared model ``model`` of a save_state() checkpoint (sharded or not) to ``out`` as one plain state
     dict, loadable strictly into the user's model, atomically. ``checkpoint`` may be a folder of numbered ones (the
-    newest is read). Runs in one process, without ranks. Returns the checkpoint read."""
+    newest is read). Runs in one process, without ranks. Returns the checkpoint read. A sharded checkpoint's
+    metadata is a pickle: read as ``allow_pickle`` says (unpickling.py)."""
     path = os.path.abspath(os.fspath(checkpoint))
     found = newest_checkpoint(path)
     if found is None:
@@ -722,13 +759,16 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, model: in
             if why := storage.damage(os.path.join(found, name), recorded):
                 raise _Unreadable(name, why)
         sharded = os.path.join(found, SHARDED_DIR)
-        if os.path.isdir(sharded):
+        if _sharded(marker):
+            unpickling.check(sharded, "torch.distributed.checkpoint pickles its metadata", allow_pickle)
             state = sharding.read_full_model(sharded, model)
-        elif os.path.isfile(os.path.join(found, f"model_{model}.pt")):
+        elif f"model_{model}.pt" in marker["files"]:
             state = torch.load(os.path.join(found, f"model_{model}.pt"), map_location="cpu", weights_only=True)
         else:
-            models = len(glob.glob(os.path.join(glob.escape(found), "model_*.pt")))
-            raise CheckpointError(f"checkpoint {found} holds no model {model} (it holds {models})", found)
+            raise CheckpointError(f"checkpoint {found} holds no model {model} (it holds {_listed(marker, 'model')})",
+                                  found)
+    except unpickling.Untrusted as exc:
+        raise CheckpointError(f"checkpoint {found} was not read: {exc}", found, exc.path) from None
     except _Unreadable as exc:
         raise CheckpointError(f"checkpoint {found} is damaged: {exc}", found, os.path.join(found, exc.file),
                               damaged=True) from exc

@@ -197,7 +197,8 @@ class LoadCheckpoint(Callback):
 
         model = trainer.accelerator.unwrap_model(trainer.model)
         optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
-        return saveload.load_checkpoint(config.log_folder, model, optimizer, device=trainer.accelerator.device)
+        return saveload.load_checkpoint(config.log_folder, model, optimizer, device=trainer.accelerator.device,
+                                        allow_pickle=config.allow_pickle)
 
 
 class LogModelTracker(Callback):

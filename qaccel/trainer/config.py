@@ -55,6 +55,10 @@ class TrainConfig(options.Options):
     checkpoint_in_background: bool = False
     """Write the checkpoints (``checkpoint_every``'s and the best one) while training goes on: each save returns once
     the state is copied aside (``save_state(background=True)``)."""
+    allow_pickle: bool | None = None
+    """Whether a fit that continues a checkpoint may unpickle in full what needs it (callbacks' or a nevergrad
+    optimizer's state, qadence's files), which can run code: None (default) only from a folder no one but you can
+    write, True always, False never."""
     plot_every: int = 0
     """Call ``plotting_functions`` and log their figures every this many epochs."""
     callbacks: list[Callback] = field(default_factory=list)
@@ -125,6 +129,8 @@ class TrainConfig(options.Options):
         self.plotting_functions = tuple(self.plotting_functions)
         if self.seed is not None:
             _count("seed", self.seed, 0)
+        if self.allow_pickle not in (None, True, False):
+            raise TypeError(f"TrainConfig.allow_pickle must be None, True or False; got {self.allow_pickle!r}")
         if self.keep_checkpoints is not None:
             _count("keep_checkpoints", self.keep_checkpoints, 1)
         try:

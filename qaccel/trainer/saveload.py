@@ -4,6 +4,9 @@ user's own save/load code keeps working after ``from qaccel import ...``.
 
 Unlike qadence's, these never log a failure and go on: a checkpoint that cannot be written or read raises an error
 naming the file, and a file is written beside its name and renamed onto it, so a crash never leaves half of one.
+And they never run code from a folder someone else can write: files are read as plain data (``weights_only``, the
+optimizer's own class allowed), and what needs full unpickling (a nevergrad optimizer, a model's own objects) only
+as ``allow_pickle`` says (qaccel/unpickling.py).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from qaccel import storage
+from qaccel import storage, unpickling
 from qaccel.errors import CheckpointError
 from qaccel.train.prepare import plain_object
 
@@ -125,19 +128,23 @@ def load_checkpoint(
     model_ckpt_name: str | Path = "",
     opt_ckpt_name: str | Path = "",
     device: str | torch.device = "cpu",
+    *,
+    allow_pickle: bool | None = None,
 ) -> tuple[Module, Any, int | str]:
     """Load the latest (or the named) model and optimizer checkpoints of ``folder``, as qadence does.
 
     A folder that does not exist is created and nothing is loaded (iteration 0); so is a folder without
     checkpoints. Returns the model, the optimizer (a nevergrad one is the loaded object) and the iteration the
     model's file was written at (an int, or a string such as ``"best"``). See load_model() and load_optimizer().
+    ``allow_pickle``: what needs full unpickling is read only from a folder no one but you can write (None), always
+    (True) or never (False).
     """
     folder = Path(folder)
     if not folder.exists():
         folder.mkdir(parents=True)
         return model, optimizer, 0
-    model, iteration = load_model(folder, model, model_ckpt_name, device)
-    optimizer = load_optimizer(folder, optimizer, opt_ckpt_name, device)
+    model, iteration = load_model(folder, model, model_ckpt_name, device, allow_pickle=allow_pickle)
+    optimizer = load_optimizer(folder, optimizer, opt_ckpt_name, device, allow_pickle=allow_pickle)
     return model, optimizer, iteration
 
 
@@ -147,12 +154,14 @@ def load_model(
     model_ckpt_name: str | Path = "",
     device: str | torch.device = "cpu",
     *args: Any,
+    allow_pickle: bool | None = None,
     **kwargs: Any,
 ) -> tuple[Module, int | str]:
     """Load the latest (see get_latest_checkpoint_name()) or the named model checkpoint of ``folder`` into
     ``model``, as qadence does: ``load_params_from_dict`` for a model that has it (qadence's ``QuantumModel`` and
     ``QNN``), else ``load_state_dict(strict=True)``; then moved to ``device`` when that is ``cuda:<n>``.
     ``args`` and ``kwargs`` go to ``torch.load`` (``map_location=...``). Nothing found: ``(model, 0)``.
+    ``allow_pickle``: see load_checkpoint().
 
     Loaded into the model given, as qadence does: a file qadence wrote from a DistributedDataParallel model (keys
     prefixed ``module.``) loads into a DDP model; any other file given a DDP model loads into its ``.module``.
@@ -160,7 +169,8 @@ def load_model(
     Raises:
         OSError (FileNotFoundError...): naming the file, when it cannot be opened.
         CheckpointError: naming the file, when it is not a checkpoint torch can read (damaged) or does not fit
-            ``model``; qadence logs either and returns the model as it was.
+            ``model``, or needs full unpickling where ``allow_pickle`` does not allow it; qadence logs the first two
+            and returns the model as it was, and unpickles anything.
     """
     folder = Path(folder)
     if model_ckpt_name == "":
@@ -168,7 +178,7 @@ def load_model(
         if model_ckpt_name == Path(""):
             return model, 0
     path = folder / model_ckpt_name
-    iteration, model_dict = _read(path, folder, lambda: torch.load(path, *args, weights_only=False, **kwargs), 2)
+    iteration, model_dict = _read(path, folder, lambda: unpickling.load(path, allow_pickle, *args, **kwargs), 2)
     target = model
     if isinstance(model, DistributedDataParallel) and not _ddp_keys(model_dict):
         target = model.module
@@ -190,10 +200,13 @@ def load_optimizer(
     optimizer: Any,
     opt_ckpt_name: str | Path = "",
     device: str | torch.device = "cpu",
+    *,
+    allow_pickle: bool | None = None,
 ) -> Any:
     """Load the latest (see get_latest_checkpoint_name()) or the named optimizer checkpoint of ``folder``, as qadence
     does: a torch optimizer's state goes into ``optimizer``; a nevergrad optimizer is the one loaded from the file
-    (returned). Nothing found: ``optimizer`` as it is.
+    (returned). Nothing found: ``optimizer`` as it is. ``allow_pickle``: see load_checkpoint() (a nevergrad file is
+    a pickle).
 
     Raises:
         OSError: naming the file, when a named file is missing or cannot be opened (qadence ignores a missing one).
@@ -209,7 +222,7 @@ def load_optimizer(
     path = folder / opt_ckpt_name
     target = plain_object(optimizer)
     if isinstance(target, Optimizer):
-        _, opt_type, state = _read(path, folder, lambda: torch.load(path, weights_only=False), 3)
+        _, opt_type, state = _read(path, folder, lambda: unpickling.load(path, allow_pickle, safe=[type(target)]), 3)
         if not (isinstance(opt_type, type) and isinstance(target, opt_type)):
             written = getattr(opt_type, "__qualname__", repr(opt_type))
             raise CheckpointError(f"optimizer checkpoint {path} was written for a {written}, not "
@@ -221,7 +234,7 @@ def load_optimizer(
                                   f"{exc}", str(folder), str(path)) from exc
         return optimizer
     if _is_nevergrad(target):
-        loaded = _read(path, folder, lambda: _ng_load(path), None)
+        loaded = _read(path, folder, lambda: _ng_load(path, allow_pickle), None)
         if loaded.name != target.name:
             raise CheckpointError(f"optimizer checkpoint {path} holds nevergrad's {loaded.name}, not {target.name}; "
                                   "nothing was loaded", str(folder), str(path))
@@ -246,7 +259,8 @@ def _is_nevergrad(optimizer: Any) -> bool:
     return base is not None and isinstance(optimizer, base)
 
 
-def _ng_load(path: Path) -> Any:
+def _ng_load(path: Path, allow_pickle: bool | None) -> Any:
+    unpickling.check(path, "nevergrad pickles its optimizers", allow_pickle)
     return _nevergrad_base().load(path)
 
 
@@ -272,6 +286,8 @@ def _read(path: Path, folder: Path, load: Callable[[], Any], length: int | None)
     """``load()`` the checkpoint file at ``path``; its errors name the file. ``length``: the tuple it must be."""
     try:
         loaded = load()
+    except unpickling.Untrusted as exc:
+        raise CheckpointError(f"checkpoint file {path} was not loaded: {exc}", str(folder), str(path)) from None
     except OSError as exc:
         raise _os_error(exc, f"cannot read checkpoint file {path}") from exc
     except Exception as exc:

@@ -88,6 +88,9 @@ class _State:
     def state_dict(self) -> dict[str, Any]:
         state = {name: value for name, value in vars(self).items() if not name.startswith("_")}
         state["sums"] = {name: float(total) for name, total in self.sums.items()}
+        # the nevergrad objects themselves, not their pickle's bytes: reading them back then needs full unpickling,
+        # which the checkpoint's reader allows only where it may (qaccel/unpickling.py)
+        state["nevergrad"] = None if self.nevergrad is None else pickle.loads(self.nevergrad)
         return {**state, "callbacks": [_state_of(c) for c in self._callbacks]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -95,6 +98,8 @@ class _State:
         for callback, saved in zip(self._callbacks, state.pop("callbacks")):
             if saved is not None:
                 callback.load_state_dict(saved)
+        if state.get("nevergrad") is not None:
+            state["nevergrad"] = pickle.dumps(state["nevergrad"])
         vars(self).update(state)
 
 
@@ -413,7 +418,7 @@ class Trainer:
         if not self.use_grad:
             self._state.nevergrad = pickle.dumps((self._optimizer, self._ng_params))
         acc.register_for_checkpointing(self._state)
-        resumed = acc.resume(folder / CHECKPOINTS, keep=config.keep_checkpoints)
+        resumed = acc.resume(folder / CHECKPOINTS, keep=config.keep_checkpoints, allow_pickle=config.allow_pickle)
         state = self._state
         if resumed is None:
             resumed = self._continue_qadence(folder, train_loader)
@@ -470,9 +475,10 @@ class Trainer:
         device = self.accelerator.device
         model_file = saveload.get_latest_checkpoint_name(folder, "model", device)
         model = self.accelerator.unwrap_model(self.model)
-        _, iteration = saveload.load_model(folder, model, model_file, device)
+        allow = self.config.allow_pickle
+        _, iteration = saveload.load_model(folder, model, model_file, device, allow_pickle=allow)
         if self.use_grad:
-            saveload.load_optimizer(folder, self._optimizer.optimizer, device=device)
+            saveload.load_optimizer(folder, self._optimizer.optimizer, device=device, allow_pickle=allow)
         if isinstance(iteration, int):
             self._state.epochs_done = iteration + 1
             for loader in _prepared_loaders(train_loader):

@@ -144,7 +144,7 @@ def small_disk_missing(announce: Announce) -> str | None:
 def small_disk(path: str | os.PathLike, size: int) -> Iterator[str]:
     """A tmpfs of ``size`` bytes mounted on ``path`` (created if needed) for the block; root only."""
     os.makedirs(path, exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0777", "tmpfs", str(path)],
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
                              capture_output=True, text=True, timeout=30)
     if mounted.returncode != 0:
         raise RuntimeError(f"mount -t tmpfs failed: {mounted.stderr.strip()}")
