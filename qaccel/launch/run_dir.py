@@ -4,7 +4,9 @@ Layout: one folder per user, ``$TMPDIR/qaccel-runs-<uid>`` (mode 0700), holds a 
 launch, removed when the launch ends. qaccel creates the folder with a marker file inside (``QACCEL_RUNS``), in one
 rename, so a folder without the marker was not made by qaccel; it is kept, holding only its marker. If that name is
 taken by anything else (a symlink, a folder of another user, not private, or without the marker), the next name
-``qaccel-runs-<uid>.1``, ``.2``, ... is used, the same on every launch.
+``qaccel-runs-<uid>.1``, ``.2``, ... is used, the same on every launch, then ``$XDG_RUNTIME_DIR/qaccel-runs`` (a
+folder only this user can write in). Another user can take all those names in a shared TMPDIR, but cannot stop a
+launch: it then makes a fresh private folder (mkdtemp) for itself, removed when it ends, and warns.
 
 A caller killed outright (SIGKILL, out of memory) cannot remove its run directory, so each holds a lock its caller
 keeps for the launch; before making one, a launch removes the ``run-*`` directories of that folder whose lock is
@@ -24,6 +26,7 @@ import shutil
 import stat
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 
 LOCK = "caller.lock"
@@ -34,11 +37,20 @@ CANDIDATES = 10  # names tried after qaccel-runs-<uid>, when that one is taken b
 UNLOCKED_GRACE_S = 60.0  # a staging directory this young may be one being created right now (lock not yet held)
 
 
+class RootsTaken(RuntimeError):
+    """Every name runs_root() may use is taken by something that qaccel did not make for this user."""
+
+
 @contextlib.contextmanager
 def run_directory() -> Iterator[str]:
     """A fresh private directory held for the caller's lifetime, removed on exit (even after an error)."""
-    root = runs_root()
-    remove_stale(root)
+    try:
+        root, fresh = runs_root(), False
+        remove_stale(root)
+    except RootsTaken as taken:
+        root, fresh = tempfile.mkdtemp(prefix=f"qaccel-runs-{os.getuid()}-"), True
+        warnings.warn(f"qaccel: {taken}; each launch makes a fresh private folder for itself instead, removed when it "
+                      "ends", stacklevel=3)  # the same text each time: Python's filter shows it once
     staging = tempfile.mkdtemp(dir=root, prefix=STAGING)
     path, lock = staging, None
     try:
@@ -53,23 +65,30 @@ def run_directory() -> Iterator[str]:
         shutil.rmtree(path, ignore_errors=True)  # lock still held: no other launch takes it for a dead one's
         if lock is not None:
             os.close(lock)
+        if fresh:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def runs_root(tmp: str | None = None) -> str:
-    """This user's marked folder for run directories under ``tmp`` (TMPDIR), created if missing."""
+    """This user's marked folder for run directories under ``tmp`` (TMPDIR), or in $XDG_RUNTIME_DIR, created if
+    missing; RootsTaken when something else holds every name."""
     tmp = tmp or tempfile.gettempdir()
     base = os.path.join(tmp, f"qaccel-runs-{os.getuid()}")
+    candidates = [base] + [f"{base}.{i}" for i in range(1, CANDIDATES + 1)]
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    if os.path.isabs(runtime) and _why_not_ours(runtime, marked=False) is None:
+        candidates.append(os.path.join(runtime, "qaccel-runs"))
     refused = []
-    for path in [base] + [f"{base}.{i}" for i in range(1, CANDIDATES + 1)]:
+    for path in candidates:
         why = _why_not_ours(path)
         if why == "missing":
-            _create_root(tmp, path)
+            _create_root(os.path.dirname(path), path)
             why = _why_not_ours(path)  # ours, or taken by another launch (ours too) or by something else
         if why is None:
             return path
         refused.append(f"{path} {why}")
-    raise RuntimeError("qaccel found no usable folder for its run directories; it made none of these, and leaves "
-                       "them alone: " + "; ".join(refused))
+    raise RootsTaken("every folder qaccel may keep its run directories in is taken by something it did not make, "
+                     "which it leaves alone: " + "; ".join(refused))
 
 
 def _create_root(tmp: str, path: str) -> None:
@@ -87,8 +106,9 @@ def _create_root(tmp: str, path: str) -> None:
     shutil.rmtree(staging, ignore_errors=True)
 
 
-def _why_not_ours(path: str) -> str | None:
-    """None when ``path`` is a folder qaccel made for this user, "missing", or why it is not ours."""
+def _why_not_ours(path: str, marked: bool = True) -> str | None:
+    """None when ``path`` is a folder qaccel made for this user (``marked``: with its marker; else any private
+    folder of this user), "missing", or why it is not ours."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -101,6 +121,8 @@ def _why_not_ours(path: str) -> str | None:
         return f"belongs to uid {st.st_uid}"
     if st.st_mode & 0o077:
         return f"has mode {oct(stat.S_IMODE(st.st_mode))}, not 0o700"
+    if not marked:
+        return None
     try:
         fd = os.open(os.path.join(path, MARKER), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:

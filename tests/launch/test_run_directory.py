@@ -181,8 +181,10 @@ def test_a_held_directory_is_kept_and_removed_with_its_holder(tmp_path, monkeypa
 
 def test_a_folder_not_made_by_qaccel_is_passed_over_and_never_touched(tmp_path, monkeypatch):
     """Each name taken by something that is not this user's marked 0700 folder is left alone and the next is used,
-    the same one on every launch; with none usable, the error names them all."""
+    the same one on every launch; with none usable, the launch makes a fresh private folder for itself and removes
+    it afterwards, warning with every name and why it was passed over."""
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
     monkeypatch.setattr("tempfile.tempdir", None)
     tmp = tmp_path / "tmp"
     tmp.mkdir()
@@ -223,9 +225,34 @@ def test_a_folder_not_made_by_qaccel_is_passed_over_and_never_touched(tmp_path, 
     shutil.rmtree(usable)
     for i in range(len(impostors) + 1, run_dir.CANDIDATES + 1):
         Path(tmp, f"{ROOT}.{i}").symlink_to(outside)
-    with pytest.raises(RuntimeError, match=rf"(?s){ROOT} is a symlink.*{ROOT}\.1 has no regular file QACCEL_RUNS"):
+    taken = rf"(?s){ROOT} is a symlink.*{ROOT}\.1 has no regular file QACCEL_RUNS"
+    with pytest.raises(run_dir.RootsTaken, match=taken):
         run_dir.runs_root()
+    before = _snapshot(tmp, outside)
+    with pytest.warns(UserWarning, match=rf"(?s){ROOT} is a symlink.*fresh private folder"):
+        with run_dir.run_directory() as path:
+            fresh = Path(path).parent
+            assert fresh.parent == tmp and fresh.name.startswith(f"{ROOT}-")
+            assert oct(fresh.stat().st_mode & 0o777) == "0o700"
+    assert _snapshot(tmp, outside) == before, "the fresh folder is gone, and nothing else changed"
     assert (outside / "keep.txt").read_text() == "outside" and sorted(os.listdir(outside)) == ["keep.txt"]
+
+
+def test_a_private_runtime_folder_comes_after_the_names_in_tmpdir(tmp_path, monkeypatch):
+    """$XDG_RUNTIME_DIR (private to the user, as logind makes it) holds qaccel-runs when TMPDIR's names are taken;
+    one that is not private is not used."""
+    tmp, runtime = tmp_path / "tmp", tmp_path / "runtime"
+    tmp.mkdir()
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    for i in range(run_dir.CANDIDATES + 1):
+        (tmp / (ROOT if i == 0 else f"{ROOT}.{i}")).write_text("taken")
+    assert run_dir.runs_root(str(tmp)) == str(runtime / "qaccel-runs")
+    assert os.listdir(runtime / "qaccel-runs") == [run_dir.MARKER]
+    shutil.rmtree(runtime / "qaccel-runs")
+    runtime.chmod(0o755)
+    with pytest.raises(run_dir.RootsTaken):
+        run_dir.runs_root(str(tmp))
 
 
 def test_directories_of_live_launches_survive_concurrent_removals(tmp_path):
