@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from qaccel import Accelerator, CheckpointError
 from qaccel.trainer import saveload
 from support import other_user
@@ -37,6 +36,7 @@ def _open_to_all(path: Path) -> Path:
 def _attacked(cmd: list[str], tmp_path: Path, attack, env: dict | None = None):
     """Run ``cmd`` (attacked_run.py) until its ranks wait at their first step, ``attack(port)`` meanwhile, then let
     them go on; the finished run, with the attack's result as ``.attack``."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     release = tmp_path / "release"
     out, err = tmp_path / "run.out", tmp_path / "run.err"
     with open(out, "w") as o, open(err, "w") as e:
@@ -104,6 +104,21 @@ def test_a_umask_set_after_the_accelerator_reaches_the_ranks_and_their_files(tmp
     assert other_user.run("read", str(newest / "model_0.pt")) == {"error": "EACCES"}
 
 
+def test_no_secret_of_the_environment_reaches_output_or_files_also_when_a_rank_fails(tmp_path):
+    secrets = {"WANDB_API_KEY": "wandb-0123456789abcdef", "HF_TOKEN": "hf_0123456789abcdef"}
+    env = script_env(**secrets)
+    ok = _attacked([sys.executable, str(ATTACKED)], tmp_path / "ok", lambda port: None, env=env)
+    _unharmed(ok)
+    failed = _attacked([sys.executable, str(ATTACKED), "--fail"], tmp_path / "failed", lambda port: None, env=env)
+    assert failed.returncode == 1 and "rank 1 fails on purpose" in failed.stderr, failed.stderr
+    written = [p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.name not in ("run.out", "run.err")]
+    assert written, "the runs wrote their checkpoints"
+    for value in secrets.values():
+        for done in (ok, failed):
+            assert value not in done.stdout + done.stderr
+        assert not [data for data in written if value.encode() in data]
+
+
 def test_forkserver_sockets_stay_private_while_a_launch_runs(tmp_path):
     done = _attacked([sys.executable, str(ATTACKED)], tmp_path, lambda port: other_user.run("sockets"))
     _unharmed(done)
@@ -115,7 +130,7 @@ def test_a_run_root_another_user_squatted_costs_nothing(tmp_path):
     shared = _open_to_all(tmp_path / "shared")
     squatted = other_user.run("squat", str(shared), str(os.getuid()))["made"]
     done = subprocess.run([sys.executable, str(script_file("rank_sum.py")), "1"], capture_output=True, text=True,
-                          timeout=120, env=script_env(TMPDIR=str(shared)), cwd=tmp_path)
+                          timeout=120, env=script_env(TMPDIR=str(shared)), cwd=tmp_path, check=False)
     assert done.returncode == 0 and "sum 3" in done.stdout, done.stdout + done.stderr
     other = other_user.ids()[0]
     for path in squatted:  # left as the other user made them
@@ -137,7 +152,7 @@ class _Counter:
 
 def _saved(acc, ckpt: Path, register: bool) -> None:
     def save(acc, ckpt, register):
-        model, optimizer = acc.prepare(torch.nn.Linear(2, 1), torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]))
+        acc.prepare(torch.nn.Linear(2, 1), torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]))
         if register:
             acc.register_for_checkpointing(_Counter())
         acc.save_state(ckpt)
@@ -147,7 +162,7 @@ def _saved(acc, ckpt: Path, register: bool) -> None:
 
 def _load(acc, ckpt: Path, register: bool):
     def load(acc, ckpt, register):
-        model, optimizer = acc.prepare(torch.nn.Linear(2, 1), torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]))
+        acc.prepare(torch.nn.Linear(2, 1), torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]))
         if register:
             acc.register_for_checkpointing(_Counter())
         return acc.load_state(ckpt)
@@ -155,8 +170,8 @@ def _load(acc, ckpt: Path, register: bool):
     return acc.distribute(load)(acc, str(ckpt), register)
 
 
-def test_a_file_another_user_planted_in_a_checkpoint_is_never_unpickled(tmp_path):
-    acc = Accelerator(nprocs=1, compute_setup="cpu")
+def test_a_file_another_user_planted_in_a_checkpoint_is_never_unpickled(acc, tmp_path):
+    """On every rank: each reads the checkpoint, and all raise the same error."""
     ckpt = _open_to_all(tmp_path / "open") / "ckpt"
     _saved(acc, ckpt, register=False)
     ckpt.chmod(0o777)
@@ -174,7 +189,8 @@ def test_a_file_another_user_planted_in_a_checkpoint_is_never_unpickled(tmp_path
 
 
 def test_a_checkpoint_of_the_users_own_private_folder_loads_what_needs_pickling(tmp_path):
-    """The user's own objects still come back, from a folder no one else can write."""
+    """The user's own objects still come back, from a folder no one else can write; when one rank may not read them,
+    every rank raises the same error, and none is left in a collective."""
 
     class Remembers:  # its state holds an object of a class of the user's: only full unpickling reads it
         def __init__(self):
@@ -187,7 +203,7 @@ def test_a_checkpoint_of_the_users_own_private_folder_loads_what_needs_pickling(
             self.value = state["value"]
 
     def run(acc, ckpt, save):
-        model, optimizer = acc.prepare(torch.nn.Linear(2, 1), torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]))
+        acc.prepare(torch.nn.Linear(2, 1), torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]))
         remembers = Remembers()
         acc.register_for_checkpointing(remembers)
         if save:
@@ -195,17 +211,20 @@ def test_a_checkpoint_of_the_users_own_private_folder_loads_what_needs_pickling(
             remembers.value.n = 7
             acc.save_state(ckpt)
             return None
-        acc.load_state(ckpt)
+        acc.load_state(ckpt, allow_pickle=None if save is None else acc.rank == 0)
         return remembers.value.n
 
-    acc = Accelerator(nprocs=1, compute_setup="cpu")
+    acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
     private = tmp_path / "private"
     private.mkdir(mode=0o700)
     acc.distribute(run)(acc, str(private / "ckpt"), True)
-    assert acc.distribute(run)(acc, str(private / "ckpt"), False) == 7
+    assert acc.distribute(run, all_results=True)(acc, str(private / "ckpt"), None) == [7, 7]
+    with pytest.raises(CheckpointError, match=r"registered_0\.pt.*allow_pickle=False") as raised:
+        acc.distribute(run)(acc, str(private / "ckpt"), False)  # rank 0 allows it, rank 1 never: both raise
+    assert "raised on rank" in "".join(getattr(raised.value, "__notes__", []))
     (private / "ckpt").chmod(0o777)  # now another user could have replaced the file: refused, saying how to allow it
-    with pytest.raises(CheckpointError, match="allow_pickle"):
-        acc.distribute(run)(acc, str(private / "ckpt"), False)
+    with pytest.raises(CheckpointError, match="can be written by every user.*allow_pickle=True"):
+        acc.distribute(run)(acc, str(private / "ckpt"), None)
 
 
 def test_qadence_checkpoints_another_user_planted_are_never_unpickled(tmp_path):

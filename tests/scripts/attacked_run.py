@@ -1,7 +1,7 @@
 """A run another local user attacks (tests/test_other_users.py), started with python (a plain launch of 2 ranks) or
 torchrun.
 
-    attacked_run.py CHECKPOINTS RELEASE [--umask 077]
+    attacked_run.py CHECKPOINTS RELEASE [--umask 077] [--fail]
 
 Each rank prepares a model, calls ``acc.resume(CHECKPOINTS)`` (so a stop on a signal is armed), and rank 0 prints
 ``READY <port>``, the port of the rendezvous store its ranks share. Then each step waits until the file RELEASE
@@ -9,7 +9,7 @@ exists, with a secret on the line it waits at: a rank asked where it is would sh
 rank saves, and rank 0 prints one RESULT line: the steps taken (8 when nothing stopped the run), the sum of the
 parameters over the ranks (the same on every rank of a DDP run), and the modes of the checkpoint's files.
 ``--umask`` sets the process's umask after a first launch (the ranks' server is started and ready) and before
-this one.
+this one. ``--fail``: rank 1 raises after saving, instead of returning.
 """
 
 import argparse
@@ -26,7 +26,7 @@ from qaccel import Accelerator
 logging.basicConfig(level=logging.INFO, format="%(levelname)s [%(name)s] %(message)s")
 
 
-def train(acc, checkpoints, release):
+def train(acc, checkpoints, release, fail):
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -43,6 +43,8 @@ def train(acc, checkpoints, release):
         acc.backward(loss)
         optimizer.step()
     path = acc.save_state()
+    if fail and acc.rank == 1:
+        raise RuntimeError("rank 1 fails on purpose, after its checkpoint")
     params = sum(p.detach().sum().item() for p in acc.unwrap_model(model).parameters())
     modes = {}
     for base, dirs, files in os.walk(path):
@@ -58,11 +60,12 @@ if __name__ == "__main__":
     parser.add_argument("checkpoints")
     parser.add_argument("release")
     parser.add_argument("--umask", default=None)
+    parser.add_argument("--fail", action="store_true")
     args = parser.parse_args()
     acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=30)
     if args.umask is not None:
         acc.distribute(lambda: None)()
         os.umask(int(args.umask, 8))
-    result = acc.distribute(train)(acc, args.checkpoints, args.release)
+    result = acc.distribute(train)(acc, args.checkpoints, args.release, args.fail)
     if acc.is_main_process:
         os.write(1, f"RESULT {json.dumps(result)}\n".encode())
