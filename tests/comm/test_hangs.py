@@ -327,3 +327,35 @@ def test_qaccel_where_names_a_process_that_is_not_there(capsys):
 
     assert main(["where", "999999999"]) == 2
     assert "qaccel where: no process 999999999" in capsys.readouterr().err
+
+
+def test_a_question_someone_else_put_in_the_store_is_not_answered_and_the_real_one_still_is(capsys):
+    """Another user who writes a rank's question key gets no answer (the rank's watcher drops it and waits on), and
+    the report of a real timeout afterwards still lists that rank: the stranger used nothing up."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from qaccel.comm import hangs, sealed
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10), wait_for_workers=False)
+    stranger = dist.TCPStore("127.0.0.1", server.port, None, False, datetime.timedelta(seconds=10))
+    key = sealed.new_key()
+    ranks = [hangs.Watch(rank, 2, 5.0, sealed.Sealed(server, key, rank), to_log=False, session_number=1)
+             for rank in (0, 1)]
+    try:
+        stranger.set("qaccel_where/1/wake/1", "another user asks")
+        time.sleep(0.5)
+        assert not any("report" in k for k in stranger.list_keys()), "no answer for a stranger"
+        assert ranks[1].thread.is_alive(), "the watcher waits on"
+        timed_out = RuntimeError("wait timeout after 5000ms")
+        ranks[0].explain(timed_out, hangs.live_frames(sys._getframe()))
+        report = "\n".join(timed_out.__notes__)
+        assert "rank 1: not in a qaccel collective" in report and "no answer" not in report, report
+        assert "test_hangs.py" in report
+        answer = stranger.get("qaccel_where/1/report/1")
+        assert b"test_hangs" not in answer, "the answer is encrypted"
+    finally:
+        for watch in ranks:
+            watch.close()
+    assert capsys.readouterr().err.count("not written by this run") == 1
