@@ -93,7 +93,7 @@ def _key_broadcast(acc: Accelerator) -> float:
     times = []
     for _ in range(KEY_REPEATS):
         start = time.perf_counter()
-        sealed.from_rank_0(None, acc.rank, torch.device("cpu"))
+        sealed.from_rank_0(acc.rank, torch.device("cpu"))
         times.append(time.perf_counter() - start)
     return acc.all_reduce_dict({"t": statistics.median(times)}, op="max")["t"]
 

@@ -250,7 +250,7 @@ class Watch:
             where = self.where_now()
             self.listener.set(self._key("report", self.rank), json.dumps(where.__dict__), secret=True)
             if self.to_log:
-                _write_stderr(f"[qaccel] {request.decode()}; where rank {self.rank} of {self.world_size} is:\n"
+                write_stderr(f"[qaccel] {request.decode()}; where rank {self.rank} of {self.world_size} is:\n"
                               f"{where.summary()}\n{where.details()}\n")
         except Exception:  # noqa: BLE001 - the session (or the store's server) ended under it
             return
@@ -289,7 +289,7 @@ class Watch:
         return wheres, [r for r, key in keys.items() if key not in answers]
 
 
-def _write_stderr(text: str) -> None:
+def write_stderr(text: str) -> None:
     """One write, so the lines of ranks sharing a terminal do not mix."""
     try:
         sys.stderr.flush()
@@ -333,7 +333,7 @@ class _Usr2:
                 return
             if signal.SIGUSR2 in data and signal.getsignal(signal.SIGUSR2) is _ignore:
                 where = self.watch.where_now()
-                _write_stderr(f"[qaccel] SIGUSR2: rank {self.watch.rank} of {self.watch.world_size} is "
+                write_stderr(f"[qaccel] SIGUSR2: rank {self.watch.rank} of {self.watch.world_size} is "
                               f"{where.doing()}\n{where.details()}\n")
 
     def close(self) -> None:

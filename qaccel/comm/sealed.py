@@ -22,13 +22,14 @@ import datetime
 import hashlib
 import hmac
 import secrets
-import sys
 import threading
 import time
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from qaccel.comm.hangs import write_stderr
 
 KEY_BYTES = 32
 TAG_BYTES = 16
@@ -41,11 +42,10 @@ def new_key() -> bytes:
     return secrets.token_bytes(KEY_BYTES)
 
 
-def from_rank_0(key: bytes | None, rank: int, device: torch.device) -> bytes:
-    """Rank 0's ``key`` (a new one when None) on every rank of the default group: one broadcast of its bytes."""
+def from_rank_0(rank: int, device: torch.device) -> bytes:
+    """A new key, rank 0's, on every rank of the default group: one broadcast of its bytes."""
     if rank == 0:
-        key = key or new_key()
-        data = torch.frombuffer(bytearray(key), dtype=torch.uint8).to(device)
+        data = torch.frombuffer(bytearray(new_key()), dtype=torch.uint8).to(device)
     else:
         data = torch.empty(KEY_BYTES, dtype=torch.uint8, device=device)
     dist.broadcast(data, src=0)
@@ -69,9 +69,9 @@ class _Forgeries:
             self.count += 1
             first = self.count == 1
         if first:
-            _say(f"qaccel: rank {self.rank} ignored a value of {name!r} in the rendezvous store ({self.where}) that "
-                 "was not written by this run: someone else who can reach the store wrote it. qaccel ignores and "
-                 "counts any more (see docs/security.md).")
+            write_stderr(f"qaccel: rank {self.rank} ignored a value of {name!r} in the rendezvous store "
+                         f"({self.where}) that was not written by this run: someone else who can reach the store "
+                         "wrote it. qaccel ignores and counts any more (see docs/security.md).\n")
 
 
 class Sealed:
@@ -157,14 +157,11 @@ class Sealed:
         """Set ``name`` unless this run set it already; its value then (the first writer's). A value someone else
         put there first is overwritten."""
         sealed = self.seal(name, value)
-        current = self.store.compare_set(self.prefix + name, b"", sealed)
-        if current == sealed:
-            return self.open(name, current) or b""
-        kept = self.open(name, current)
-        if kept is not None:
-            return kept
-        self.store.set(self.prefix + name, sealed)
-        return self.open(name, sealed) or b""
+        kept = self.open(name, self.store.compare_set(self.prefix + name, b"", sealed))  # this run's, or None
+        if kept is None:
+            self.store.set(self.prefix + name, sealed)
+            return sealed[:-TAG_BYTES]
+        return kept
 
     def gather(self, names: list[str], timeout: float, stop: Callable[[], bool] | None = None,
                secret: bool = False) -> dict[str, bytes]:
@@ -173,14 +170,14 @@ class Sealed:
         full = [self.prefix + name for name in names]
         deadline, poll = time.monotonic() + timeout, POLL_S
         while True:
-            found: dict[str, bytes] = {}
+            done = time.monotonic() >= deadline or (stop is not None and stop())
             if self.store.check(full):
                 found = self._opened(names, self.store.multi_get(full), secret)
-            elif time.monotonic() >= deadline or (stop is not None and stop()):
+                if len(found) == len(names) or done:
+                    return found
+            elif done:
                 present = [name for name, key in zip(names, full) if self.store.check([key])]
-                found = self._opened(present, [self.store.get(self.prefix + n) for n in present], secret)
-            if len(found) == len(names) or time.monotonic() >= deadline or (stop is not None and stop()):
-                return found
+                return self._opened(present, [self.store.get(self.prefix + name) for name in present], secret)
             time.sleep(poll)
             poll = min(poll * 2, MAX_POLL_S)
 
@@ -202,8 +199,3 @@ def _describe(store: Any) -> str:
         return f"{inner.host}:{inner.port}"
     return type(inner).__name__
 
-
-def _say(line: str) -> None:
-    """``line`` on stderr in one write (ranks may share it)."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()

@@ -398,8 +398,7 @@ def _sealed_store(ctx: RankContext, key: bytes | None) -> sealed.Sealed | None:
     store = default_store()
     if store is None:
         return None
-    return sealed.Sealed(store, key if key is not None else sealed.from_rank_0(None, ctx.rank, comm_device(ctx)),
-                         ctx.rank)
+    return sealed.Sealed(store, key if key is not None else sealed.from_rank_0(ctx.rank, comm_device(ctx)), ctx.rank)
 
 
 def comm_device(ctx: RankContext) -> torch.device:

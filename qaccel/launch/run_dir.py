@@ -46,11 +46,12 @@ def run_directory() -> Iterator[str]:
     """A fresh private directory held for the caller's lifetime, removed on exit (even after an error)."""
     try:
         root, fresh = runs_root(), False
-        remove_stale(root)
     except RootsTaken as taken:
         root, fresh = tempfile.mkdtemp(prefix=f"qaccel-runs-{os.getuid()}-"), True
         warnings.warn(f"qaccel: {taken}; each launch makes a fresh private folder for itself instead, removed when it "
                       "ends", stacklevel=3)  # the same text each time: Python's filter shows it once
+    if not fresh:
+        remove_stale(root)
     staging = tempfile.mkdtemp(dir=root, prefix=STAGING)
     path, lock = staging, None
     try:

@@ -25,7 +25,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from typing import Any, Callable, Iterator
 
 import torch
@@ -261,7 +260,8 @@ class Stopper:
         if ctx.world_size > 1:
             assert run is not None and store is not None
             connection = store.connection(STORE_TIMEOUT) or store
-            self.board = _Board(connection.under(run.key("qaccel_stop")), ctx.rank, ctx.world_size, lambda: self.ending)
+            board = connection.under(run.key("qaccel_stop"))
+            self.board = _Board(board, ctx.rank, ctx.world_size, lambda: self.ending)
             self.thread = threading.Thread(target=self._watch, name="qaccel-stop", daemon=True)
             self.thread.start()
 

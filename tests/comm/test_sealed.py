@@ -33,7 +33,7 @@ def stores():
     yield server, stranger
 
 
-def test_a_sealed_value_comes_back_and_a_strangers_is_ignored_counted_and_said_once(stores, capsys):
+def test_a_sealed_value_comes_back_and_a_strangers_is_ignored_counted_and_said_once(stores, capfd):
     store, stranger = stores
     mine = sealed.Sealed(store, sealed.new_key(), rank=1).under("qaccel_stop/1/0/")
     mine.set("signal", "15")
@@ -43,7 +43,7 @@ def test_a_sealed_value_comes_back_and_a_strangers_is_ignored_counted_and_said_o
     _forge(stranger, "qaccel_stop/1/0/signal", b"15" + b"\0" * sealed.TAG_BYTES)
     assert mine.value("signal") is None
     assert mine.ignored == 2
-    said = capsys.readouterr().err
+    said = capfd.readouterr().err
     assert said.count("not written by this run") == 1 and "rank 1" in said and f":{store.port}" in said, said
     assert mine.value("missing") is None and mine.ignored == 2  # a key not there is no forgery
 
@@ -115,7 +115,7 @@ def test_a_connection_of_its_own_shares_the_key_and_the_count(stores):
 
 def _keys_of_the_ranks(acc):
     run = session.current_run()
-    made = sealed.from_rank_0(None, acc.rank, torch.device("cpu"))  # what ranks run in place agree on
+    made = sealed.from_rank_0(acc.rank, torch.device("cpu"))  # what ranks run in place agree on
     return {"launch": run.store.seal("probe", "x"), "from_rank_0": made}
 
 
