@@ -525,8 +525,8 @@ def _read_parts(found: str, marker: dict[str, Any], registry: Registry, ctx: Ran
     kinds = ["scheduler", "loader", "registered"] if read.sharded else ["model", "optimizer", "scheduler", "loader",
                                                                          "registered"]
     for kind in kinds:
-        read.parts[kind] = [_read(found, f"{kind}_{i}.pt", ctx, allow_pickle if kind == "registered" else False)
-                            for i in range(_listed(marker, kind))]
+        read.parts[kind] = [_read(found, f"{kind}_{i}.pt", ctx, registered=kind == "registered",
+                                  allow_pickle=allow_pickle) for i in range(_listed(marker, kind))]
     if registry.scaler is not None:
         read.parts["scaler"] = [_read(found, "scaler.pt", ctx)]
     if f"random_states_{ctx.rank}.pt" in marker["files"]:
@@ -541,9 +541,14 @@ def _read_parts(found: str, marker: dict[str, Any], registry: Registry, ctx: Ran
     return read
 
 
-def _read(found: str, name: str, ctx: RankContext, allow_pickle: bool | None = False) -> Any:
+def _read(found: str, name: str, ctx: RankContext, registered: bool = False, allow_pickle: bool | None = None) -> Any:
+    """A part of the checkpoint: plain data (what qaccel writes: a file that needs more is damaged), or, for a
+    registered object's state, as ``allow_pickle`` says (unpickling.py)."""
+    path = os.path.join(found, name)
     try:
-        return unpickling.load(os.path.join(found, name), allow_pickle, map_location=ctx.device)
+        if registered:
+            return unpickling.load(path, allow_pickle, map_location=ctx.device)
+        return torch.load(path, map_location=ctx.device, weights_only=True)
     except unpickling.Untrusted:
         raise
     except Exception as exc:  # noqa: BLE001 - torch names neither the file nor the checkpoint
