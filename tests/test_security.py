@@ -4,6 +4,7 @@ runs of this account: another local user can neither stop, read nor steer a run,
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import subprocess
 import sys
@@ -11,10 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from qaccel import Accelerator, CheckpointError
 from qaccel.trainer import saveload
 from support import other_user
-from support.procs import result_lines, script_env, script_file, torchrun_cmd, wait_for_text
+from support.procs import marked_pids, result_lines, script_env, script_file, signal_when, torchrun_cmd
+from support.states import Counter
 
 pytestmark = [pytest.mark.other_user, pytest.mark.timeout(180)]
 
@@ -37,23 +40,16 @@ def _attacked(cmd: list[str], tmp_path: Path, attack, env: dict | None = None):
     """Run ``cmd`` (attacked_run.py) until its ranks wait at their first step, ``attack(port)`` meanwhile, then let
     them go on; the finished run, with the attack's result as ``.attack``."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    release = tmp_path / "release"
-    out, err = tmp_path / "run.out", tmp_path / "run.err"
-    with open(out, "w") as o, open(err, "w") as e:
-        proc = subprocess.Popen([*cmd, str(tmp_path / "ckpt"), str(release)], stdout=o, stderr=e,
-                                env=env or script_env(), cwd=tmp_path, start_new_session=True)
-        try:
-            ready = wait_for_text(out, "READY ", timeout=90, proc=proc)
-            port = ready.split("READY ", 1)[1].split()[0]
-            found = attack(port)
-            release.touch()
-            proc.wait(timeout=90)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, 9)
-                proc.wait()
-    done = subprocess.CompletedProcess(cmd, proc.returncode, out.read_text(), err.read_text())
-    done.attack = found
+    release, found = tmp_path / "release", {}
+
+    def attack_then_release(_signal) -> None:
+        ready = (tmp_path / "signalled.err").read_text()
+        found["attack"] = attack(ready.split("READY ", 1)[1].split()[0])
+        release.touch()
+
+    done = signal_when([*cmd, str(tmp_path / "ckpt"), str(release)], 0, "READY ", env=env or script_env(),
+                       cwd=tmp_path, timeout=180, send=attack_then_release)
+    done.attack = found.get("attack")
     return done
 
 
@@ -111,7 +107,7 @@ def test_no_secret_of_the_environment_reaches_output_or_files_also_when_a_rank_f
     _unharmed(ok)
     failed = _attacked([sys.executable, str(ATTACKED), "--fail"], tmp_path / "failed", lambda port: None, env=env)
     assert failed.returncode == 1 and "rank 1 fails on purpose" in failed.stderr, failed.stderr
-    written = [p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.name not in ("run.out", "run.err")]
+    written = [p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and not p.name.startswith("signalled.")]
     assert written, "the runs wrote their checkpoints"
     for value in secrets.values():
         for done in (ok, failed):
@@ -119,11 +115,37 @@ def test_no_secret_of_the_environment_reaches_output_or_files_also_when_a_rank_f
         assert not [data for data in written if value.encode() in data]
 
 
-def test_forkserver_sockets_stay_private_while_a_launch_runs(tmp_path):
-    done = _attacked([sys.executable, str(ATTACKED)], tmp_path, lambda port: other_user.run("sockets"))
+LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}  # /proc/net/tcp*
+
+
+def _listening(pids: list[int]) -> set[str]:
+    """The local addresses (as /proc/net/tcp and tcp6 write them) of the TCP sockets ``pids`` listen on."""
+    inodes = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").glob("*"):
+            with contextlib.suppress(OSError):
+                if (target := os.readlink(fd)).startswith("socket:["):
+                    inodes.add(target[len("socket:["):-1])
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                found.add(fields[1].split(":")[0])
+    return found
+
+
+def test_a_launch_listens_on_loopback_only_and_its_forkserver_socket_stays_private(tmp_path):
+    mark = f"QACCEL_TEST_MARK_{os.getpid()}_{tmp_path.name}"
+
+    def look(port: str) -> dict:
+        return {**other_user.run("sockets"), "listening": sorted(_listening(marked_pids(mark)))}
+
+    done = _attacked([sys.executable, str(ATTACKED)], tmp_path, look, env=script_env(**{mark: "1"}))
     _unharmed(done)
     sockets = done.attack["sockets"]
     assert sockets and "connected" not in sockets.values(), sockets
+    assert done.attack["listening"] and set(done.attack["listening"]) <= LOOPBACK, done.attack["listening"]
 
 
 def test_a_run_root_another_user_squatted_costs_nothing(tmp_path):
@@ -139,22 +161,11 @@ def test_a_run_root_another_user_squatted_costs_nothing(tmp_path):
     assert not [p for p in mine if p.name.startswith("qaccel-runs")], "a fallback run root left behind"
 
 
-class _Counter:
-    def __init__(self):
-        self.n = 0
-
-    def state_dict(self):
-        return {"n": self.n}
-
-    def load_state_dict(self, state):
-        self.n = state["n"]
-
-
 def _saved(acc, ckpt: Path, register: bool) -> None:
     def save(acc, ckpt, register):
         acc.prepare(torch.nn.Linear(2, 1), torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]))
         if register:
-            acc.register_for_checkpointing(_Counter())
+            acc.register_for_checkpointing(Counter())
         acc.save_state(ckpt)
 
     acc.distribute(save)(acc, str(ckpt), register)
@@ -164,7 +175,7 @@ def _load(acc, ckpt: Path, register: bool):
     def load(acc, ckpt, register):
         acc.prepare(torch.nn.Linear(2, 1), torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]))
         if register:
-            acc.register_for_checkpointing(_Counter())
+            acc.register_for_checkpointing(Counter())
         return acc.load_state(ckpt)
 
     return acc.distribute(load)(acc, str(ckpt), register)
@@ -207,7 +218,7 @@ def test_a_checkpoint_of_the_users_own_private_folder_loads_what_needs_pickling(
         remembers = Remembers()
         acc.register_for_checkpointing(remembers)
         if save:
-            remembers.value = _Counter()
+            remembers.value = Counter()
             remembers.value.n = 7
             acc.save_state(ckpt)
             return None

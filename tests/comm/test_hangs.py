@@ -329,7 +329,7 @@ def test_qaccel_where_names_a_process_that_is_not_there(capsys):
     assert "qaccel where: no process 999999999" in capsys.readouterr().err
 
 
-def test_a_question_someone_else_put_in_the_store_is_not_answered_and_the_real_one_still_is(capsys):
+def test_a_question_someone_else_put_in_the_store_is_not_answered_and_the_real_one_still_is(capfd):
     """Another user who writes a rank's question key gets no answer (the rank's watcher drops it and waits on), and
     the report of a real timeout afterwards still lists that rank: the stranger used nothing up."""
     import datetime
@@ -358,4 +358,4 @@ def test_a_question_someone_else_put_in_the_store_is_not_answered_and_the_real_o
     finally:
         for watch in ranks:
             watch.close()
-    assert capsys.readouterr().err.count("not written by this run") == 1
+    assert capfd.readouterr().err.count("not written by this run") == 1

@@ -4,7 +4,7 @@ torchrun.
     attacked_run.py CHECKPOINTS RELEASE [--umask 077] [--fail]
 
 Each rank prepares a model, calls ``acc.resume(CHECKPOINTS)`` (so a stop on a signal is armed), and rank 0 prints
-``READY <port>``, the port of the rendezvous store its ranks share. Then each step waits until the file RELEASE
+``READY <port>`` to stderr, the port at MASTER_PORT (a plain launch's caller's TCPStore, or torchrun's store). Then each step waits until the file RELEASE
 exists, with a secret on the line it waits at: a rank asked where it is would show that line. After 8 steps every
 rank saves, and rank 0 prints one RESULT line: the steps taken (8 when nothing stopped the run), the sum of the
 parameters over the ranks (the same on every rank of a DDP run), and the modes of the checkpoint's files.
@@ -33,7 +33,7 @@ def train(acc, checkpoints, release, fail):
     model, optimizer = acc.prepare(model, optimizer)
     acc.resume(checkpoints)
     if acc.rank == 0:
-        os.write(1, f"READY {os.environ['MASTER_PORT']}\n".encode())
+        os.write(2, f"READY {os.environ['MASTER_PORT']}\n".encode())
     x = torch.ones(4, 3) * (acc.rank + 1)
     for _ in range(8):
         while not os.path.exists(release):

@@ -1,6 +1,20 @@
-"""Objects to register for checkpointing whose state cannot be written: a save that fails while it writes files."""
+"""Objects to register for checkpointing: a counter, and objects whose state cannot be written (a save that fails
+while it writes files)."""
 
 from __future__ import annotations
+
+
+class Counter:
+    """A registered object with a number for its state."""
+
+    def __init__(self):
+        self.n = 0
+
+    def state_dict(self):
+        return {"n": self.n}
+
+    def load_state_dict(self, state):
+        self.n = state["n"]
 
 
 class Unwritable:

@@ -11,19 +11,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from qaccel import Accelerator, CheckpointError, ProjectConfiguration
 from support import component
 from support.pagecache import cached_in, droppable
+from support.states import Counter
 
 pytestmark = pytest.mark.timeout(240)
-
-
-class Counter:
-    def __init__(self):
-        self.n = 0
-
-    def state_dict(self):
-        return {"n": self.n}
-
-    def load_state_dict(self, state):
-        self.n = state["n"]
 
 
 def _run(acc, ckpt, iterations, resume=False, save=True, stop_after=None):
