@@ -103,7 +103,9 @@ class Accelerator:
 
     @property
     def device(self) -> torch.device:
-        """The device this rank computes on: ``cuda:<local_rank>`` or ``cpu``."""
+        """The device this rank computes on: the GPU it sees, or ``cuda:<local_rank>`` when it sees its node's GPUs,
+        or ``cpu``. A cluster job's is decided on its nodes: asked in the caller, this raises."""
+        self._decided("device")
         return self._ctx().device
 
     @property
@@ -143,7 +145,10 @@ class Accelerator:
 
     @property
     def backend(self) -> Backend:
-        """The process group's backend, resolved: ``gloo``, ``nccl`` or ``mpi``."""
+        """The process group's backend, resolved: ``gloo``, ``nccl`` or ``mpi`` (a cluster job's, left to choose:
+        decided on its nodes)."""
+        if self._config.backend is None:
+            self._decided("backend")
         return self._config.backend
 
     @property
@@ -223,10 +228,24 @@ class Accelerator:
 
     @property
     def state(self) -> AcceleratorState:
-        """Accelerate's ``state``: where this rank runs, by Accelerate's names, as of now."""
-        return AcceleratorState(self.distributed_type, self.num_processes, self.process_index,
-                                self.local_process_index, self.device, self.mixed_precision, self.backend,
-                                self.debug)
+        """Accelerate's ``state``: where this rank runs, by Accelerate's names, as of now. In a cluster job's caller,
+        what its nodes decide says ``"decided on the nodes"``."""
+        if self._config.device_type is not None:
+            return AcceleratorState(self.distributed_type, self.num_processes, self.process_index,
+                                    self.local_process_index, self.device, self.mixed_precision, self.backend,
+                                    self.debug)
+        on_nodes = options.ON_THE_NODES
+        return AcceleratorState(DistributedType.FSDP if self.strategy is Strategy.FSDP else on_nodes,
+                                self.num_processes, self.process_index, self.local_process_index, on_nodes,
+                                self.mixed_precision, self._config.backend or on_nodes, self.debug)
+
+    def _decided(self, what: str) -> None:
+        """Raise when ``what`` is decided on a cluster job's nodes, not here."""
+        if self._config.device_type is None:
+            raise RuntimeError(
+                f"Accelerator.{what} is {options.ON_THE_NODES}: this Accelerator's ranks are the tasks of a SLURM job "
+                "(cluster=...), and each decides its device, backend and precision where it runs, from the GPUs it "
+                f"sees there; read acc.{what} inside the function you distribute")
 
     @property
     def strategy(self) -> Strategy:
@@ -260,11 +279,16 @@ class Accelerator:
         # step state (scaler, counters) and the launcher check belong to one process
         return {**self.__dict__, "_own_registry": None, "_launcher": None}
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if session.current() is not None:  # a cluster job's rank: what its caller left to the nodes is decided here
+            self._config = options.on_node(self._config, detect())
+
     def __repr__(self) -> str:
-        ctx = self._ctx()
+        ctx, state = self._ctx(), self.state
         return (
-            f"Accelerator(rank={ctx.rank}, world_size={ctx.world_size}, device={str(ctx.device)!r}, "
-            f"backend={self.backend.value!r}, dtype={self.dtype})"
+            f"Accelerator(rank={ctx.rank}, world_size={ctx.world_size}, device={str(state.device)!r}, "
+            f"backend={str(state.backend)!r}, dtype={self.dtype})"
         )
 
     # ---- running a function ----
@@ -750,13 +774,13 @@ class Accelerator:
 class AcceleratorState:
     """What Accelerate's ``accelerator.state`` tells about a rank, under its names (a snapshot)."""
 
-    distributed_type: DistributedType
+    distributed_type: DistributedType | str
     num_processes: int
     process_index: int
     local_process_index: int
-    device: torch.device
+    device: torch.device | str  # str: in a cluster job's caller, options.ON_THE_NODES
     mixed_precision: MixedPrecision
-    backend: Backend
+    backend: Backend | str
     debug: bool
 
     @property

@@ -17,8 +17,9 @@ import torch.distributed as dist
 import qaccel
 from qaccel.accelerator import Accelerator
 from qaccel.comm import hangs, session
-from qaccel.environment import detect
-from qaccel.options import cuda_device_count
+from qaccel.environment import Environment, detect
+from qaccel.environment import gpus as gpu_rule
+from qaccel import options
 from qaccel.train import checkpoint
 
 
@@ -29,7 +30,7 @@ def _accelerator(args: argparse.Namespace) -> Accelerator:
 def env_report(args: argparse.Namespace) -> int:
     """Print versions, the detected environment and the ranks/devices qaccel would use."""
     env = detect()
-    gpus = cuda_device_count()
+    gpus = options.cuda_device_count()
     lines = [
         ("qaccel", qaccel.__version__),
         ("python", platform.python_version()),
@@ -54,13 +55,25 @@ def env_report(args: argparse.Namespace) -> int:
         lines.append(("rendezvous", "TCPStore on 127.0.0.1, port picked by the kernel" if acc.world_size > 1 else "none (one process)"))
         local = acc.world_size
     device_key = "device (rank 0)" if acc.world_size > 1 and not env.is_launched else "device"
-    lines += [(device_key, str(acc.device)), ("backend", acc.backend), ("log device", str(acc.log_device))]
+    lines += [(device_key, str(acc.device)), ("gpu", _gpu_line(acc, env, gpus)), ("backend", acc.backend),
+              ("log device", str(acc.log_device))]
     threads, why = session.thread_budget(local)
     lines.append(("threads per rank", f"{threads if threads is not None else torch.get_num_threads()} ({why})"))
     width = max(len(k) for k, _ in lines)
     for key, value in lines:
         print(f"{key:<{width}}  {value}")
     return 0
+
+
+def _gpu_line(acc: Accelerator, env: Environment, seen: int) -> str:
+    """Which GPU each rank takes here, and why (environment/gpus.py)."""
+    if acc.device.type != "cuda":
+        return f"none ({seen} visible, {gpu_rule.visible_devices()})"
+    if env.is_launched:
+        return f"{acc.device}: {gpu_rule.choose(env.local_rank, env.local_world_size, seen, gpu_rule.node_gpus()).why()}"
+    ranks = acc.world_size
+    last = f"-{ranks - 1}" if ranks > 1 else ""
+    return f"rank{'s' if ranks > 1 else ''} 0{last} take cuda:0{last}: {gpu_rule.choose(0, ranks, seen).why()}"
 
 
 # ---- qaccel test: each check runs fn on every rank; these functions travel to the ranks by reference ----

@@ -19,12 +19,12 @@ import re
 import textwrap
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 
-from qaccel.environment import Environment
+from qaccel.environment import Environment, Kind, gpus
 from qaccel.handlers import DDPCommunicationHookType, Handlers, KwargsHandler, TorchDynamoPlugin, compile_settings
 from qaccel.handlers import resolve as resolve_handlers
 
@@ -284,8 +284,8 @@ class Config(Options):
     """The options resolved (checked, closed sets as enums, ``auto`` decided), and what they decide: what every
     rank needs to set itself up; small and picklable so it travels. Made by make_config only, and never changed."""
 
-    device_type: DeviceType = DeviceType.CPU  # from compute_setup
-    log_device_type: DeviceType = DeviceType.CPU  # from log_setup
+    device_type: DeviceType | None = DeviceType.CPU  # from compute_setup; None: decided on a cluster job's nodes
+    log_device_type: DeviceType | None = DeviceType.CPU  # from log_setup; None: as device_type
     handlers: Handlers = Handlers()  # from kwargs_handlers
     compile: Mapping[str, Any] | None = None  # torch.compile's arguments, from dynamo_backend
 
@@ -351,7 +351,7 @@ def option_table() -> str:
 
 def cuda_device_count() -> int:
     """GPUs visible here, counted through NVML where possible so the caller's CUDA stays uninitialised."""
-    return torch.cuda.device_count()
+    return gpus.count()
 
 
 def make_config(env: Environment, **options: Any) -> Config:
@@ -364,25 +364,29 @@ def make_config(env: Environment, **options: Any) -> Config:
     handlers, group_options = resolve_handlers(values["kwargs_handlers"])
     values.update(_from_handler(values, group_options))
     nprocs = count("nprocs", values["nprocs"], 1)
-    device_type = _device_type(values["compute_setup"], env.local_world_size if env.is_launched else nprocs)
-    backend = _backend(values["backend"], device_type)
-    dtype, mixed_precision = _precision(values["dtype"], _mixed_precision(values["mixed_precision"]), device_type)
+    compute_setup = _choice("compute_setup", values["compute_setup"], ComputeSetup)
+    asked = (compute_setup, values["backend"], values["dtype"], _mixed_precision(values["mixed_precision"]))
+    # a cluster job's ranks run on its nodes, which decide what depends on them; every other rank runs here
+    devices = _on_the_nodes(*asked) if values["cluster"] is not None and not env.is_launched \
+        else _devices(*asked, env, nprocs)
     strategy = _choice("strategy", values["strategy"], Strategy)
     log_setup = _choice("log_setup", values["log_setup"], LogSetup)
+    if devices.device_type is not None:
+        _check_sharding(strategy, devices.mixed_precision, devices.backend)
     return Config(
         nprocs=nprocs,
         compute_setup=values["compute_setup"],
         log_setup=log_setup,
-        device_type=device_type,
-        log_device_type=device_type if log_setup is LogSetup.AUTO else DeviceType.CPU,
-        backend=backend,
-        dtype=dtype,
+        device_type=devices.device_type,
+        log_device_type=_log_device(log_setup, devices),
+        backend=devices.backend,
+        dtype=devices.dtype,
         timeout=_timeout(values["timeout"]),
         start_method=_choice("start_method", values["start_method"], StartMethod),
         gradient_accumulation_steps=count("gradient_accumulation_steps", values["gradient_accumulation_steps"], 1),
         keep_global_batch=_flag("keep_global_batch", values["keep_global_batch"]),
         sync_each_batch=_flag("sync_each_batch", values["sync_each_batch"]),
-        mixed_precision=mixed_precision,
+        mixed_precision=devices.mixed_precision,
         split_batches=_flag("split_batches", values["split_batches"]),
         even_batches=_even_batches(values, strategy),
         dispatch_batches=values["dispatch_batches"] is not None and _flag("dispatch_batches",
@@ -394,8 +398,7 @@ def make_config(env: Environment, **options: Any) -> Config:
         step_scheduler_with_optimizer=_flag("step_scheduler_with_optimizer", values["step_scheduler_with_optimizer"]),
         max_restarts=count("max_restarts", values["max_restarts"], 0),
         strategy=strategy,
-        fsdp_modules=_sharding_choices(strategy, values["fsdp_modules"], values["fsdp_min_params"], mixed_precision,
-                                       backend),
+        fsdp_modules=_sharding_choices(strategy, values["fsdp_modules"], values["fsdp_min_params"]),
         fsdp_min_params=values["fsdp_min_params"],
         debug=_debug_choice(values["debug"]),
         project_dir=_folder("project_dir", values["project_dir"]),
@@ -842,19 +845,71 @@ def _timeout(timeout: object) -> float:
     return float(timeout)
 
 
-def _device_type(compute_setup: object, local_ranks: int) -> DeviceType:
-    """Where this node's ranks compute, checked against the GPUs visible here."""
-    setup = _choice("compute_setup", compute_setup, ComputeSetup)
-    gpus = cuda_device_count()
-    if setup is ComputeSetup.GPU and gpus == 0:
-        raise RuntimeError("compute_setup='gpu' but CUDA is not available here; use 'auto' or 'cpu'")
-    cuda = setup is ComputeSetup.GPU or (setup is ComputeSetup.AUTO and gpus > 0)
-    if cuda and local_ranks > gpus:
-        raise RuntimeError(
-            f"{local_ranks} GPU ranks on this node but only {gpus} visible GPU(s); "
-            f"lower nprocs or use compute_setup='cpu'"
-        )
-    return DeviceType.CUDA if cuda else DeviceType.CPU
+def _device_type(compute_setup: ComputeSetup, env: Environment, nprocs: int, asked: str | None = None) -> DeviceType:
+    """Where this process's ranks compute, decided with the GPUs visible here: they must fit how the ranks take
+    them (environment/gpus.py). ``asked``: the GPUs the job asked for, which must be here (a launcher's allocation
+    counts too)."""
+    if compute_setup is ComputeSetup.CPU:
+        return DeviceType.CPU
+    visible, asked = cuda_device_count(), asked or gpus.allocated()
+    if visible == 0:
+        if asked is not None:
+            raise gpus.none_seen(asked)
+        if compute_setup is ComputeSetup.GPU:
+            raise RuntimeError(f"compute_setup='gpu' but CUDA is not available here ({gpus.where()}, "
+                               f"{gpus.visible_devices()}); use 'auto' or 'cpu'")
+        return DeviceType.CPU
+    if env.is_launched:
+        gpus.choose(env.local_rank, env.local_world_size, visible, gpus.node_gpus())
+    elif nprocs > visible:  # a plain launch's ranks all see the GPUs this process sees
+        raise RuntimeError(f"{nprocs} GPU ranks on this node but only {visible} visible GPU(s) "
+                           f"({gpus.visible_devices()}); lower nprocs or use compute_setup='cpu'")
+    return DeviceType.CUDA
+
+
+def on_node(config: Config, env: Environment) -> Config:
+    """``config`` with what make_config left to the nodes (a cluster job's device, backend and precision) decided
+    here, where this rank runs; a configuration decided already comes back as it is."""
+    if config.device_type is not None:
+        return config
+    asked_gpus = config.cluster.gpus_per_node if config.cluster is not None else None
+    asked = f"the job asked for {asked_gpus} GPU(s) per node (SlurmCluster(gpus_per_node={asked_gpus}))" \
+        if asked_gpus else None
+    devices = _devices(ComputeSetup(config.compute_setup), config.backend, config.dtype, config.mixed_precision,
+                       env, config.nprocs, asked)
+    _check_sharding(config.strategy, devices.mixed_precision, devices.backend)
+    return dataclasses.replace(config, **devices._asdict(), log_device_type=_log_device(config.log_setup, devices))
+
+
+class _Devices(NamedTuple):
+    device_type: DeviceType | None
+    backend: Backend | None
+    dtype: torch.dtype | None
+    mixed_precision: MixedPrecision
+
+
+def _devices(compute_setup: ComputeSetup, backend: object, dtype: object, mixed_precision: object, env: Environment,
+             nprocs: int, asked: str | None = None) -> _Devices:
+    """The device type, backend and precision, decided together here."""
+    device_type = _device_type(compute_setup, env, nprocs, asked)
+    backend = _backend(backend, device_type)
+    return _Devices(device_type, backend, *_precision(dtype, mixed_precision, device_type))
+
+
+def _on_the_nodes(compute_setup: ComputeSetup, backend: object, dtype: object, mixed_precision: object) -> _Devices:
+    """For ranks that run elsewhere (a cluster job from a login node): only what needs no node is checked here;
+    the device type and the backend left to chose (None) are decided on the nodes (on_node)."""
+    if compute_setup is ComputeSetup.CPU:  # nothing about the nodes can change it
+        return _devices(compute_setup, backend, dtype, mixed_precision, Environment(Kind.PLAIN), 1)
+    chosen = None if backend is None else _choice("backend", backend, Backend)
+    return _Devices(None, chosen, *_precision(dtype, mixed_precision, None))
+
+
+def _log_device(log_setup: LogSetup, devices: _Devices) -> DeviceType | None:
+    return devices.device_type if log_setup is LogSetup.AUTO else DeviceType.CPU
+
+
+ON_THE_NODES = "decided on the nodes"
 
 
 def _backend(backend: object, device_type: DeviceType) -> Backend:
@@ -885,14 +940,15 @@ def _mixed_precision(value: object) -> object:
     return exported.lower()
 
 
-def _precision(dtype: object, mixed_precision: object, device_type: DeviceType) -> tuple[torch.dtype | None, MixedPrecision]:
-    """The models' dtype and the mixed precision, checked together."""
+def _precision(dtype: object, mixed_precision: object,
+               device_type: DeviceType | None) -> tuple[torch.dtype | None, MixedPrecision]:
+    """The models' dtype and the mixed precision, checked together (on a device decided on the nodes: None)."""
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype (e.g. torch.float64) or None; got {dtype!r}")
     if dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
         raise ValueError(f"dtype must be a floating-point or complex torch.dtype (it casts models and inputs); got {dtype}")
     mixed = _choice("mixed_precision", mixed_precision, MixedPrecision)
-    if mixed is MixedPrecision.FP16 and device_type is not DeviceType.CUDA:  # as Accelerate, said out loud
+    if mixed is MixedPrecision.FP16 and device_type is DeviceType.CPU:  # as Accelerate, said out loud
         warnings.warn("mixed_precision='fp16' without GPU compute trains in float32 (no autocast, no gradient "
                       "scaler; Accelerate does the same): use 'bf16' for half precision on CPU", stacklevel=5)
         mixed = MixedPrecision.NO
@@ -902,6 +958,17 @@ def _precision(dtype: object, mixed_precision: object, device_type: DeviceType) 
             "mixed_precision='no' (or dtype=None/torch.float32)"
         )
     return dtype, mixed
+
+
+def _check_sharding(strategy: Strategy, mixed_precision: MixedPrecision, backend: Backend | None) -> None:
+    """What FSDP2 needs of the backend and the precision, once they are decided."""
+    if strategy is not Strategy.FSDP:
+        return
+    if backend not in (Backend.GLOO, Backend.NCCL):
+        raise ValueError(f"strategy='fsdp' runs on backend 'gloo' (CPU) or 'nccl' (GPU); got backend={backend.value!r}")
+    if mixed_precision is MixedPrecision.FP16:
+        raise ValueError("strategy='fsdp' supports mixed_precision 'no' or 'bf16' (FSDP2's MixedPrecisionPolicy); "
+                         "fp16 needs a sharded gradient scaler qaccel does not provide")
 
 
 def _debug_choice(debug: object) -> bool:
@@ -918,10 +985,7 @@ def _debug_choice(debug: object) -> bool:
     raise ValueError(f"{DEBUG_VARIABLE} must be 1/true/yes/on or 0/false/no/off (or unset); got {value!r}")
 
 
-def _sharding_choices(
-    strategy: Strategy, modules: Sequence[type | str] | None, min_params: object, mixed_precision: MixedPrecision,
-    backend: Backend,
-) -> tuple[str, ...]:
+def _sharding_choices(strategy: Strategy, modules: Sequence[type | str] | None, min_params: object) -> tuple[str, ...]:
     """Check the strategy's arguments; fsdp_modules as class names."""
     if isinstance(min_params, bool) or not isinstance(min_params, int) or min_params < 1:
         raise ValueError(f"fsdp_min_params must be a positive int (parameters per sharded unit); got {min_params!r}")
@@ -930,11 +994,6 @@ def _sharding_choices(
             raise ValueError(
                 f"fsdp_modules and fsdp_min_params apply to strategy='fsdp' only; got strategy={strategy.value!r}")
         return ()
-    if backend not in (Backend.GLOO, Backend.NCCL):
-        raise ValueError(f"strategy='fsdp' runs on backend 'gloo' (CPU) or 'nccl' (GPU); got backend={backend.value!r}")
-    if mixed_precision is MixedPrecision.FP16:
-        raise ValueError("strategy='fsdp' supports mixed_precision 'no' or 'bf16' (FSDP2's MixedPrecisionPolicy); "
-                         "fp16 needs a sharded gradient scaler qaccel does not provide")
     if modules is None:
         return ()
     if isinstance(modules, (str, type)) or not all(isinstance(m, (str, type)) for m in modules) or not modules:

@@ -9,6 +9,10 @@ import pytest
 
 from support.procs import REPO, script_env, torchrun_cmd
 
+import qaccel.options
+from qaccel import Accelerator, cli
+from qaccel.environment import detect
+
 pytestmark = pytest.mark.timeout(180)
 
 
@@ -41,6 +45,30 @@ def test_env_under_slurm_variables():
     assert proc.returncode == 0, proc.stderr
     assert "environment       slurm" in proc.stdout
     assert "rank 1 of 2" in proc.stdout and "gpu07:18456" in proc.stdout
+
+
+@pytest.mark.parametrize(("variables", "seen", "line"), [
+    ({"SLURM_LOCALID": "1", "CUDA_VISIBLE_DEVICES": "0,1"}, 2,
+     "cuda:1: sees 2 GPUs (CUDA_VISIBLE_DEVICES=0,1), its node runs 2 rank(s): the local rank picks"),
+    ({"SLURM_LOCALID": "1", "CUDA_VISIBLE_DEVICES": "1"}, 1,
+     "cuda:0: sees 1 GPU (CUDA_VISIBLE_DEVICES=1), one of its node's 2 ranks: the launcher bound it"),
+])
+def test_env_says_which_gpu_a_rank_takes_and_why(monkeypatch, variables, seen, line):
+    """The GPU count is the only thing faked (this machine has none); the variables are srun's for rank 1 of 2."""
+    monkeypatch.setattr(qaccel.options, "cuda_device_count", lambda: seen)
+    for name, value in {"SLURM_PROCID": "1", "SLURM_NODEID": "0", "SLURM_STEP_ID": "3", "SLURM_STEP_NUM_TASKS": "2",
+                        "SLURM_STEP_NODELIST": "gpu07", "SLURM_JOB_ID": "123456", **variables}.items():
+        monkeypatch.setenv(name, value)
+    assert cli._gpu_line(Accelerator(backend="gloo"), detect(), seen) == line
+
+
+def test_env_in_a_plain_process_says_which_gpus_its_ranks_would_take(monkeypatch):
+    monkeypatch.setattr(qaccel.options, "cuda_device_count", lambda: 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    assert cli._gpu_line(Accelerator(nprocs=2, backend="gloo"), detect(), 4) == \
+        "ranks 0-1 take cuda:0-1: sees 4 GPUs (CUDA_VISIBLE_DEVICES=0,1,2,3), its node runs 2 rank(s): the local rank picks"
+    assert cli._gpu_line(Accelerator(compute_setup="cpu"), detect(), 4) == \
+        "none (4 visible, CUDA_VISIBLE_DEVICES=0,1,2,3)"
 
 
 def test_smoke_test_passes_and_counts():

@@ -25,7 +25,8 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401
 
 from qaccel.comm import hangs, sealed
-from qaccel.environment import Environment
+from qaccel.environment import Environment, gpus
+from qaccel import options
 from qaccel.options import Backend, Config, DeviceType
 
 
@@ -209,7 +210,11 @@ def plan(config: Config, env: Environment) -> RankContext:
 
 
 def rank_context(config: Config, rank: int, local_rank: int, node_rank: int, world: int, local_world: int) -> RankContext:
-    device = torch.device("cuda", local_rank) if config.device_type is DeviceType.CUDA else torch.device("cpu")
+    """Rank ``rank`` (``local_rank`` of ``local_world`` on node ``node_rank``) and its device: the GPU it sees, or the
+    one its local rank picks (environment/gpus.py)."""
+    device = torch.device("cpu")
+    if config.device_type is DeviceType.CUDA:
+        device = torch.device("cuda", gpus.choose(local_rank, local_world, options.cuda_device_count(), gpus.node_gpus()).index)
     return RankContext(rank, local_rank, node_rank, world, local_world, device, config.backend)
 
 

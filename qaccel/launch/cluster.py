@@ -22,7 +22,7 @@ from qaccel.environment import Environment, slurm_job_state
 from qaccel.errors import Preempted, RankError
 from qaccel.launch import pickling
 from qaccel.launch.protocol import HandBack, Launcher
-from qaccel.options import JobOutput, SlurmCluster, minutes
+from qaccel.options import JobOutput, SlurmCluster, minutes, on_node
 
 if TYPE_CHECKING:
     from qaccel.options import Config
@@ -67,7 +67,8 @@ class _Rank:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # submitit ignores it in its tasks; scancel must end them
         env = detect()
         try:
-            return "returned", in_place.run(_called, (self.call,), {}, self.config, env, False, self.plain)
+            config = on_node(self.config, env)  # the device, backend and precision: this node's to decide
+            return "returned", in_place.run(_called, (self.call,), {}, config, env, False, self.plain)
         except Preempted:
             raise
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller

@@ -5,6 +5,7 @@ nothing left; a USR1 warning that requeues the job, whose caller still gets the 
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import threading
 import time
 
 import pytest
+import torch
 from support import component
 from support.procs import result_lines, script_file, slurm_env, wait_for, wait_for_text
 
@@ -173,6 +175,42 @@ def test_a_function_defined_in_a_jupyter_cell_runs_on_the_cluster(slurm_cluster,
     finally:
         client.stop_channels()
         manager.shutdown_kernel(now=True)
+
+
+@pytest.mark.slurm
+def test_a_gpu_job_from_a_gpu_less_caller_is_submitted_and_fails_on_the_node_that_lacks_the_gpus(slurm_cluster,
+                                                                                                 tmp_path):
+    """The local SLURM hands out two GPUs per node (GRES gpu, with CUDA_VISIBLE_DEVICES) that this machine's torch
+    does not see: the caller submits with "auto" resolved nowhere, SLURM gets the request, the node refuses."""
+    proc = _run(slurm_cluster, tmp_path, "gpu", str(tmp_path / "jobs"))
+    assert "STATE decided on the nodes / decided on the nodes" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 1
+    submitted = next((tmp_path / "jobs").rglob("*_submission.sh")).read_text()
+    assert "#SBATCH --gpus-per-node=2\n" in submitted
+    assert "RuntimeError: node n1: the job asked for 2 GPU(s) per node (SlurmCluster(gpus_per_node=2)), but torch " \
+           "sees no GPU here (CUDA_VISIBLE_DEVICES=0,1; torch " in proc.stderr, proc.stderr
+    assert "built without CUDA (a CPU wheel)); install a CUDA build of torch on the nodes" in proc.stderr
+    assert re.search(r"\[qaccel\] rank [01] ran on node n1 in SLURM job ", proc.stderr), "both ranks raised it"
+
+
+def test_the_caller_of_a_gpu_job_leaves_the_device_to_the_nodes_and_checks_what_it_can():
+    for setup in ("auto", "gpu"):
+        acc = Accelerator(nprocs=2, compute_setup=setup, mixed_precision="fp16",
+                          cluster=SlurmCluster(tasks_per_node=2, gpus_per_node=2))
+        assert (acc.state.device, acc.state.backend, acc.mixed_precision) == ("decided on the nodes",) * 2 + ("fp16",)
+        with pytest.raises(RuntimeError, match=r"Accelerator.device is decided on the nodes: this Accelerator's "
+                                               r"ranks are the tasks of a SLURM job"):
+            acc.device
+        assert "device='decided on the nodes'" in repr(acc)
+    assert Accelerator(nprocs=2, backend="nccl", cluster=SlurmCluster(tasks_per_node=2)).backend == "nccl"
+    with pytest.raises(ValueError, match=r"backend must be one of 'gloo', 'nccl', 'mpi'; got 'ncl'"):
+        Accelerator(nprocs=2, backend="ncl", cluster=SlurmCluster(tasks_per_node=2))
+    with pytest.raises(ValueError, match=r"backend='nccl' needs GPU compute"):
+        Accelerator(nprocs=2, compute_setup="cpu", backend="nccl", cluster=SlurmCluster(tasks_per_node=2))
+    with pytest.raises(ValueError, match=r"compute_setup must be one of 'auto', 'cpu', 'gpu'; got 'cuda'"):
+        Accelerator(nprocs=2, compute_setup="cuda", cluster=SlurmCluster(tasks_per_node=2))
+    cpu = Accelerator(nprocs=2, compute_setup="cpu", cluster=SlurmCluster(tasks_per_node=2))
+    assert (cpu.device, cpu.backend) == (torch.device("cpu"), "gloo"), "a CPU job is decided at once, as before"
 
 
 def test_cluster_needs_as_many_ranks_as_tasks_and_valid_fields():

@@ -3,6 +3,7 @@ each SLURM task is a rank; results, a rank's exception and Ctrl-C come back to t
 
     python cluster_job.py MODE FOLDER [CKPT]    # MODE: results | raises | dies | sleeps | train | train-here | trainer
 
+``gpu`` asks for 2 GPUs per node from this GPU-less machine, with the default compute_setup="auto".
 ``train`` trains 3 epochs with resume(CKPT) and a checkpoint per epoch on the cluster (``train-here``: the same as a
 plain local launch), printing the parameters' hash.
 """
@@ -112,6 +113,11 @@ if __name__ == "__main__":
         acc.distribute(dies)(acc)
     elif mode == "sleeps":
         acc.distribute(sleeps)(acc)
+    elif mode == "gpu":  # decided on the node, whose torch sees none of the GPUs SLURM gives it
+        gpu = Accelerator(nprocs=2, timeout=60, cluster=SlurmCluster(nodes=1, tasks_per_node=2, gpus_per_node=2,
+                                                                     time="00:10:00", folder=folder))
+        print(f"STATE {gpu.state.device} / {gpu.state.backend}", flush=True)
+        gpu.distribute(report)(gpu, "gpu")
     elif mode == "train":
         print("RESULT " + json.dumps(acc.distribute(train)(acc, sys.argv[3])), flush=True)
     elif mode == "train-here":

@@ -154,13 +154,16 @@ class LocalSlurm:
 
     BIN_CHECK = (*DAEMON_BINARIES, "srun")
 
-    def __init__(self, nodes: int = 2, cpus_per_node: int = 2, *,
+    def __init__(self, nodes: int = 2, cpus_per_node: int = 2, *, gpus_per_node: int = 2,
                  startup_timeout: float = 30.0, attempts: int = 3,
                  keep_dir: bool = False, die_with_parent: bool = True):
         if nodes < 1:
             raise ValueError("nodes must be >= 1")
         self.nodes = nodes
         self.cpus_per_node = cpus_per_node
+        # GPUs SLURM hands out (GRES gpu): links to /dev/null stand in for /dev/nvidiaN, so a job asks for GPUs, gets them
+        # and their CUDA_VISIBLE_DEVICES as on a GPU node, while this machine's torch sees none
+        self.gpus_per_node = gpus_per_node
         self.startup_timeout = startup_timeout
         self.attempts = attempts
         self.keep_dir = keep_dir
@@ -472,8 +475,15 @@ class LocalSlurm:
         (R / "state").mkdir(exist_ok=True)
         for n in self.node_names:
             (R / "spool" / n).mkdir(parents=True, exist_ok=True)
+        gres = f"Gres=gpu:{self.gpus_per_node} " if self.gpus_per_node else ""
+        if self.gpus_per_node:
+            (R / "dev").mkdir(exist_ok=True)
+            for i in range(self.gpus_per_node):  # SLURM wants character devices: /dev/null's name will do
+                (R / "dev" / f"gpu{i}").symlink_to("/dev/null")
+            (R / "gres.conf").write_text("AutoDetect=off\n" + "".join(
+                f"NodeName={n} Name=gpu File={R}/dev/gpu[0-{self.gpus_per_node - 1}]\n" for n in self.node_names))
         node_lines = [
-            f"NodeName={n} NodeAddr=127.0.0.1 NodeHostname=localhost Port={p} "
+            f"NodeName={n} NodeAddr=127.0.0.1 NodeHostname=localhost Port={p} {gres}"
             f"CPUs={self.cpus_per_node} Sockets=1 CoresPerSocket={self.cpus_per_node} "
             f"ThreadsPerCore=1 RealMemory=1000 State=UNKNOWN"
             for n, p in zip(self.node_names, self.node_ports)]
@@ -499,6 +509,7 @@ class LocalSlurm:
             # use the configured CPUs/memory even if this machine has fewer
             "SlurmdParameters=config_overrides",
             "MpiDefault=none",
+            *(["GresTypes=gpu"] if self.gpus_per_node else []),
             "SwitchType=switch/none",
             "ReturnToService=2",
             "SchedulerType=sched/backfill",

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from qaccel import Accelerator
-from qaccel.options import FSDP_MIN_PARAMS, Backend, MixedPrecision, Strategy, _sharding_choices
+from qaccel.options import FSDP_MIN_PARAMS, Backend, MixedPrecision, Strategy, _check_sharding
 from qaccel.train.sharding import units
 from support.procs import once_per_session, run_script, run_torchrun, slurm_env
 from support.real_train import REAL, checked, real_env
@@ -191,9 +191,9 @@ def test_bad_strategy_arguments_fail_at_construction(kwargs, message):
 
 def test_fsdp_refuses_fp16_and_mpi_naming_what_works():
     with pytest.raises(ValueError, match="strategy='fsdp' supports mixed_precision 'no' or 'bf16'"):
-        _sharding_choices(Strategy.FSDP, None, 1, MixedPrecision.FP16, Backend.NCCL)
+        _check_sharding(Strategy.FSDP, MixedPrecision.FP16, Backend.NCCL)
     with pytest.raises(ValueError, match="backend 'gloo' \\(CPU\\) or 'nccl' \\(GPU\\); got backend='mpi'"):
-        _sharding_choices(Strategy.FSDP, None, 1, MixedPrecision.NO, Backend.MPI)
+        _check_sharding(Strategy.FSDP, MixedPrecision.NO, Backend.MPI)
 
 
 def _stepped_optimizer(acc):
