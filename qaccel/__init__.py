@@ -14,7 +14,8 @@ Layers, each importing only the ones below it:
 __version__ = "0.1.0"
 
 from qaccel.accelerator import Accelerator
-from qaccel.errors import CheckpointError, CollectiveMismatchError, Preempted, QaccelError, RankError, RankKilledError
+from qaccel.errors import (CheckpointError, CollectiveMismatchError, Preempted, QaccelError, RankError, RankKilledError,
+                           RendezvousError)
 from qaccel.notebook import debug_launcher, notebook_launcher
 from qaccel.options import (DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin, ProjectConfiguration,
                             SlurmCluster)
@@ -34,7 +35,7 @@ warm_up_in_kernel()
 
 __all__ = [
     "Accelerator", "DataLoaderConfiguration", "DistributedType", "ProjectConfiguration", "GradientAccumulationPlugin", "Preempted", "consolidate", "CheckpointError", "CollectiveMismatchError",
-    "QaccelError", "RankError", "RankKilledError", "SlurmCluster", "TrainConfig", "Trainer", "__version__",
+    "QaccelError", "RankError", "RankKilledError", "RendezvousError", "SlurmCluster", "TrainConfig", "Trainer", "__version__",
     "debug_launcher", "find_executable_batch_size", "notebook_launcher", "should_reduce_batch_size",
     # qadence's ml_tools names
     "DictDataLoader", "InfiniteTensorDataset", "OptimizeResult", "default_optimize_step", "get_parameters", "load_checkpoint", "load_model",

@@ -65,6 +65,10 @@ class CollectiveMismatchError(QaccelError):
     """Debug mode: the ranks called different collectives, or the same one with different shapes."""
 
 
+class RendezvousError(QaccelError):
+    """The ranks cannot meet where they were told to: names the host, the port and where they came from."""
+
+
 class CheckpointError(QaccelError):
     """A checkpoint cannot be read or does not fit what this run prepared; names the checkpoint and the file.
 

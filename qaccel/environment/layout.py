@@ -63,6 +63,7 @@ class Environment:
     num_nodes: int = 1
     master_addr: str | None = None
     master_port: int | None = None
+    address_from: str = "MASTER_ADDR"  # where master_addr came from, for errors that name it
 
     @property
     def is_launched(self) -> bool:
@@ -122,6 +123,7 @@ def _launcher_layout(env: Mapping[str, str], kind: Kind, rank: int, world_size: 
         num_nodes=_ceil_div(world_size, local_world_size),
         master_addr=env.get("MASTER_ADDR"),
         master_port=_optional_int(env, "MASTER_PORT"),
+        address_from=f"MASTER_ADDR, which {kind} set",
     )
 
 

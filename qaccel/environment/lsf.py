@@ -32,4 +32,5 @@ class LsfJsrun:
         return Environment(kind=self.kind, rank=rank, local_rank=_int(env, "JSM_NAMESPACE_LOCAL_RANK", rank),
                            node_rank=rank // max(local_world_size, 1), world_size=world_size,
                            local_world_size=local_world_size, num_nodes=_ceil_div(world_size, local_world_size),
-                           master_addr=master_addr, master_port=master_port)
+                           master_addr=master_addr, master_port=master_port,
+                           address_from="MASTER_ADDR" if env.get("MASTER_ADDR") else "LSB_MCPU_HOSTS")

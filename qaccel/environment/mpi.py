@@ -65,4 +65,5 @@ class Mpi:
         return Environment(kind=self.kind, rank=rank, local_rank=local_rank,
                            node_rank=rank // max(local_world_size, 1), world_size=world_size,
                            local_world_size=local_world_size, num_nodes=num_nodes, master_addr=master_addr,
-                           master_port=master_port)
+                           master_port=master_port,
+                           address_from="MASTER_ADDR" if env.get("MASTER_ADDR") else "one node: loopback")

@@ -30,11 +30,13 @@ def _slurm(env: Mapping[str, str]) -> Environment | None:
 
     node_rank = _int(env, "SLURM_NODEID", 0)
     num_nodes = _first_int(env, ("SLURM_STEP_NUM_NODES", "SLURM_NNODES"))
-    master_addr = env.get("MASTER_ADDR")
+    master_addr, address_from = env.get("MASTER_ADDR"), "MASTER_ADDR"
     if num_nodes is None or master_addr is None:
         hosts = _nodelist(env)
         num_nodes = num_nodes if num_nodes is not None else (len(hosts) or 1)
-        master_addr = master_addr if master_addr is not None else next(iter(hosts), None)
+        if master_addr is None:
+            master_addr = next(iter(hosts), None)
+            address_from = f"the first node of {_nodelist_key(env)}"
     master_port = _optional_int(env, "MASTER_PORT")
     job_id = _first(env, ("SLURM_JOB_ID", "SLURM_JOBID"))
     if master_port is None and job_id is not None:
@@ -50,6 +52,7 @@ def _slurm(env: Mapping[str, str]) -> Environment | None:
         num_nodes=num_nodes,
         master_addr=master_addr,
         master_port=master_port,
+        address_from=address_from,
     )
 
 
@@ -68,13 +71,17 @@ def _slurm_local_world_size(env: Mapping[str, str], node_rank: int, world_size: 
 
 def _nodelist(env: Mapping[str, str]) -> list[str]:
     """The step's hosts, widening to the job's when the step list is absent."""
-    key = next((k for k in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if k in env), None)
+    key = _nodelist_key(env)
     if key is None:
         return []
     try:
         return parse_nodelist(env[key])
     except ValueError as err:
         raise ValueError(f"{key}={env[key]!r}: {err}") from None
+
+
+def _nodelist_key(env: Mapping[str, str]) -> str | None:
+    return next((k for k in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if k in env), None)
 
 
 def slurm_port(job_id: str) -> int:

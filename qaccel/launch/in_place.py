@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from qaccel.comm import collectives, session
+from qaccel.comm import collectives, rendezvous, session
 from qaccel.comm.session import RankContext
 from qaccel.environment import Environment, rank_variables
 from qaccel.errors import raised_note, type_name
@@ -88,7 +88,12 @@ def _this_rank(config: Config, env: Environment) -> tuple[RankContext, Callable[
     needs_store = env.kind.started_by_launcher and ctx.world_size > 1
 
     def store(session_number: int) -> dist.Store | None:
-        return session.env_store(ctx, config.timeout, session_number) if needs_store else None
+        if not needs_store:
+            return None
+        hosts_store = ctx.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        rendezvous.check(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.address_from, ctx.rank,
+                         hosts_store)
+        return session.env_store(ctx, config.timeout, session_number)
 
     return ctx, store
 
