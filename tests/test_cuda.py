@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
 import pytest
 import torch
@@ -40,6 +41,26 @@ def test_auto_picks_the_gpu_and_nccl():
 def test_more_gpu_ranks_than_gpus_is_refused_at_construction():
     with pytest.raises(RuntimeError, match="visible GPU"):
         Accelerator(nprocs=torch.cuda.device_count() + 1, compute_setup="gpu")
+
+
+def test_ranks_that_each_see_one_gpu_take_it_and_reduce_cuda_tensors_over_gloo(tmp_path):
+    """Two ranks as a launcher that binds one GPU per rank starts them (a pod per GPU, srun --gpus-per-task=1): each
+    sees one GPU and takes it, where cuda:LOCAL_RANK would be an invalid ordinal for rank 1. One GPU here, so both
+    see the same one: NCCL would refuse that, gloo over CUDA tensors does not."""
+    import subprocess
+
+    from support.procs import result_lines
+
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, str(script_file("gpu_ranks.py"))], cwd=tmp_path, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=script_env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                                             CUDA_VISIBLE_DEVICES="0"))
+             for rank in (0, 1)]
+    outs = [proc.communicate(timeout=150) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outs
+    results = sorted((r for out, _ in outs for r in result_lines(out)), key=lambda r: r["rank"])
+    assert [(r["device"], r["sum"], r["on"]) for r in results] == [("cuda:0", [3.0, 3.0], "cuda")] * 2
 
 
 def test_prepare_moves_model_optimizer_state_and_batches_to_the_gpu():

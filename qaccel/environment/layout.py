@@ -7,7 +7,7 @@ from __future__ import annotations
 import enum
 import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class Kind(enum.StrEnum):
@@ -63,7 +63,7 @@ class Environment:
     num_nodes: int = 1
     master_addr: str | None = None
     master_port: int | None = None
-    address_from: str = "MASTER_ADDR"  # where master_addr came from, for errors that name it
+    address_from: str = field(default="MASTER_ADDR", compare=False)  # where master_addr came from, for errors
 
     @property
     def is_launched(self) -> bool:

@@ -117,6 +117,23 @@ def test_multi_node_template_runs_one_srun_task_per_rank_on_every_node(slurm_clu
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.parametrize(("recipe", "binding"), [
+    (["--gpus-per-node=2"], "by local rank"),
+    (["--gpus-per-node=2", "--gpus-per-task=1"], "own"),
+])
+def test_the_gpu_recipes_give_every_rank_a_gpu_of_its_own(slurm_cluster, tmp_path, recipe, binding):
+    """docs/cluster.md's two recipes, on the local SLURM's two GPUs per node (which its torch cannot use: each rank
+    reports the GPU qaccel's rule gives it, gpu_choice.py)."""
+    env = _env(slurm_cluster, tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    info, results, output = _submit(slurm_cluster, tmp_path, "train.sbatch",
+                                    ["--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1", *recipe], env,
+                                    script_args=[str(script_file("gpu_choice.py"))])
+    assert _state(info) == ("COMPLETED", "0:0"), output
+    assert [(r["rank"], r["node"], r["gpu"], r["binding"]) for r in results] == [
+        (0, 0, "0", binding), (1, 0, "1", binding), (2, 1, "0", binding), (3, 1, "1", binding)], output
+
+
+@pytest.mark.timeout(150)
 def test_torchrun_one_node_template_follows_torchruns_workers(slurm_cluster, tmp_path):
     env = _env(slurm_cluster, tmp_path, NPROC_PER_NODE="2")
     info, results, output = _submit(slurm_cluster, tmp_path, "torchrun_one_node.sbatch",

@@ -69,6 +69,17 @@ def test_under_torchrun_workers_given_a_host_that_does_not_resolve_fail_within_s
         assert "from MASTER_ADDR, which torchrun set) does not resolve here" in result["message"]
 
 
+def test_under_torchrun_its_agent_meets_first_and_its_own_timeout_bounds_the_wait(tmp_path):
+    """What the torchrun page says: with --master-addr, torchrun's agent connects before any worker (so before any
+    qaccel code) runs, and --rdzv-conf timeout=S bounds it."""
+    with tempfile.TemporaryDirectory(prefix="torchrun-logs-") as logs:
+        cmd = torchrun_cmd(Path(logs), "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "nosuch.invalid",
+                           "--master-port", str(free_port()), "--rdzv-conf", "timeout=5", str(SCRIPT))
+        proc = subprocess.run(cmd, env=script_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode != 0 and result_lines(proc.stdout) == [], "no worker ran"
+    assert "timed out after 5000ms while trying to connect to (nosuch.invalid, " in proc.stderr, proc.stderr[-2000:]
+
+
 def test_a_resolvable_local_host_passes_and_the_check_names_what_it_refuses():
     rendezvous.check("127.0.0.1", 29500, "MASTER_ADDR", 0, True)
     rendezvous.check("localhost", 29500, "MASTER_ADDR", 1, False)

@@ -13,5 +13,6 @@ def test_jsrun_takes_the_first_compute_host_and_the_jobs_port():
     assert detect(jsrun) == Environment(kind="lsf", rank=5, local_rank=1, node_rank=1, world_size=8,
                                         local_world_size=4, num_nodes=2, master_addr="c01",
                                         master_port=derived_port("8842"))
+    assert detect(jsrun).address_from == "LSB_MCPU_HOSTS"
     with pytest.raises(ValueError, match="a jsrun rank needs LSB_MCPU_HOSTS and LSB_JOBID"):
         detect({k: v for k, v in jsrun.items() if k != "LSB_JOBID"})

@@ -54,10 +54,12 @@ def test_multi_node_srun_step() -> None:
         master_port=15000 + 7654,
     )
     assert env.is_launched is True
+    assert env.address_from == "the first node of SLURM_STEP_NODELIST", "what a rendezvous error names"
 
 
 def test_slurm_user_master_addr_and_port_win() -> None:
     env = detect({**SRUN_TWO_NODES, "MASTER_ADDR": "head", "MASTER_PORT": "12345"})
+    assert env.address_from == "MASTER_ADDR"
     assert env.master_addr == "head"
     assert env.master_port == 12345
 

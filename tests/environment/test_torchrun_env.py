@@ -21,6 +21,7 @@ def test_torchrun_values() -> None:
         master_port=29500,
     )
     assert env.is_launched is True
+    assert env.address_from == "MASTER_ADDR, which torchrun set"
 
 
 def test_torchrun_num_nodes_rounds_up_and_port_is_optional() -> None:
