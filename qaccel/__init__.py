@@ -35,7 +35,8 @@ warm_up_in_kernel()
 
 __all__ = [
     "Accelerator", "DataLoaderConfiguration", "DistributedType", "ProjectConfiguration", "GradientAccumulationPlugin", "Preempted", "consolidate", "CheckpointError", "CollectiveMismatchError",
-    "QaccelError", "RankError", "RankKilledError", "RendezvousError", "SlurmCluster", "TrainConfig", "Trainer", "__version__",
+    "QaccelError", "RankError", "RankKilledError", "RendezvousError", "SlurmCluster", "TrainConfig", "Trainer",
+    "__version__",
     "debug_launcher", "find_executable_batch_size", "notebook_launcher", "should_reduce_batch_size",
     # qadence's ml_tools names
     "DictDataLoader", "InfiniteTensorDataset", "OptimizeResult", "default_optimize_step", "get_parameters", "load_checkpoint", "load_model",

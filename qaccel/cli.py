@@ -70,7 +70,8 @@ def _gpu_line(acc: Accelerator, env: Environment, seen: int) -> str:
     if acc.device.type != "cuda":
         return f"none ({seen} visible, {gpu_rule.visible_devices()})"
     if env.is_launched:
-        return f"{acc.device}: {gpu_rule.choose(env.local_rank, env.local_world_size, seen, gpu_rule.node_gpus()).why()}"
+        choice = gpu_rule.choose(env.local_rank, env.local_world_size, seen, gpu_rule.node_gpus())
+        return f"{acc.device}: {choice.why()}"
     ranks = acc.world_size
     last = f"-{ranks - 1}" if ranks > 1 else ""
     return f"rank{'s' if ranks > 1 else ''} 0{last} take cuda:0{last}: {gpu_rule.choose(0, ranks, seen).why()}"

@@ -18,7 +18,7 @@ _FIX = ("set MASTER_ADDR (and MASTER_PORT) to a name or address of rank 0's node
         "IP address: export MASTER_ADDR=$(hostname -I | cut -d' ' -f1) on rank 0's node")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def check(host: str, port: int, source: str, rank: int, hosts_store: bool) -> None:
     """Raise RendezvousError when ``host`` does not resolve here, or when this rank hosts the store at ``host`` (rank
     0) and it is not an address of this machine; ``source`` says where the address came from. Once per process."""

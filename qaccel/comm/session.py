@@ -214,7 +214,8 @@ def rank_context(config: Config, rank: int, local_rank: int, node_rank: int, wor
     one its local rank picks (environment/gpus.py)."""
     device = torch.device("cpu")
     if config.device_type is DeviceType.CUDA:
-        device = torch.device("cuda", gpus.choose(local_rank, local_world, options.cuda_device_count(), gpus.node_gpus()).index)
+        choice = gpus.choose(local_rank, local_world, options.cuda_device_count(), gpus.node_gpus())
+        device = torch.device("cuda", choice.index)
     return RankContext(rank, local_rank, node_rank, world, local_world, device, config.backend)
 
 

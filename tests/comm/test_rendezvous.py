@@ -59,7 +59,7 @@ def test_under_torchrun_workers_given_a_host_that_does_not_resolve_fail_within_s
         cmd = torchrun_cmd(Path(logs), "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--local-addr", "nosuch.invalid",
                            str(SCRIPT))
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150, cwd=tmp_path)
+        proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=150, cwd=tmp_path)
     results = sorted(result_lines(proc.stdout), key=lambda r: r["rank"])
     assert proc.returncode != 0 and [r["rank"] for r in results] in ([0, 1], [0], [1]), proc.stdout + proc.stderr
     for result in results:  # torchrun stops the other worker once one has failed
@@ -75,7 +75,7 @@ def test_under_torchrun_its_agent_meets_first_and_its_own_timeout_bounds_the_wai
     with tempfile.TemporaryDirectory(prefix="torchrun-logs-") as logs:
         cmd = torchrun_cmd(Path(logs), "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "nosuch.invalid",
                            "--master-port", str(free_port()), "--rdzv-conf", "timeout=5", str(SCRIPT))
-        proc = subprocess.run(cmd, env=script_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        proc = subprocess.run(cmd, check=False, env=script_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode != 0 and result_lines(proc.stdout) == [], "no worker ran"
     assert "timed out after 5000ms while trying to connect to (nosuch.invalid, " in proc.stderr, proc.stderr[-2000:]
 
