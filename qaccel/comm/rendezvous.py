@@ -2,7 +2,8 @@
 timeout while torch prints ``gai error`` warnings: a host that does not resolve (on every rank), and on the rank that
 hosts the store (rank 0, unless the launcher's agent hosts it), a host that is not this machine.
 
-A rank whose connections are refused keeps trying, as torch does: rank 0 may simply not be up yet.
+A rank whose connections are refused keeps trying, as torch does, since rank 0 may simply not be up yet; but it says
+so after a few seconds, and at the timeout raises naming the host, the port and where they came from.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import errno
 import functools
 import os
 import socket
+import sys
+import time
 
 from qaccel.errors import RendezvousError
 
@@ -18,10 +21,15 @@ _FIX = ("set MASTER_ADDR (and MASTER_PORT) to a name or address of rank 0's node
         "IP address: export MASTER_ADDR=$(hostname -I | cut -d' ' -f1) on rank 0's node")
 
 
+SAY_AFTER_S = 10.0  # refused this long, a rank says so (rank 0 is late, or the address is not rank 0's machine)
+RETRY_S = 0.25
+
+
 @functools.cache
-def check(host: str, port: int, source: str, rank: int, hosts_store: bool) -> None:
-    """Raise RendezvousError when ``host`` does not resolve here, or when this rank hosts the store at ``host`` (rank
-    0) and it is not an address of this machine; ``source`` says where the address came from. Once per process."""
+def check(host: str, port: int, source: str, rank: int, hosts_store: bool, timeout: float) -> None:
+    """Raise RendezvousError when ``host`` does not resolve here, when this rank hosts the store at ``host`` (rank
+    0) and it is not an address of this machine, or when nothing answers there within ``timeout`` seconds;
+    ``source`` says where the address came from. Once per process."""
     here = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     try:
         addresses = {info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
@@ -34,6 +42,30 @@ def check(host: str, port: int, source: str, rank: int, hosts_store: bool) -> No
         raise RendezvousError(
             f"rank {rank} on {here} hosts the rendezvous at {host}:{port} (from {source}), but {host}{resolved} is "
             f"not an address of this machine: the other ranks would wait there for the whole timeout; {_FIX}")
+    if not hosts_store:
+        _wait_for_answer(host, port, source, f"rank {rank} on {here}", timeout)
+
+
+def _wait_for_answer(host: str, port: int, source: str, who: str, timeout: float) -> None:
+    """Until something listens at host:port (rank 0's store): said once after SAY_AFTER_S, raised at ``timeout``."""
+    started = time.monotonic()
+    said = False
+    while True:
+        waited = time.monotonic() - started
+        try:
+            socket.create_connection((host, port), timeout=max(0.1, min(5.0, timeout - waited))).close()
+            return
+        except OSError as exc:
+            reason = exc.strerror or type(exc).__name__
+            if waited >= timeout:
+                raise RendezvousError(f"{who}: nothing answered at the rendezvous {host}:{port} (from {source}) for "
+                                      f"{timeout:.0f} s ({reason}): rank 0 never hosted it there; {_FIX}") from None
+            if not said and waited >= SAY_AFTER_S:
+                said = True
+                sys.stderr.write(f"qaccel: {who} has waited {waited:.0f} s for the rendezvous at {host}:{port} (from "
+                                 f"{source}; {reason}): rank 0 is not up yet, or {host} is not its machine\n")
+                sys.stderr.flush()
+        time.sleep(RETRY_S)
 
 
 def _is_here(address: str) -> bool:

@@ -92,7 +92,7 @@ def _this_rank(config: Config, env: Environment) -> tuple[RankContext, Callable[
             return None
         hosts_store = ctx.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
         rendezvous.check(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.address_from, ctx.rank,
-                         hosts_store)
+                         hosts_store, config.timeout)
         return session.env_store(ctx, config.timeout, session_number)
 
     return ctx, store

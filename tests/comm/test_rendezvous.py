@@ -4,9 +4,13 @@ compute nodes' names often do not) and a real torchrun whose workers get an addr
 
 from __future__ import annotations
 
+import re
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -81,9 +85,34 @@ def test_under_torchrun_its_agent_meets_first_and_its_own_timeout_bounds_the_wai
 
 
 def test_a_resolvable_local_host_passes_and_the_check_names_what_it_refuses():
-    rendezvous.check("127.0.0.1", 29500, "MASTER_ADDR", 0, True)
-    rendezvous.check("localhost", 29500, "MASTER_ADDR", 1, False)
+    rendezvous.check("127.0.0.1", 29500, "MASTER_ADDR", 0, True, 60.0)
     with pytest.raises(RendezvousError, match=r"rank 3 on .*: the rendezvous host 'nosuch.invalid' \(port 1234, "
                                               r"from somewhere\) does not resolve here"):
-        rendezvous.check("nosuch.invalid", 1234, "somewhere", 3, False)
-    rendezvous.check("192.0.2.1", 29500, "MASTER_ADDR", 1, False), "another rank only connects there"
+        rendezvous.check("nosuch.invalid", 1234, "somewhere", 3, False, 60.0)
+
+
+def test_a_rank_refused_says_so_within_seconds_and_raises_at_the_timeout_naming_the_rendezvous(monkeypatch, capfd):
+    monkeypatch.setattr(rendezvous, "SAY_AFTER_S", 0.5)
+    port = free_port()  # nothing listens there
+    with pytest.raises(RendezvousError, match=rf"rank 1 on .*: nothing answered at the rendezvous 127.0.0.1:{port} "
+                                              rf"\(from MASTER_ADDR\) for 2 s \(Connection refused\): rank 0 never"):
+        rendezvous.check("127.0.0.1", port, "MASTER_ADDR", 1, False, 2.0)
+    said = capfd.readouterr().err
+    assert len(re.findall(rf"qaccel: rank 1 on .* has waited \d s for the rendezvous at 127.0.0.1:{port} \(from "
+                          r"MASTER_ADDR; Connection refused\): rank 0 is not up yet, or 127.0.0.1 is not its machine\n",
+                          said)) == 1, "said once"
+
+
+def test_a_rank_waits_for_a_late_rank_0_and_goes_on():
+    late = socket.socket()
+    late.bind(("127.0.0.1", 0))
+    port = late.getsockname()[1]
+    opened = threading.Timer(1.0, late.listen)
+    opened.start()
+    try:
+        started = time.monotonic()
+        rendezvous.check("127.0.0.1", port, "MASTER_ADDR", 1, False, 30.0)
+        assert 0.9 < time.monotonic() - started < 10
+    finally:
+        opened.cancel()
+        late.close()
