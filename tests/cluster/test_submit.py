@@ -195,6 +195,13 @@ def test_a_gpu_job_from_a_gpu_less_caller_is_submitted_and_fails_on_the_node_tha
     assert re.search(r"\[qaccel\] rank [01] ran on node n1 in SLURM job ", proc.stderr), "both ranks raised it"
 
 
+@pytest.mark.slurm
+def test_a_cluster_job_with_gpus_per_task_gives_each_rank_its_own(slurm_cluster, tmp_path):
+    """docs/cluster.md's cluster= recipe for one GPU per task: SLURM binds a different GPU to each rank."""
+    [visible] = _checked(_run(slurm_cluster, tmp_path, "gpu-per-task", str(tmp_path / "jobs")))
+    assert visible == ["0", "1"]
+
+
 def test_the_caller_of_a_gpu_job_leaves_the_device_to_the_nodes_and_checks_what_it_can():
     for setup in ("auto", "gpu"):
         acc = Accelerator(nprocs=2, compute_setup=setup, mixed_precision="fp16",

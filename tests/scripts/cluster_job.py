@@ -2,8 +2,10 @@
 each SLURM task is a rank; results, a rank's exception and Ctrl-C come back to this process.
 
     python cluster_job.py MODE FOLDER [CKPT]    # MODE: results | raises | dies | sleeps | train | train-here | trainer
+                                                # | gpu | gpu-per-task
 
-``gpu`` asks for 2 GPUs per node from this GPU-less machine, with the default compute_setup="auto".
+``gpu`` asks for 2 GPUs per node from this GPU-less machine, with the default compute_setup="auto";
+``gpu-per-task`` one GPU bound to each task (the CPU computes: this machine's torch sees none), each rank's shown.
 ``train`` trains 3 epochs with resume(CKPT) and a checkpoint per epoch on the cluster (``train-here``: the same as a
 plain local launch), printing the parameters' hash.
 """
@@ -88,6 +90,10 @@ def fit(where, folder):
     return {"hash": digest, "epochs": len(trainer.history)}
 
 
+def visible():
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
 def sleeps(acc):
     print(f"rank {acc.rank} pid {os.getpid()} sleeping", flush=True)
     time.sleep(300)
@@ -118,6 +124,10 @@ if __name__ == "__main__":
                                                                      time="00:10:00", folder=folder))
         print(f"STATE {gpu.state.device} / {gpu.state.backend}", flush=True)
         gpu.distribute(report)(gpu, "gpu")
+    elif mode == "gpu-per-task":
+        bound = Accelerator(nprocs=2, compute_setup="cpu", timeout=60, cluster=SlurmCluster(
+            nodes=1, tasks_per_node=2, gpus_per_node=2, sbatch={"gpus-per-task": 1}, time="00:10:00", folder=folder))
+        print("RESULT " + json.dumps(bound.distribute(visible, all_results=True)()), flush=True)
     elif mode == "train":
         print("RESULT " + json.dumps(acc.distribute(train)(acc, sys.argv[3])), flush=True)
     elif mode == "train-here":
