@@ -281,8 +281,8 @@ class Accelerator:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        if session.current() is not None:  # a cluster job's rank: what its caller left to the nodes is decided here
-            self._config = options.on_node(self._config, detect())
+        if self._config.device_type is None and session.current() is not None:
+            self._config = options.on_node(self._config, detect())  # a cluster job's rank: the node decides
 
     def __repr__(self) -> str:
         ctx, state = self._ctx(), self.state
