@@ -120,7 +120,8 @@ class Options:
         positional=True)
     compute_setup: str = option(
         "auto", "`auto`, `cpu`, `gpu`",
-        "`auto`: a GPU per rank if there are GPUs, else the CPU",
+        "`auto`: a GPU per rank if the ranks see GPUs, else the CPU, decided where the ranks run (a cluster job's "
+        "nodes)",
         positional=True)
     log_setup: str = option(
         "cpu", "`cpu`, `auto`",
