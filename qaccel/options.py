@@ -899,7 +899,7 @@ def _devices(compute_setup: ComputeSetup, backend: object, dtype: object, mixed_
 
 def _on_the_nodes(compute_setup: ComputeSetup, backend: object, dtype: object, mixed_precision: object) -> _Devices:
     """For ranks that run elsewhere (a cluster job from a login node): only what needs no node is checked here;
-    the device type and the backend left to chose (None) are decided on the nodes (on_node)."""
+    the device type and the backend left to choose (None) are decided on the nodes (on_node)."""
     if compute_setup is ComputeSetup.CPU:  # nothing about the nodes can change it
         return _devices(compute_setup, backend, dtype, mixed_precision, Environment(Kind.PLAIN), 1)
     chosen = None if backend is None else _choice("backend", backend, Backend)
