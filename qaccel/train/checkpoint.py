@@ -16,7 +16,7 @@ import secrets
 import shutil
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 import torch
@@ -33,6 +33,8 @@ MARKER_FILE = "qaccel_state.json"  # written last: a checkpoint folder holding i
 SHARDED_DIR = "sharded"  # strategy="fsdp": models and optimizers, in torch.distributed.checkpoint's format
 FORMAT = 2  # the marker lists every file's size and checksum
 _NUMBERED = re.compile(r"checkpoint_(\d+)")
+
+T = TypeVar("T")
 
 
 def save(obj: Any, path: str | os.PathLike, ctx: RankContext) -> None:
@@ -117,7 +119,7 @@ def save_state(
     target = os.path.join(directory, f"checkpoint_{registry.updates:08d}") if numbered else directory
     background.wait(registry)
     _hand_on_pages(directory, target, numbered, ctx.rank)
-    tmp = collectives.broadcast(_new_tmp(target) if ctx.rank == 0 else None, 0, ctx)
+    tmp = _from_rank_0(functools.partial(_new_tmp, target), ctx, "save_state()", "; the previous checkpoint stands")
     try:
         saving = _collect(directory, target, tmp, numbered, keep, registry, ctx, in_background)
     except BaseException:
@@ -178,6 +180,24 @@ def _collect(directory: str, target: str, tmp: str, numbered: bool, keep: int | 
             raise RuntimeError(f"save_state() failed on rank {rank} ({told}); the previous checkpoint stands")
     return _Saving(directory, target, tmp, numbered, keep, parts, [rng for rng, _ in gathered] if ctx.rank == 0 else [],
                    marker, sharded)
+
+
+def _from_rank_0(make: Callable[[], T], ctx: RankContext, call: str, after: str = "") -> T:
+    """``make()`` on rank 0, its result on every rank. A failure is raised on every rank, none left in the broadcast
+    (rank 0 its own exception, the others a RuntimeError naming it, as a failure of its part of the save is)."""
+    made: Any = None
+    failure: Exception | None = None
+    if ctx.rank == 0:
+        try:
+            made = make()
+        except Exception as exc:  # noqa: BLE001 - told to every rank, then raised here
+            failure = exc
+    made, told = collectives.broadcast((made, None if failure is None else _told(failure)), 0, ctx)
+    if failure is not None:
+        raise failure
+    if told is not None:
+        raise RuntimeError(f"{call} failed on rank 0 ({told}){after}")
+    return made
 
 
 def _told(exc: BaseException) -> str:
@@ -410,7 +430,7 @@ def load_state(directory: str | os.PathLike, registry: Registry, ctx: RankContex
     """
     directory = os.path.abspath(os.fspath(directory))
     background.wait(registry)  # a background save in flight may be writing the checkpoint asked for
-    candidates = collectives.broadcast(_candidates(directory) if ctx.rank == 0 else None, 0, ctx)
+    candidates = _from_rank_0(functools.partial(_candidates, directory), ctx, "load_state()")
     if not candidates:
         if missing_ok:
             return None

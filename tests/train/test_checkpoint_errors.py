@@ -337,3 +337,27 @@ def test_save_on_a_full_disk_says_so(single, small_disk):
     with pytest.raises(OSError, match=f"no space left on device writing {path} \\(.* MiB free of 2.0 MiB") as info:
         single.save(torch.zeros(1_000_000), path)
     assert info.value.errno == errno.ENOSPC and os.listdir(small_disk) == []
+
+
+def _save_where_no_folder_can_be_made(acc, blocker):
+    """A save into a folder under a file, caught on every rank; then training and a save go on."""
+    model, optimizer, loader = _prepared(acc)
+    _train(acc, model, optimizer, loader, 1)
+    failed = _outcome(acc.save_state, os.path.join(blocker, "checkpoint"))
+    _train(acc, model, optimizer, loader, 2)
+    saved = _outcome(acc.save_state, os.path.join(os.path.dirname(blocker), "after"))
+    return failed, saved[0], acc.step
+
+
+def test_a_save_that_cannot_make_its_folder_raises_on_every_rank_and_training_goes_on(tmp_path):
+    blocker = tmp_path / "a file"
+    blocker.write_text("not a folder")
+    acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=20)
+    first, second = acc.distribute(_save_where_no_folder_can_be_made, all_results=True)(acc, str(blocker))
+    said = f"[Errno 20] Not a directory: '{blocker}/checkpoint.tmp-"  # the folder it tried to make
+    assert first[0][0] == "NotADirectoryError" and first[0][1].startswith(said), first
+    assert second[0][0] == "RuntimeError" and second[0][1].startswith(
+        f"save_state() failed on rank 0 (NotADirectoryError: {said}"), second
+    assert second[0][1].endswith("; the previous checkpoint stands")
+    assert first[1:] == second[1:] == ("returned", 3), "the next steps and the next save worked on every rank"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a file", "after"]
