@@ -352,7 +352,7 @@ def option_table() -> str:
 
 def cuda_device_count() -> int:
     """GPUs visible here, counted through NVML where possible so the caller's CUDA stays uninitialised."""
-    return gpus.count()
+    return torch.cuda.device_count()
 
 
 def make_config(env: Environment, **options: Any) -> Config:

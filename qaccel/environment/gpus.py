@@ -79,11 +79,6 @@ def node_gpus(environ: Mapping[str, str] | None = None) -> int | None:
     return int(value) if value.isdigit() else None
 
 
-def count() -> int:
-    """GPUs this process sees (torch counts through NVML where it can: CUDA stays uninitialised)."""
-    return torch.cuda.device_count()
-
-
 def allocated(environ: Mapping[str, str] | None = None) -> str | None:
     """What the launcher says it gave this task (``SLURM_GPUS_ON_NODE=2``), or None when it gave no GPU."""
     env = os.environ if environ is None else environ

@@ -5,13 +5,12 @@ a real Open MPI with and without a wrapper that binds one GPU per process, and a
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 
 import pytest
 import torch
 from support import component
-from support.procs import result_lines, script_env, script_file, slurm_env
+from support.procs import result_lines, run_mpirun, script_file, slurm_env
 
 from qaccel.environment import detect, gpus
 from qaccel.environment.gpus import Binding, GpuLayoutError
@@ -88,12 +87,7 @@ def test_an_srun_rank_given_gpus_its_torch_cannot_see_fails_at_construction_nami
 
 
 def _mpirun(*args: str) -> list[dict]:
-    env = script_env()
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-                 "CUDA_VISIBLE_DEVICES"):
-        env.pop(name, None)
-    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", *args]
-    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=150)
+    proc = run_mpirun(*args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return sorted(result_lines(proc.stdout), key=lambda r: r["rank"])
 

@@ -168,6 +168,16 @@ def _files(directory: Path, pattern: str, count: int, timeout: float) -> list[Pa
                     lambda: f"{count} {pattern} in {directory}: {sorted(p.name for p in Path(directory).iterdir())}")
 
 
+def run_mpirun(*args: str, **extra: str) -> subprocess.CompletedProcess:
+    """``mpirun -np 2 args`` to completion (root may run it: containers, CI; two slots on any machine), in
+    script_env() without the rank variables an outer launcher may have left."""
+    env = script_env(**extra)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(name, None)
+    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", *args]
+    return subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=150)
+
+
 def script_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
