@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import errno
 import functools
-import os
 import socket
 import sys
 import time
 
+from qaccel.environment import node_name
 from qaccel.errors import RendezvousError
 
 _FIX = ("set MASTER_ADDR (and MASTER_PORT) to a name or address of rank 0's node that every node resolves, e.g. its "
@@ -30,7 +30,7 @@ def check(host: str, port: int, source: str, rank: int, hosts_store: bool, timeo
     """Raise RendezvousError when ``host`` does not resolve here, when this rank hosts the store at ``host`` (rank
     0) and it is not an address of this machine, or when nothing answers there within ``timeout`` seconds;
     ``source`` says where the address came from. Once per process."""
-    here = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    here = node_name()
     try:
         addresses = {info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
     except (socket.gaierror, UnicodeError) as exc:

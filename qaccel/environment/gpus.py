@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import enum
 import os
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+
+from qaccel.environment.layout import node_name
 
 # what a launcher says it gave a task: SLURM's gres/gpu plugin sets these (CUDA_VISIBLE_DEVICES too), as a job asks
 ALLOCATED = ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS", "SLURM_GPUS_ON_NODE")
@@ -107,4 +108,4 @@ def visible_devices(environ: Mapping[str, str] | None = None) -> str:
 
 def where() -> str:
     """This node's name, as SLURM knows it when it can."""
-    return f"node {os.environ.get('SLURMD_NODENAME') or socket.gethostname()}"
+    return f"node {node_name()}"

@@ -5,6 +5,8 @@ the launcher classes share.
 from __future__ import annotations
 
 import enum
+import os
+import socket
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -69,6 +71,11 @@ class Environment:
     def is_launched(self) -> bool:
         """True when the ranks already exist, so work must run in place rather than spawn."""
         return not self.kind.creates_processes
+
+
+def node_name() -> str:
+    """This node's name, as SLURM knows it when it can: what errors and reports call the node."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def rank_variables(env: Environment) -> dict[str, str]:

@@ -8,17 +8,15 @@ comes back with its rank, node and remote traceback, as from a local launch.
 
 from __future__ import annotations
 
-import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from qaccel.environment import Environment, slurm_job_state
+from qaccel.environment import Environment, node_name, slurm_job_state
 from qaccel.errors import Preempted, RankError
 from qaccel.launch import pickling
 from qaccel.launch.protocol import HandBack, Launcher
@@ -74,8 +72,7 @@ class _Rank:
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
             if hasattr(exc, "__notes__"):  # the caller names the rank itself
                 exc.__notes__ = [n for n in exc.__notes__ if not n.startswith("[qaccel] raised on rank")]
-            node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-            return "raised", (failures.ErrorReport.of(env.rank, exc), node)
+            return "raised", (failures.ErrorReport.of(env.rank, exc), node_name())
 
 
 # ---- in the caller ----
