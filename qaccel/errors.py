@@ -1,9 +1,16 @@
-"""qaccel's exceptions, and which errors of a rank are only symptoms of another rank's failure."""
+"""qaccel's exceptions, which errors of a rank are only symptoms of another rank's failure, and how a rank's
+exception travels to the caller or to its peers (ErrorReport)."""
 
 from __future__ import annotations
 
+import pickle
 import signal
+import time
+import traceback
 import warnings
+from dataclasses import dataclass, field
+
+import cloudpickle
 
 # Errors a rank raises because a peer left the group: symptoms, reported before their cause more often than not.
 _PEER_LOSS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Failed to recv")
@@ -159,3 +166,53 @@ class Preempted(SystemExit):
 
     def __reduce__(self):
         return (type(self), (self.signal_name, self.checkpoint, self.requeued))
+
+
+@dataclass(frozen=True)
+class ErrorReport:
+    """What a failing rank tells the caller or its peers: its exception, pickled if it can be, and its text."""
+
+    rank: int
+    type: str
+    message: str
+    traceback: str
+    exc: bytes | None = None  # the exception object itself, when cloudpickle can carry it
+    preempted: bool = False  # a Preempted: the rank saved and stopped after a signal
+    time: float = field(default_factory=time.time)
+
+    @classmethod
+    def of(cls, rank: int, exc: BaseException) -> ErrorReport:
+        try:
+            exc_bytes: bytes | None = cloudpickle.dumps(exc)
+        except Exception:
+            exc_bytes = None
+        return cls(rank, type_name(exc), str(exc), _text(exc, notes=exc_bytes is None), exc_bytes,
+                   isinstance(exc, Preempted))
+
+    @property
+    def is_peer_loss(self) -> bool:
+        """True when the error only says another rank went away: a symptom, its cause is elsewhere."""
+        return is_peer_loss(self.type, self.message)
+
+
+def _text(exc: BaseException, notes: bool) -> str:
+    """The formatted traceback; without the notes when the exception travels whole (the caller shows them once)."""
+    saved = None if notes else exc.__dict__.pop("__notes__", None)
+    try:
+        return "".join(traceback.format_exception(exc))
+    finally:
+        if saved is not None:
+            exc.__notes__ = saved
+
+
+def exception_from(report: ErrorReport) -> BaseException:
+    """The rank's own exception object when it survives pickling, else a RankError carrying its text."""
+    try:
+        exc = pickle.loads(report.exc) if report.exc is not None else None
+    except Exception:
+        exc = None
+    if not isinstance(exc, BaseException):
+        exc = RankError(f"rank {report.rank} raised {report.type}: {report.message}", report.rank, report.type,
+                        report.traceback)
+    exc.__cause__ = RemoteTraceback(f"Traceback from rank {report.rank}:\n{report.traceback}")
+    return exc

@@ -44,9 +44,9 @@ import torch.distributed as dist
 from qaccel import storage
 from qaccel.comm import sealed
 from qaccel.environment import Environment
-from qaccel.errors import Preempted, RankError
+from qaccel.errors import ErrorReport, Preempted, RankError
 from qaccel.launch import inherit, output, pickling, server, worker
-from qaccel.launch.failures import ErrorReport, RankFailure, cause_exception
+from qaccel.launch.failures import RankFailure, cause_exception
 from qaccel.launch.protocol import HandBack, Launcher
 from qaccel.launch.run_dir import run_directory
 from qaccel.options import Config

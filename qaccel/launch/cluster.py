@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from qaccel.environment import Environment, node_name, slurm_job_state
-from qaccel.errors import Preempted, RankError
+from qaccel.errors import ErrorReport, Preempted, RankError
 from qaccel.launch import pickling
 from qaccel.launch.protocol import HandBack, Launcher
 from qaccel.options import JobOutput, SlurmCluster, minutes, on_node
@@ -60,7 +60,7 @@ class _Rank:
 
     def __call__(self) -> tuple[str, Any]:
         from qaccel.environment import detect
-        from qaccel.launch import failures, in_place
+        from qaccel.launch import in_place
 
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # submitit ignores it in its tasks; scancel must end them
         env = detect()
@@ -72,7 +72,7 @@ class _Rank:
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
             if hasattr(exc, "__notes__"):  # the caller names the rank itself
                 exc.__notes__ = [n for n in exc.__notes__ if not n.startswith("[qaccel] raised on rank")]
-            return "raised", (failures.ErrorReport.of(env.rank, exc), node_name())
+            return "raised", (ErrorReport.of(env.rank, exc), node_name())
 
 
 # ---- in the caller ----

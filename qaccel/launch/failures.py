@@ -6,61 +6,17 @@ launcher collects a ``RankFailure`` per failed rank and ``root_cause`` picks the
 
 from __future__ import annotations
 
-import pickle
 import signal
-import time
-import traceback
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-
-import cloudpickle
+from dataclasses import dataclass
 
 from qaccel.errors import (
-    Preempted,
+    ErrorReport,
     RankError,
     RankKilledError,
-    RemoteTraceback,
-    is_peer_loss,
+    exception_from,
     raised_note,
-    type_name,
 )
-
-
-@dataclass(frozen=True)
-class ErrorReport:
-    """What a failing rank writes for the caller: its exception, pickled if it can be, and its text."""
-
-    rank: int
-    type: str
-    message: str
-    traceback: str
-    exc: bytes | None = None  # the exception object itself, when cloudpickle can carry it
-    preempted: bool = False  # a Preempted: the rank saved and stopped after a signal
-    time: float = field(default_factory=time.time)
-
-    @classmethod
-    def of(cls, rank: int, exc: BaseException) -> ErrorReport:
-        try:
-            exc_bytes: bytes | None = cloudpickle.dumps(exc)
-        except Exception:
-            exc_bytes = None
-        return cls(rank, type_name(exc), str(exc), _text(exc, notes=exc_bytes is None), exc_bytes,
-                   isinstance(exc, Preempted))
-
-    @property
-    def is_peer_loss(self) -> bool:
-        """True when the error only says another rank went away: a symptom, its cause is elsewhere."""
-        return is_peer_loss(self.type, self.message)
-
-
-def _text(exc: BaseException, notes: bool) -> str:
-    """The formatted traceback; without the notes when the exception travels whole (the caller shows them once)."""
-    saved = None if notes else exc.__dict__.pop("__notes__", None)
-    try:
-        return "".join(traceback.format_exception(exc))
-    finally:
-        if saved is not None:
-            exc.__notes__ = saved
 
 
 @dataclass(frozen=True)
@@ -115,16 +71,3 @@ def cause_exception(failures: Sequence[RankFailure], world_size: int, launched: 
     if others:
         exc.add_note("[qaccel] also failed after it: " + "; ".join(f"rank {f.rank}: {f.report.type}" for f in others))
     return exc, cause.rank
-
-
-def exception_from(report: ErrorReport) -> BaseException:
-    """The rank's own exception object when it survives pickling, else a RankError carrying its text."""
-    try:
-        exc = pickle.loads(report.exc) if report.exc is not None else None
-    except Exception:
-        exc = None
-    if not isinstance(exc, BaseException):
-        exc = RankError(f"rank {report.rank} raised {report.type}: {report.message}", report.rank, report.type,
-                        report.traceback)
-    exc.__cause__ = RemoteTraceback(f"Traceback from rank {report.rank}:\n{report.traceback}")
-    return exc

@@ -41,8 +41,8 @@ import torch.distributed as dist
 from qaccel import imports, storage
 from qaccel.comm import session
 from qaccel.environment import STARTED_BY_QACCEL, Environment, Kind, qaccel_run_id, rank_variables
+from qaccel.errors import ErrorReport
 from qaccel.launch import caller_state, inherit, output
-from qaccel.launch.failures import ErrorReport
 from qaccel.launch.running import run_as_rank
 from qaccel.options import Config
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from qaccel import storage, unpickling
-from qaccel.comm import collectives
+from qaccel.comm import agreement, collectives
 from qaccel.comm.session import RankContext
 from qaccel.errors import CheckpointError
 from qaccel.train import background, prepare, sharding
@@ -119,7 +119,7 @@ def save_state(
     target = os.path.join(directory, f"checkpoint_{registry.updates:08d}") if numbered else directory
     background.wait(registry)
     _hand_on_pages(directory, target, numbered, ctx.rank)
-    tmp = _from_rank_0(functools.partial(_new_tmp, target), ctx, "save_state()", "; the previous checkpoint stands")
+    tmp = _from_rank_0(functools.partial(_new_tmp, target), ctx, _failed(ctx, "save_state()", "making its folder"))
     try:
         saving = _collect(directory, target, tmp, numbered, keep, registry, ctx, in_background)
     except BaseException:
@@ -157,94 +157,96 @@ def _hand_on_pages(directory: str, target: str, numbered: bool, rank: int) -> No
 
 def _collect(directory: str, target: str, tmp: str, numbered: bool, keep: int | None, registry: Registry,
              ctx: RankContext, copy: bool) -> _Saving:
-    """What this save writes, read from the objects now (``copy``: copied aside, for a background save). Rank 0's
-    parts fail on every rank: the peers learn of it with the RNG states they send."""
+    """What this save writes, read from the objects now (``copy``: copied aside, for a background save). A failure
+    is raised on every rank: the ranks learn of it with the RNG states they send rank 0."""
     failure: Exception | None = None
     parts: dict[str, list[Any]] = {}
     marker: dict[str, Any] = {}
-    sharded = None
+    sharded, rng = None, None
     try:
+        rng = _rng_state()
         if registry.mesh is not None:
             sharded = sharding.state_dicts(registry.models, _optimizers(registry))
         if ctx.rank == 0:
             parts, marker = _parts(registry), _new_marker(registry, ctx.world_size)
         if copy:
             parts, sharded = background.copy_aside(parts), background.copy_aside(sharded)
-    except Exception as exc:  # noqa: BLE001 - told to every rank, then raised here
+    except Exception as exc:  # noqa: BLE001 - told to every rank, then raised on every rank
         failure = exc
-    gathered = collectives.gather_object((_rng_state(), None if failure is None else _told(failure)), ctx)
-    if failure is not None:
-        raise failure
-    for rank, (_, told) in enumerate(gathered):
-        if told is not None:
-            raise RuntimeError(f"save_state() failed on rank {rank} ({told}); the previous checkpoint stands")
+    gathered = collectives.gather_object((rng, agreement.told(failure, ctx.rank)), ctx)
+    agreement.raise_first([told for _, told in gathered], failure, ctx.rank,
+                          _failed(ctx, "save_state()", "collecting the state"))
     return _Saving(directory, target, tmp, numbered, keep, parts, [rng for rng, _ in gathered] if ctx.rank == 0 else [],
                    marker, sharded)
 
 
-def _from_rank_0(make: Callable[[], T], ctx: RankContext, call: str, after: str = "") -> T:
-    """``make()`` on rank 0, its result on every rank. A failure is raised on every rank, none left in the broadcast
-    (rank 0 its own exception, the others a RuntimeError naming it, as a failure of its part of the save is)."""
+def _from_rank_0(make: Callable[[], T], ctx: RankContext, note: str) -> T:
+    """``make()`` on rank 0, its result on every rank. A failure is raised on every rank with ``note``
+    (agreement.py), none left in the broadcast."""
     made: Any = None
     failure: Exception | None = None
     if ctx.rank == 0:
         try:
             made = make()
-        except Exception as exc:  # noqa: BLE001 - told to every rank, then raised here
+        except Exception as exc:  # noqa: BLE001 - told to every rank, then raised on every rank
             failure = exc
-    made, told = collectives.broadcast((made, None if failure is None else _told(failure)), 0, ctx)
-    if failure is not None:
-        raise failure
-    if told is not None:
-        raise RuntimeError(f"{call} failed on rank 0 ({told}){after}")
+    made, told = collectives.broadcast((made, agreement.told(failure, 0)), 0, ctx)
+    agreement.raise_first([told], failure, ctx.rank, note)
     return made
 
 
-def _told(exc: BaseException) -> str:
-    """``exc`` in words for the other ranks, with qaccel's notes (the file it was writing)."""
-    return " ".join([f"{type(exc).__name__}: {exc}", *getattr(exc, "__notes__", [])])
+def _failed(ctx: RankContext, call: str, doing: str, after: str = "; the previous checkpoint stands") -> str:
+    """The note every rank's error gets, ``{rank}`` to fill (agreement.raise_first)."""
+    if ctx.world_size == 1:
+        return f"[qaccel] {call} failed while {doing}{after}"
+    return f"[qaccel] {call} failed on rank {{rank}} while {doing}, and every rank raised it{after}"
 
 
 def _write(saving: _Saving, ctx: RankContext, peers: background.Peers) -> None:
     """Write what ``saving`` holds and swap it in, on every rank, the ranks talking through ``peers``: each its
-    shards, rank 0 the rest and the marker last. Raises on every rank when any part failed."""
+    shards, rank 0 the rest and the marker last. A failure anywhere is raised on every rank (agreement.py)."""
     tmp, target = saving.tmp, saving.target
     failure: BaseException | None = None
+    shard_sums: dict[str, dict[str, int]] = {}
     try:
-        shard_sums: dict[str, dict[str, int]] = {}
-        if saving.sharded is not None:  # sharded models: every rank writes its own shards (fails on every rank)
+        if saving.sharded is not None:  # sharded models: every rank writes its own shards
             sharded = os.path.join(tmp, SHARDED_DIR)
             sharding.save_sharded(sharded, saving.sharded, peers.group)
             shard_sums = _own_shard_sums(sharded, ctx.rank)
-        gathered = peers.gather(shard_sums)
-    except BaseException as exc:
-        written = storage.tree_size(tmp) if ctx.rank == 0 else None
+    except (KeyboardInterrupt, SystemExit):
         if ctx.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        if storage.disk_full(exc) is not None:
-            raise _saving_failed(exc, target, written) from exc
         raise
+    except BaseException as exc:  # noqa: BLE001 - torch.distributed.checkpoint's CheckpointException is one
+        failure = _named(exc, saving, ctx.rank)
+    gathered = peers.gather((shard_sums, agreement.told(failure, ctx.rank)))
+    if any(told is not None for _, told in gathered):
+        if ctx.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        agreement.raise_first([told for _, told in gathered], failure, ctx.rank,
+                              _failed(ctx, "save_state()", "writing the shards"))
+    doing, after = "writing the checkpoint", "; the previous checkpoint stands"
     if ctx.rank == 0:
         try:
-            _write_checkpoint(saving, gathered)
+            _write_checkpoint(saving, [sums for sums, _ in gathered])
             if saving.numbered and saving.keep is not None:
+                doing, after = "removing older checkpoints", f"; the new checkpoint {target} is complete"
                 _prune(saving.directory, saving.keep)
-        except Exception as exc:  # noqa: BLE001 - told to every rank, then raised here
-            written = storage.tree_size(tmp)
+        except Exception as exc:  # noqa: BLE001 - told to every rank, then raised on every rank
+            failure = _named(exc, saving, ctx.rank)
             shutil.rmtree(tmp, ignore_errors=True)
-            failure, told = exc, (None, _told(exc))
-            if storage.disk_full(exc) is not None:  # every rank raises the same OSError
-                failure = _saving_failed(exc, target, written)
-                failure.__cause__, told = exc, (failure.errno, failure.strerror)
     # In place of a barrier: every rank learns whether rank 0's part failed, so none trains on as if it was saved.
-    outcome = peers.broadcast(None if failure is None else told)
-    if failure is not None:
-        raise failure
-    if outcome is not None:
-        errno_, text = outcome
-        if errno_ is not None:
-            raise OSError(errno_, text)
-        raise RuntimeError(f"save_state() failed on rank 0 ({text}); the previous checkpoint stands")
+    doing, after, told = peers.broadcast((doing, after, agreement.told(failure, 0)))
+    agreement.raise_first([told], failure, ctx.rank, _failed(ctx, "save_state()", doing, after))
+
+
+def _named(exc: BaseException, saving: _Saving, rank: int) -> BaseException:
+    """``exc``, or the OSError naming the full disk or quota behind it (rank 0 says what was written)."""
+    if storage.disk_full(exc) is None:
+        return exc
+    failed = _saving_failed(exc, saving.target, storage.tree_size(saving.tmp) if rank == 0 else None)
+    failed.__cause__ = exc
+    return failed
 
 
 def _saving_failed(exc: BaseException, target: str, written: int | None) -> OSError:
@@ -258,12 +260,31 @@ def _saving_failed(exc: BaseException, target: str, written: int | None) -> OSEr
 
 
 def _new_tmp(target: str) -> str:
-    """A new temporary folder beside ``target`` (what killed saves left there removed first)."""
+    """A new temporary folder beside ``target`` (what killed saves left there removed first), once ``target`` is
+    known to be a folder the save may replace."""
+    _check_replaceable(target)
     for stale in glob.glob(f"{glob.escape(target)}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
     tmp = f"{target}.tmp-{secrets.token_hex(6)}"
     os.makedirs(tmp)
     return tmp
+
+
+def _check_replaceable(target: str) -> None:
+    """FileExistsError unless ``target`` is free, an empty folder or a checkpoint: the save swaps a new folder in
+    whole, so a folder of the user's own files (or a file) would be lost."""
+    if not os.path.lexists(target):
+        return
+    if os.path.islink(target) or not os.path.isdir(target):
+        what = "a symbolic link" if os.path.islink(target) else "a file"
+        raise FileExistsError(errno.EEXIST, f"save_state() would replace {target}, which is {what}: give a folder, "
+                              "new or a checkpoint, or keep=K to keep numbered checkpoints inside a folder", target)
+    names = sorted(os.listdir(target))
+    if names and MARKER_FILE not in names:
+        held = ", ".join(names[:5]) + (f", ... ({len(names)} entries)" if len(names) > 5 else "")
+        raise FileExistsError(errno.EEXIST, f"save_state() replaces its folder whole, and {target} is not a qaccel "
+                              f"checkpoint (it holds {held}), so nothing was written: give a new or empty folder, or "
+                              "keep=K to keep numbered checkpoints inside this one", target)
 
 
 def _optimizers(registry: Registry) -> list[torch.optim.Optimizer]:
@@ -430,7 +451,8 @@ def load_state(directory: str | os.PathLike, registry: Registry, ctx: RankContex
     """
     directory = os.path.abspath(os.fspath(directory))
     background.wait(registry)  # a background save in flight may be writing the checkpoint asked for
-    candidates = _from_rank_0(functools.partial(_candidates, directory), ctx, "load_state()")
+    candidates = _from_rank_0(functools.partial(_candidates, directory), ctx,
+                              _failed(ctx, "load_state()", f"looking for a checkpoint in {directory}", ""))
     if not candidates:
         if missing_ok:
             return None
@@ -447,7 +469,7 @@ def load_state(directory: str | os.PathLike, registry: Registry, ctx: RankContex
         if skipped and ctx.rank == 0:
             warnings.warn(f"resume() skipped {len(skipped)} damaged checkpoint(s) and loaded {found}: "
                           + "; ".join(str(s) for s in skipped), stacklevel=3)
-        _apply(found, read, registry, ctx)
+        _apply_everywhere(found, read, registry, ctx)
         return found
     raise CheckpointError(f"every checkpoint in {directory} is damaged, so none was loaded (move them away to "
                           "start afresh): " + "; ".join(str(s) for s in skipped), directory, skipped[0].file,
@@ -456,10 +478,42 @@ def load_state(directory: str | os.PathLike, registry: Registry, ctx: RankContex
 
 def _read_checked(found: str, registry: Registry, ctx: RankContext, allow_pickle: bool | None) -> _Read:
     """Check the files (each rank a share), read the parts and check that they fit the prepared objects, all before
-    any object changes. The ranks agree on the outcome in one collective, so all raise the same CheckpointError:
-    damaged, naming the first damaged file (a file that differs from what was written before one torch could not
-    read), else naming the first thing that does not fit or may not be unpickled."""
+    any object changes. The ranks agree on the outcome in one collective, so all raise the same error: a
+    CheckpointError, damaged, naming the first damaged file (a file that differs from what was written before one
+    torch could not read); else the first rank's other failure (agreement.py); else a CheckpointError naming the
+    first thing that does not fit or may not be unpickled."""
     problems: list[tuple[int, str, str]] = []  # (0: not what was written, 1: unreadable; file; why)
+    misfit: tuple[str, str | None] | None = None
+    read: _Read | None = None
+    failure: Exception | None = None
+    try:
+        read = _read_share(found, registry, ctx, allow_pickle, problems)
+    except CheckpointError as exc:
+        misfit = (str(exc), exc.file)
+    except Exception as exc:  # noqa: BLE001 - told to every rank, then raised on every rank
+        failure = exc
+    outcomes = collectives.gather_object((problems, misfit, agreement.told(failure, ctx.rank)), ctx)
+    damaged: dict[str, str] = {}
+    for _, file, why in sorted(p for rank_problems, _, _ in outcomes for p in rank_problems):
+        damaged.setdefault(file, why)
+    if damaged:
+        (file, why), others = next(iter(damaged.items())), list(damaged)[1:]
+        more = f" (and {len(others)} more: {', '.join(others[:3])})" if others else ""
+        raise CheckpointError(f"checkpoint {found} is damaged: {file} {why}{more}", found, os.path.join(found, file),
+                              damaged=True)
+    agreement.raise_first([told for _, _, told in outcomes], failure, ctx.rank,
+                          _failed(ctx, "load_state()", f"reading {found}", "; nothing was loaded"))
+    misfits = [m for _, m, _ in outcomes if m is not None]
+    if misfits:
+        raise CheckpointError(misfits[0][0], found, misfits[0][1])
+    assert read is not None
+    return read
+
+
+def _read_share(found: str, registry: Registry, ctx: RankContext, allow_pickle: bool | None,
+                problems: list[tuple[int, str, str]]) -> _Read | None:
+    """This rank's part of _read_checked: its share of the files checked, the parts read and checked; damage goes to
+    ``problems``, what does not fit is raised as a CheckpointError."""
     misfit: tuple[str, str | None] | None = None
     read = None
     try:
@@ -487,23 +541,9 @@ def _read_checked(found: str, registry: Registry, ctx: RankContext, allow_pickle
                     misfit = (f"checkpoint {found} was not loaded: {exc}", exc.path)
             problems += checking.result()
         if not problems and misfit is None:
-            try:
-                _check_fit(found, read, registry, ctx)
-            except CheckpointError as exc:
-                misfit = (str(exc), exc.file)
-    outcomes = collectives.gather_object((problems, misfit), ctx)
-    damaged: dict[str, str] = {}
-    for _, file, why in sorted(p for rank_problems, _ in outcomes for p in rank_problems):
-        damaged.setdefault(file, why)
-    if damaged:
-        (file, why), others = next(iter(damaged.items())), list(damaged)[1:]
-        more = f" (and {len(others)} more: {', '.join(others[:3])})" if others else ""
-        raise CheckpointError(f"checkpoint {found} is damaged: {file} {why}{more}", found, os.path.join(found, file),
-                              damaged=True)
-    misfits = [m for _, m in outcomes if m is not None]
-    if misfits:
-        raise CheckpointError(misfits[0][0], found, misfits[0][1])
-    assert read is not None
+            _check_fit(found, read, registry, ctx)
+    if misfit is not None:
+        raise CheckpointError(misfit[0], found, misfit[1])
     return read
 
 
@@ -676,6 +716,18 @@ def _check_count(directory: str, kind: str, saved: int, prepared: int) -> None:
         raise CheckpointError(
             f"{directory} holds {saved} {kind} state(s) but this run prepared/registered {prepared}; "
             "prepare the same objects, in the same order, before load_state()", directory)
+
+
+def _apply_everywhere(found: str, read: _Read, registry: Registry, ctx: RankContext) -> None:
+    """_apply(), its failure on any rank raised on every rank (a registered object's load_state_dict may raise)."""
+    failure: Exception | None = None
+    try:
+        _apply(found, read, registry, ctx)
+    except Exception as exc:  # noqa: BLE001 - told to every rank, then raised on every rank
+        failure = exc
+    reports = collectives.gather_object(agreement.told(failure, ctx.rank), ctx)
+    agreement.raise_first(reports, failure, ctx.rank, _failed(
+        ctx, "load_state()", f"loading {found} into the prepared objects", "; they may hold part of it: load again"))
 
 
 def _apply(found: str, read: _Read, registry: Registry, ctx: RankContext) -> None:

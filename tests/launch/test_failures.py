@@ -6,8 +6,8 @@ import pickle
 
 import pytest
 
-from qaccel.errors import raised_note
-from qaccel.launch.failures import ErrorReport, RankFailure, root_cause
+from qaccel.errors import ErrorReport, raised_note
+from qaccel.launch.failures import RankFailure, root_cause
 
 RESET = "Connection reset by peer"
 

@@ -4,7 +4,9 @@ missing), a folder that is not a checkpoint, and a checkpoint written for anothe
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import functools
 import json
 import os
 import warnings
@@ -15,6 +17,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from qaccel import Accelerator, CheckpointError, consolidate, storage
+from qaccel.train import checkpoint
+from support.states import Unwritable
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -339,25 +343,127 @@ def test_save_on_a_full_disk_says_so(single, small_disk):
     assert info.value.errno == errno.ENOSPC and os.listdir(small_disk) == []
 
 
-def _save_where_no_folder_can_be_made(acc, blocker):
-    """A save into a folder under a file, caught on every rank; then training and a save go on."""
+class _Fails:
+    """A registered object that fails where it is told: saying its state, or taking it back."""
+
+    def __init__(self):
+        self.n, self.where = torch.zeros(1), None
+
+    def state_dict(self):
+        if self.where == "state_dict":
+            raise ValueError("this object cannot say its state")
+        return {"n": self.n, "payload": Unwritable("the device went away")} if self.where == "unwritable" else {
+            "n": self.n}
+
+    def load_state_dict(self, state):
+        if self.where == "load_state_dict":
+            raise KeyError("this object cannot take its state back")
+        self.n = state["n"]
+
+
+@contextlib.contextmanager
+def _broken(owner, name, exc, on_rank, rank):
+    """``owner.name`` raising ``exc`` the first time it is called on rank ``on_rank`` (an OS failure no test user can
+    cause as root)."""
+    kept = getattr(owner, name)
+
+    def fails(*args, **kwargs):
+        setattr(owner, name, kept)
+        raise exc
+
+    if rank == on_rank:
+        setattr(owner, name, fails)
+    try:
+        yield
+    finally:
+        setattr(owner, name, kept)
+
+
+def _every_failure(acc, root):
+    """Each way a save or a load can fail, on one rank, caught on every rank; then a step and a save each time."""
     model, optimizer, loader = _prepared(acc)
+    fails = _Fails()
+    acc.register_for_checkpointing(fails)
+    rank, outcomes = acc.process_index, {}
+
+    def saved(name, fn, *args, where=None):
+        fails.where = where
+        outcomes[name] = _failure(fn, *args)
+        fails.where = None
+        _train(acc, model, optimizer, loader, 1)
+        acc.save_state(os.path.join(root, "after"))  # the next steps and the next save work on every rank
+
+    saved("folder", acc.save_state, os.path.join(root, "a file", "checkpoint"))
+    saved("not a checkpoint", acc.save_state, os.path.join(root, "mine"))
+    saved("collecting", acc.save_state, os.path.join(root, "new"), where="state_dict")
+    saved("writing", acc.save_state, os.path.join(root, "new"), where="unwritable")
+    with _broken(storage, "write_bytes", OSError(errno.EIO, "Input/output error"), 0, rank):
+        saved("marker", acc.save_state, os.path.join(root, "new"))
+    with _broken(os, "rename", OSError(errno.EXDEV, "Invalid cross-device link"), 0, rank):
+        saved("rename", acc.save_state, os.path.join(root, "new"))
+    acc.save_state(os.path.join(root, "numbered"), keep=1)
     _train(acc, model, optimizer, loader, 1)
-    failed = _outcome(acc.save_state, os.path.join(blocker, "checkpoint"))
-    _train(acc, model, optimizer, loader, 2)
-    saved = _outcome(acc.save_state, os.path.join(os.path.dirname(blocker), "after"))
-    return failed, saved[0], acc.step
+    with _broken(checkpoint, "_prune", PermissionError(errno.EACCES, "Permission denied"), 0, rank):
+        saved("pruning", functools.partial(acc.save_state, keep=1), os.path.join(root, "numbered"))
+    with _broken(checkpoint, "_candidates", PermissionError(errno.EACCES, "Permission denied"), 0, rank):
+        saved("finding", acc.load_state, os.path.join(root, "after"))
+    with _broken(checkpoint, "_check_fit", MemoryError("no memory left to check"), 1, rank):
+        saved("reading", acc.load_state, os.path.join(root, "after"))
+    saved("applying", acc.load_state, os.path.join(root, "after"), where="load_state_dict" if rank == 1 else None)
+    return outcomes, os.path.basename(acc.load_state(os.path.join(root, "after"))), acc.step
 
 
-def test_a_save_that_cannot_make_its_folder_raises_on_every_rank_and_training_goes_on(tmp_path):
-    blocker = tmp_path / "a file"
-    blocker.write_text("not a folder")
+def _failure(fn, *args):
+    """What fn raised: its type, its words and its notes."""
+    try:
+        fn(*args)
+    except Exception as exc:  # noqa: BLE001 - the test compares what every rank raised
+        return type(exc).__name__, str(exc), getattr(exc, "__notes__", [])
+    return None
+
+
+def test_every_failure_of_a_save_or_a_load_is_raised_on_every_rank_and_training_goes_on(tmp_path):
+    (tmp_path / "a file").write_text("not a folder")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("the user's")
     acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=20)
-    first, second = acc.distribute(_save_where_no_folder_can_be_made, all_results=True)(acc, str(blocker))
-    said = f"[Errno 20] Not a directory: '{blocker}/checkpoint.tmp-"  # the folder it tried to make
-    assert first[0][0] == "NotADirectoryError" and first[0][1].startswith(said), first
-    assert second[0][0] == "RuntimeError" and second[0][1].startswith(
-        f"save_state() failed on rank 0 (NotADirectoryError: {said}"), second
-    assert second[0][1].endswith("; the previous checkpoint stands")
-    assert first[1:] == second[1:] == ("returned", 3), "the next steps and the next save worked on every rank"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a file", "after"]
+    (outcomes, loaded, step), (outcomes_1, _, step_1) = acc.distribute(_every_failure, all_results=True)(
+        acc, str(tmp_path))
+    assert outcomes == outcomes_1, "the same error, words and notes on every rank"
+    assert (loaded, step, step_1) == ("after", 11, 11), "every failure was followed by a step, and training went on"
+    saving = "and every rank raised it; the previous checkpoint stands"
+    expected = {
+        "folder": ("NotADirectoryError", f"[qaccel] save_state() failed on rank 0 while making its folder, {saving}"),
+        "not a checkpoint": ("FileExistsError", f"[qaccel] save_state() failed on rank 0 while making its folder, "
+                                                f"{saving}"),
+        "collecting": ("ValueError", f"[qaccel] save_state() failed on rank 0 while collecting the state, {saving}"),
+        "writing": ("OSError", f"[qaccel] save_state() failed on rank 0 while writing the checkpoint, {saving}"),
+        "marker": ("OSError", f"[qaccel] save_state() failed on rank 0 while writing the checkpoint, {saving}"),
+        "rename": ("OSError", f"[qaccel] save_state() failed on rank 0 while writing the checkpoint, {saving}"),
+        "pruning": ("PermissionError", "[qaccel] save_state() failed on rank 0 while removing older checkpoints, and "
+                                       f"every rank raised it; the new checkpoint {tmp_path}/numbered/checkpoint_00000007"
+                                       " is complete"),
+        "finding": ("PermissionError", f"[qaccel] load_state() failed on rank 0 while looking for a checkpoint in "
+                                       f"{tmp_path}/after, and every rank raised it"),
+        "reading": ("MemoryError", f"[qaccel] load_state() failed on rank 1 while reading {tmp_path}/after, and every "
+                                   "rank raised it; nothing was loaded"),
+        "applying": ("KeyError", f"[qaccel] load_state() failed on rank 1 while loading {tmp_path}/after into the "
+                                 "prepared objects, and every rank raised it; they may hold part of it: load again"),
+    }
+    assert {name: (kind, notes[-1]) for name, (kind, _, notes) in outcomes.items()} == expected
+    assert outcomes["writing"][1] == "the device went away" and outcomes["writing"][2][0].startswith(
+        f"[qaccel] while writing {tmp_path}/new.tmp-"), "the file it was writing, on every rank"
+    assert outcomes["not a checkpoint"][1].startswith(f"[Errno 17] save_state() replaces its folder whole, and "
+                                                      f"{tmp_path}/mine is not a qaccel checkpoint (it holds notes.txt)")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "the user's", "nothing of the user's is lost"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a file", "after", "mine", "numbered"], "no partial one"
+    assert sorted(p.name for p in (tmp_path / "numbered").iterdir()) == ["checkpoint_00000006", "checkpoint_00000007"]
+
+
+def test_a_single_process_says_what_failed_without_ranks(single, tmp_path):
+    (tmp_path / "a file").write_text("not a folder")
+    single.prepare(torch.nn.Linear(2, 2))
+    with pytest.raises(NotADirectoryError) as info:
+        single.save_state(tmp_path / "a file" / "checkpoint")
+    assert info.value.__notes__ == ["[qaccel] save_state() failed while making its folder; the previous checkpoint "
+                                    "stands"]

@@ -260,7 +260,7 @@ def _checkpointed(acc, ckpt, epochs, stop_after=None, explode_at=None):
         exploding.fail = epoch + 1 == explode_at
         try:
             acc.save_state()
-        except (OSError, RuntimeError) as failed:  # rank 0's own error; the others are told of it
+        except OSError as failed:  # rank 0's error, on every rank
             return f"save failed: {failed}"
         if epoch + 1 == stop_after:
             return "stopped"
@@ -274,11 +274,8 @@ def checkpoints(tmp_path_factory):
     acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=60, strategy="fsdp", fsdp_modules=[Block])
     full = acc.distribute(_checkpointed)(acc, str(root / "full"), EPOCHS)
     failed = acc.distribute(_checkpointed, all_results=True)(acc, str(root / "part"), EPOCHS, explode_at=2)
-    written = f"{root / 'part' / 'checkpoint_00000012'}.tmp-"
     assert failed[0] == "save failed: disk full"
-    assert failed[1].startswith(f"save failed: save_state() failed on rank 0 (OSError: disk full [qaccel] while "
-                                f"writing {written}") and failed[1].endswith("/registered_0.pt); the previous "
-                                                                             "checkpoint stands"), failed[1]
+    assert failed[1] == "save failed: disk full", "rank 0's error on every rank"
     after_failed_save = sorted(os.listdir(root / "part"))
     assert acc.distribute(_checkpointed)(acc, str(root / "part"), EPOCHS, stop_after=2) == "stopped"
     return {"acc": acc, "root": root, "full": full, "after_failed_save": after_failed_save}
