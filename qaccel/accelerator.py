@@ -458,11 +458,13 @@ class Accelerator:
         K newest stay. Without a directory, it saves into the folder given to resume(), keeping as many as it said,
         or else numbered into ``<project_dir>/checkpoints``.
 
-        ``background=True`` returns once the state is copied aside (one extra copy of it in CPU memory, until the
-        files are written) and writes the files while training goes on: the checkpoint is complete when its marker
-        is written, as any. One save at a time: the next save, a load and the end of the call wait for it. A failure
-        is raised on every rank at a prepared optimizer's step() once every rank's save ended, or by the next save,
-        load, wait_for_checkpoint() or the end of the distribute() call.
+        ``background=True`` returns once the state is copied aside (one copy of it in CPU memory, kept for the next
+        background save to copy into until free_memory() or the end of the call) and writes the files while
+        training goes on: the checkpoint is complete when its marker is written, as any. One save at a time: the
+        next save, a load and the end of the call wait for it. A failure is raised on every rank at a prepared
+        optimizer's step() once every rank's save ended, or by the next save, load, wait_for_checkpoint() or the
+        end of the distribute() call. Any other failure of a save or a load is raised on every rank at once, the
+        same exception with a note naming the rank and where it failed.
         """
         if not isinstance(background, bool):
             raise TypeError(f"background must be True or False; got {background!r}")
@@ -606,8 +608,8 @@ class Accelerator:
         return self._registry().trackers.trackers
 
     def free_memory(self, *objects: Any) -> list[None]:
-        """Forget what this Accelerator prepared in the session (its step count restarts), collect garbage and give
-        the GPU's cached memory back; returns one None per object, to rebind the caller's names (Accelerate's).
+        """Forget what this Accelerator prepared in the session (its step count restarts) and the background saves'
+        copy of the state, collect garbage and give the GPU's cached memory back; returns one None per object, to rebind the caller's names (Accelerate's).
         Call it before preparing anew, e.g. in a function retried by find_executable_batch_size."""
         run = session.current_run()
         if run is not None:

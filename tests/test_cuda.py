@@ -273,11 +273,15 @@ def _saved_then_changed(acc, folder, background):
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Tanh(), torch.nn.Linear(512, 1))
     model, optimizer = acc.prepare(model, torch.optim.Adam(model.parameters(), lr=1e-3))
     g = torch.Generator().manual_seed(1)
-    for _ in range(3):
+    for step in range(3):
         optimizer.zero_grad()
         acc.backward(model(acc.prepare_batch(torch.randn(8, 512, generator=g))).pow(2).mean())
         optimizer.step()
-    acc.save_state(folder, background=background)
+        if step == 1:  # a save before: the measured one copies into its memory
+            acc.save_state(f"{folder}-before", background=background)
+    staging = acc._registry().staging
+    before = [] if staging is None else [t.data_ptr() for t in staging.staged if type(t) is torch.Tensor]
+    acc.save_state(folder, background=background)  # the copies are queued, not waited for: the changes queue after
     with torch.no_grad():
         for param in model.parameters():
             param.add_(1)
@@ -286,17 +290,20 @@ def _saved_then_changed(acc, folder, background):
                 if torch.is_tensor(value):
                     value.add_(1)
     acc.wait_for_checkpoint()
+    plain = [] if staging is None else [t for t in staging.staged if type(t) is torch.Tensor]
+    memory = {"reused": [t.data_ptr() for t in plain] == before, "pinned": all(t.is_pinned() for t in plain)}
     acc.load_state(folder)
     devices = {str(p.device) for p in model.parameters()}
-    return {k: v.detach().cpu().clone() for k, v in acc.get_state_dict(model).items()}, devices
+    return {k: v.detach().cpu().clone() for k, v in acc.get_state_dict(model).items()}, devices, memory
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_background_save_on_the_gpu_writes_the_state_at_the_call(strategy, tmp_path):
     acc = Accelerator(compute_setup="gpu", strategy=strategy)
-    (blocking, devices), (background, _) = (acc.distribute(_saved_then_changed)(acc, str(tmp_path / way), way == "bg")
-                                            for way in ("blocking", "bg"))
+    (blocking, devices, _), (background, _, memory) = (
+        acc.distribute(_saved_then_changed)(acc, str(tmp_path / way), way == "bg") for way in ("blocking", "bg"))
     assert devices == {"cuda:0"}
+    assert memory == {"reused": True, "pinned": True}, "pinned staging memory, copied into again by the next save"
     assert blocking.keys() == background.keys() and all(torch.equal(blocking[k], background[k]) for k in blocking)
 
 

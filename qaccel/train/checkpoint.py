@@ -97,6 +97,8 @@ class _Saving:
     rngs: list[Any]  # rank 0: every rank's random states
     marker: dict[str, Any]  # rank 0: the marker's entries but the files
     sharded: dict[str, Any] | None  # every rank: its shards of the models and optimizers (strategy="fsdp")
+    staging: background.Staging | None = None  # a background save's: its copies are waited for before writing
+    hand_on_pages: bool = False  # a later background save: _hand_on_pages() in the writing thread
 
 
 def save_state(
@@ -118,7 +120,9 @@ def save_state(
     directory = os.path.abspath(os.fspath(directory))
     target = os.path.join(directory, f"checkpoint_{registry.updates:08d}") if numbered else directory
     background.wait(registry)
-    _hand_on_pages(directory, target, numbered, ctx.rank)
+    later = in_background and registry.staging is not None  # its copy takes no new memory: pages go in the thread
+    if not later:
+        _hand_on_pages(directory, target, numbered, ctx.rank)
     tmp = _from_rank_0(functools.partial(_new_tmp, target), ctx, _failed(ctx, "save_state()", "making its folder"))
     try:
         saving = _collect(directory, target, tmp, numbered, keep, registry, ctx, in_background)
@@ -126,6 +130,7 @@ def save_state(
         if ctx.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+    saving.hand_on_pages = later
     if in_background:
         background.start(registry, ctx, target, functools.partial(_write, saving, ctx))
     else:
@@ -135,7 +140,8 @@ def save_state(
 
 def _hand_on_pages(directory: str, target: str, numbered: bool, rank: int) -> None:
     """Drop the checkpoint this save follows (the newest of ``directory``, or the one at ``target`` it replaces) from
-    the page cache just before this save takes memory for its copy and files, so that the pages freed are reused at
+    the page cache just before this save takes memory for its copy and files (a later background save, whose copy
+    goes into memory it had, does it in its thread before writing), so that the pages freed are reused at
     once: rank 0 drops every file, each other rank its own shards (only its host holds their pages), so that a save
     opens each file about once, not once per rank. On a VM that hands free memory back to its host (virtio-balloon's
     free page reporting), memory taken anew costs a fault in the host per page, and writing a checkpoint beside a
@@ -170,14 +176,14 @@ def _collect(directory: str, target: str, tmp: str, numbered: bool, keep: int | 
         if ctx.rank == 0:
             parts, marker = _parts(registry), _new_marker(registry, ctx.world_size)
         if copy:
-            parts, sharded = background.copy_aside(parts), background.copy_aside(sharded)
+            parts, sharded = background.stage(registry, (parts, sharded), ctx.device)
     except Exception as exc:  # noqa: BLE001 - told to every rank, then raised on every rank
         failure = exc
     gathered = collectives.gather_object((rng, agreement.told(failure, ctx.rank)), ctx)
     agreement.raise_first([told for _, told in gathered], failure, ctx.rank,
                           _failed(ctx, "save_state()", "collecting the state"))
     return _Saving(directory, target, tmp, numbered, keep, parts, [rng for rng, _ in gathered] if ctx.rank == 0 else [],
-                   marker, sharded)
+                   marker, sharded, registry.staging if copy else None)
 
 
 def _from_rank_0(make: Callable[[], T], ctx: RankContext, note: str) -> T:
@@ -209,6 +215,10 @@ def _write(saving: _Saving, ctx: RankContext, peers: background.Peers) -> None:
     failure: BaseException | None = None
     shard_sums: dict[str, dict[str, int]] = {}
     try:
+        if saving.staging is not None:
+            saving.staging.wait()
+        if saving.hand_on_pages:
+            _hand_on_pages(saving.directory, target, saving.numbered, ctx.rank)
         if saving.sharded is not None:  # sharded models: every rank writes its own shards
             sharded = os.path.join(tmp, SHARDED_DIR)
             sharding.save_sharded(sharded, saving.sharded, peers.group)

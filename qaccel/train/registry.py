@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.stateful import Stateful  # 0.6 s to import: for the annotation only
     from torch.distributed.device_mesh import DeviceMesh
 
-    from qaccel.train.background import Flight, Peers
+    from qaccel.train.background import Flight, Peers, Staging
     from qaccel.train.data import PreparedDataLoader
     from qaccel.train.gradients import PreparedOptimizer
     from qaccel.train.stopping import Stopper
@@ -77,6 +77,7 @@ class Registry:
     trackers: Trackers = field(default_factory=Trackers)  # log_with's, once init_trackers() started them
     saving: Flight | None = None  # the background save in flight (background.py)
     save_peers: Peers | None = None  # how the background saves' threads talk, from the session's first one
+    staging: Staging | None = None  # the background saves' copy of the state, kept from one to the next
 
     def release(self, finished: bool = True) -> None:
         """Forget the session's objects as it ends. Prepared optimizers and loaders point back here, so these lists
@@ -88,7 +89,9 @@ class Registry:
         for kept in (self.optimizers, self.models, self.schedulers, self.loaders, self.registered):
             kept.clear()
         self.replaced.clear()
-        self.stopper = self.mesh = self.checkpoints = None
+        if self.staging is not None:
+            self.staging.close()
+        self.stopper = self.mesh = self.checkpoints = self.staging = None
 
 
 class GradientState:
