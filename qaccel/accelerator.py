@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import os
 import sys
 import warnings
-from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Mapping, Never, Sequence, TypeVar
 
 import torch
 
@@ -16,11 +17,13 @@ from qaccel.comm import collectives, ranks, session
 from qaccel.environment import Environment, detect
 from qaccel.errors import warn_once
 from qaccel import handlers
-from qaccel.handlers import AutocastKwargs, ProfileKwargs
+from qaccel.handlers import AutocastKwargs, KwargsHandler, ProfileKwargs, TorchDynamoPlugin
 from qaccel.launch import cluster, in_place, launchers
 from qaccel.launch.protocol import HandBack, Launcher
 from qaccel.nested import map_leaves
-from qaccel.options import Backend, DeviceType, DistributedType, MixedPrecision, Strategy
+from qaccel.options import (Backend, BackendName, ComputeSetup, ComputeSetupName, DeviceType, DistributedType, LogSetup,
+                            LogSetupName, MixedPrecision, MixedPrecisionName, SlurmCluster, StartMethod,
+                            StartMethodName, Strategy, StrategyName)
 from qaccel.train import (background, batch, checkpoint, gradients, precision, prepare, profiling, progress, seeding,
                           sharding, stopping)
 from qaccel.train.batch_size import release_memory
@@ -39,12 +42,56 @@ class Accelerator:
     allowed, before any rank starts.
     """
 
-    @options.takes_options
-    def __init__(self, chosen: dict[str, Any], accelerate_arguments: dict[str, Any]) -> None:
-        """``chosen``: every option by name, as given or defaulted (the signature is the declaration's, in
-        qaccel.options); ``accelerate_arguments``: the other keywords, Accelerate's, translated or refused."""
+    def __init__(
+        self,
+        nprocs: int = 1,
+        compute_setup: ComputeSetupName | ComputeSetup = "auto",
+        log_setup: LogSetupName | LogSetup = "cpu",
+        backend: BackendName | Backend | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        timeout: float | datetime.timedelta = 1800.0,
+        start_method: StartMethodName | StartMethod = "forkserver",
+        gradient_accumulation_steps: int = 1,
+        keep_global_batch: bool = False,
+        sync_each_batch: bool = False,
+        mixed_precision: MixedPrecisionName | MixedPrecision | None = None,
+        split_batches: bool = False,
+        even_batches: bool = True,
+        dispatch_batches: bool | None = None,
+        device_placement: bool = True,
+        use_seedable_sampler: bool = False,
+        data_seed: int | None = None,
+        rng_types: Sequence[str] | None = None,
+        step_scheduler_with_optimizer: bool = False,
+        max_restarts: int = 0,
+        strategy: StrategyName | Strategy = "ddp",
+        fsdp_modules: Sequence[type | str] | None = None,
+        fsdp_min_params: int = 1_000_000,
+        debug: bool | None = None,
+        project_dir: str | os.PathLike | None = None,
+        keep_checkpoints: int | None = None,
+        log_with: Any = None,
+        logging_dir: str | os.PathLike | None = None,
+        rank_prefix: bool = False,
+        kwargs_handlers: Sequence[KwargsHandler] | None = None,
+        dynamo_backend: str | TorchDynamoPlugin | None = None,
+        cluster: SlurmCluster | None = None,
+        cpu: bool = False,
+        dataloader_config: Any = None,
+        gradient_accumulation_plugin: Any = None,
+        project_config: Any = None,
+        dynamo_plugin: Any = None,
+        **accelerate_only: Never,
+    ) -> None:
+        """The options as declared in qaccel.options (tests/test_options.py keeps them equal), then Accelerate's
+        arguments qaccel translates; any other keyword is refused at run time, naming what to do in qaccel, and
+        typed ``Never`` so that a type checker reports it too."""
+        given = locals()
+        chosen = {name: given[name] for name in options.NAMES}
+        accelerate = {name: given[name] for name in options.ACCELERATE_NAMES if given[name] not in (None, False)}
         env = detect()
-        self._config = options.make_config(env, **options.from_accelerate(accelerate_arguments, chosen))
+        self._config = options.make_config(env, **options.from_accelerate({**accelerate, **accelerate_only}, chosen))
         nprocs, max_restarts, rank_prefix = chosen["nprocs"], chosen["max_restarts"], chosen["rank_prefix"]
         self._own_registry: Registry | None = None
         self._launcher: Launcher | None = launchers.choose(self._config, env, _HAND_BACK)

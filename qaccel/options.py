@@ -1,8 +1,8 @@
 """The Accelerator's options, declared once: checked and resolved in the caller, so mistakes fail at construction.
 
 ``Options`` is the one declaration: each option's name, type, default, allowed values and meaning. The
-Accelerator's signature (``takes_options``), its docstring's argument list and the docs' option table are
-generated from it, ``TrainConfig`` and the resolved ``Config`` inherit its fields, and ``make_config`` checks
+Accelerator's ``__init__`` writes the same parameters out, for type checkers and IDEs (tests/test_options.py keeps
+the two equal); its docstring's argument list and the docs' option table are generated from it, ``TrainConfig`` and the resolved ``Config`` inherit its fields, and ``make_config`` checks
 exactly its names. Closed sets of values are enums (``str`` enums, so ``acc.backend == "gloo"`` keeps working).
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import enum
-import inspect
 import importlib.util
 import math
 import os
@@ -19,7 +18,7 @@ import re
 import textwrap
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Literal, Mapping, NamedTuple, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -29,6 +28,7 @@ from qaccel.handlers import DDPCommunicationHookType, Handlers, KwargsHandler, T
 from qaccel.handlers import resolve as resolve_handlers
 
 FSDP_MIN_PARAMS = 1_000_000
+C = TypeVar("C")
 DEBUG_VARIABLE = "QACCEL_DEBUG"
 
 
@@ -93,6 +93,15 @@ class DistributedType(enum.StrEnum):
     XLA = "XLA"  # never a rank's: Accelerate's scripts compare with it (its examples' collate_fn)
 
 
+# The closed sets as a type checker reads them: an option takes the enum's member or its value.
+ComputeSetupName = Literal["auto", "cpu", "gpu"]
+LogSetupName = Literal["auto", "cpu"]
+BackendName = Literal["gloo", "nccl", "mpi"]
+StartMethodName = Literal["forkserver", "spawn"]
+MixedPrecisionName = Literal["no", "bf16", "fp16"]
+StrategyName = Literal["ddp", "fsdp"]
+
+
 class DeviceType(enum.StrEnum):
     """Where a rank computes, resolved from ``compute_setup``: torch's device type names."""
 
@@ -118,16 +127,16 @@ class Options:
         "ranks to start when run as a plain `python script.py`; under torchrun or srun the launcher's world size "
         "wins",
         positional=True)
-    compute_setup: str = option(
+    compute_setup: ComputeSetupName | ComputeSetup = option(
         "auto", "`auto`, `cpu`, `gpu`",
         "`auto`: a GPU per rank if the ranks see GPUs, else the CPU, decided where the ranks run (a cluster job's "
         "nodes)",
         positional=True)
-    log_setup: str = option(
+    log_setup: LogSetupName | LogSetup = option(
         "cpu", "`cpu`, `auto`",
         "where reduced metrics land: `cpu`, or `auto` (the compute device)",
         positional=True)
-    backend: str | None = option(
+    backend: BackendName | Backend | None = option(
         None, "`None`, `gloo`, `nccl`, `mpi`",
         "`None`: nccl for GPU, gloo for CPU; `mpi` only if torch was built with it",
         positional=True)
@@ -138,7 +147,7 @@ class Options:
     timeout: float | datetime.timedelta = option(
         1800.0, "seconds or a `timedelta`",
         "how long a collective or the rendezvous may wait before failing (and saying where each rank is)")
-    start_method: str = option(
+    start_method: StartMethodName | StartMethod = option(
         "forkserver", "`forkserver`, `spawn`",
         "how a plain launch starts ranks: forked from a server with torch imported (fast, CUDA-safe), or a fresh "
         "interpreter each")
@@ -155,7 +164,7 @@ class Options:
         False, "`True`, `False`",
         "under `accumulate()`, synchronise (reduce) gradients on every micro-step instead of holding them unreduced"
         " until the update: more communication, less memory (FSDP keeps only gradient shards)")
-    mixed_precision: str | None = option(
+    mixed_precision: MixedPrecisionName | MixedPrecision | None = option(
         None, "`None`, `no`, `bf16`, `fp16`",
         "autocast of prepared models' forward; `bf16` on CPU and CUDA, `fp16` on CUDA with a gradient scaler. "
         "`None`: `ACCELERATE_MIXED_PRECISION` if set (what Accelerate's launchers and "
@@ -206,7 +215,7 @@ class Options:
         "in a plain launch, how many times to restart all ranks after a rank fails (with `resume()` they continue "
         "from the newest checkpoint); under torchrun and srun the launcher's own restarts and requeues apply "
         "instead")
-    strategy: str = option(
+    strategy: StrategyName | Strategy = option(
         "ddp", "`ddp`, `fsdp`",
         "`ddp`: every rank holds the whole model, gradients are all-reduced; `fsdp`: torch's FSDP2, parameters, "
         "gradients and optimizer state sharded over the ranks")
@@ -291,41 +300,7 @@ class Config(Options):
     compile: Mapping[str, Any] | None = None  # torch.compile's arguments, from dynamo_backend
 
 
-def signature() -> inspect.Signature:
-    """The Accelerator's signature, from the declaration: self, the positional options, the keyword-only ones,
-    then ``**accelerate_arguments`` (Accelerate's other arguments, translated or refused)."""
-    kind = {True: inspect.Parameter.KEYWORD_ONLY, False: inspect.Parameter.POSITIONAL_OR_KEYWORD}
-    return inspect.Signature(
-        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-        + [inspect.Parameter(o.name, kind[o.keyword_only], default=o.default, annotation=o.annotation)
-           for o in OPTIONS]
-        + [inspect.Parameter("accelerate_arguments", inspect.Parameter.VAR_KEYWORD, annotation="Any")],
-        return_annotation="None",
-    )
-
-
-def takes_options(init: Callable[[Any, dict[str, Any], dict[str, Any]], None]) -> Callable[..., None]:
-    """``init(self, chosen, accelerate_arguments)`` called with the declared signature: the options by name (the
-    first few also by position) with their defaults, as a plain ``__init__`` would take them."""
-    declared = signature()
-
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        try:
-            bound = declared.bind(self, *args, **kwargs)
-        except TypeError as exc:
-            raise TypeError(f"Accelerator(): {exc}") from None
-        bound.apply_defaults()
-        arguments = dict(bound.arguments)
-        del arguments["self"]
-        extra = arguments.pop("accelerate_arguments")
-        init(self, arguments, extra)
-
-    __init__.__signature__ = declared  # what inspect, help(), IDEs and the docs read
-    __init__.__doc__, __init__.__qualname__, __init__.__module__ = init.__doc__, init.__qualname__, init.__module__
-    return __init__
-
-
-def document(cls: type) -> type:
+def document(cls: type[C]) -> type[C]:
     """Append the options' ``Args:`` section to ``cls``'s docstring, from the one declaration."""
     lines = ["", "    Args:"]
     for option in OPTIONS:
@@ -561,6 +536,9 @@ ACCELERATE_ONLY = {
     "megatron_lm_plugin": "qaccel has no Megatron-LM",
     "parallelism_config": "qaccel has data parallelism (strategy='ddp') and FSDP (strategy='fsdp')",
 }
+
+
+ACCELERATE_NAMES = ("cpu", "dataloader_config", "gradient_accumulation_plugin", "project_config", "dynamo_plugin")
 
 
 def from_accelerate(arguments: dict[str, Any], chosen: dict[str, Any]) -> dict[str, Any]:

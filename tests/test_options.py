@@ -14,13 +14,18 @@ from qaccel.environment import detect
 
 
 def test_the_signature_is_the_declaration():
-    *parameters, accelerate = list(inspect.signature(Accelerator.__init__).parameters.values())[1:]
-    assert accelerate.kind is inspect.Parameter.VAR_KEYWORD, "Accelerate's arguments, translated or refused"
-    assert [p.name for p in parameters] == [o.name for o in options.OPTIONS]
+    """What IDEs and type checkers read (the written-out __init__) is what the declaration says, in order, with the
+    same defaults, kinds and annotations; then Accelerate's translated arguments, then the refused rest."""
+    *parameters, refused = list(inspect.signature(Accelerator.__init__).parameters.values())[1:]
+    assert refused.kind is inspect.Parameter.VAR_KEYWORD and refused.annotation == "Never", \
+        "other keywords: refused at run time naming the qaccel way, and by a type checker"
+    names = [o.name for o in options.OPTIONS] + list(options.ACCELERATE_NAMES)
+    assert [p.name for p in parameters] == names
     for parameter, option in zip(parameters, options.OPTIONS):
-        assert parameter.default == option.default, option.name
+        assert (parameter.default, parameter.annotation) == (option.default, option.annotation), option.name
         kind = inspect.Parameter.KEYWORD_ONLY if option.keyword_only else inspect.Parameter.POSITIONAL_OR_KEYWORD
         assert parameter.kind is kind, option.name
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in parameters[len(options.OPTIONS):])
 
 
 def test_the_config_and_the_trainers_config_inherit_every_option_from_the_declaration():
