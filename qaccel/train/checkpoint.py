@@ -33,6 +33,7 @@ MARKER_FILE = "qaccel_state.json"  # written last: a checkpoint folder holding i
 SHARDED_DIR = "sharded"  # strategy="fsdp": models and optimizers, in torch.distributed.checkpoint's format
 FORMAT = 2  # the marker lists every file's size and checksum
 _NUMBERED = re.compile(r"checkpoint_(\d+)")
+_SIDE = re.compile(r"\.(tmp|old)-[0-9a-f]{12}")  # what a save makes beside its target: .tmp-/.old- + token_hex(6)
 
 T = TypeVar("T")
 
@@ -273,7 +274,7 @@ def _new_tmp(target: str) -> str:
     """A new temporary folder beside ``target`` (what killed saves left there removed first), once ``target`` is
     known to be a folder the save may replace."""
     _check_replaceable(target)
-    for stale in glob.glob(f"{glob.escape(target)}.tmp-*"):
+    for stale in _beside(target, "tmp"):
         shutil.rmtree(stale, ignore_errors=True)
     tmp = f"{target}.tmp-{secrets.token_hex(6)}"
     os.makedirs(tmp)
@@ -371,10 +372,17 @@ def _prune(directory: str, keep: int) -> None:
     for _, path in complete[:-keep]:
         shutil.rmtree(path)
     kept = {path for _, path in complete[-keep:]}
-    for pattern in ("checkpoint_*.old-*", "checkpoint_*.tmp-*"):
-        for path in glob.glob(os.path.join(glob.escape(directory), pattern)):
-            if path not in kept:
-                shutil.rmtree(path, ignore_errors=True)
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if (match := _NUMBERED.match(name)) and _SIDE.fullmatch(name, match.end()) and path not in kept:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _beside(target: str, kind: str) -> list[str]:
+    """The folders saves of ``target`` made beside it (``kind``: ``tmp`` or ``old``), known by their names: a
+    user's ``<target>.tmp-mine`` is none of them."""
+    return [path for path in glob.glob(f"{glob.escape(target)}.{kind}-*")
+            if (match := _SIDE.fullmatch(path, len(target))) and match.group(1) == kind and os.path.isdir(path)]
 
 
 # ---- finding checkpoints ----
@@ -394,7 +402,8 @@ def _numbered(directory: str) -> list[tuple[int, str]]:
         if match is None or not os.path.isfile(os.path.join(path, MARKER_FILE)):
             continue
         step = int(match.group(1))
-        if match.end() == len(name) or (name[match.end():].startswith(".old-") and step not in found):
+        side = _SIDE.fullmatch(name, match.end())
+        if match.end() == len(name) or (side is not None and side.group(1) == "old" and step not in found):
             found[step] = path
     return sorted(found.items())
 
@@ -407,7 +416,7 @@ def _candidates(directory: str) -> list[str]:
     numbered = [path for _, path in reversed(_numbered(directory))]
     if numbered:
         return numbered
-    backups = sorted(glob.glob(f"{glob.escape(directory)}.old-*"), key=os.path.getmtime)
+    backups = sorted(_beside(directory, "old"), key=os.path.getmtime)
     return backups[-1:]  # a save died between its two renames: the previous checkpoint
 
 

@@ -151,11 +151,27 @@ def test_a_save_that_died_between_its_renames_is_recovered(acc, tmp_path):
     model = single.prepare(torch.nn.Linear(2, 1))
     torch.nn.init.constant_(model.weight, 3.0)
     single.save_state(str(ckpt))
-    os.rename(ckpt, f"{ckpt}.old-deadbeef")  # the first rename of a swap happened, the second did not
+    os.rename(ckpt, f"{ckpt}.old-deadbeef0123")  # the first rename of a swap happened, the second did not
     fresh = Accelerator(compute_setup="cpu")
     restored = fresh.prepare(torch.nn.Linear(2, 1))
     fresh.load_state(str(ckpt))
     assert restored.weight.flatten().tolist() == [3.0, 3.0]
+
+
+def test_a_users_folders_named_like_what_a_save_leaves_survive_saves_and_pruning(tmp_path):
+    single = Accelerator(compute_setup="cpu")
+    single.prepare(torch.nn.Linear(2, 1))
+    mine = [tmp_path / "ckpt.tmp-mine", tmp_path / "ckpt.old-notes", tmp_path / "runs" / "checkpoint_00000000.tmp-a",
+            tmp_path / "runs" / "checkpoint_00000000.old-backup"]
+    for folder in mine:
+        folder.mkdir(parents=True)
+        (folder / "notes.txt").write_text("mine")
+    for _ in range(2):
+        single.save_state(str(tmp_path / "ckpt"))
+        single.save_state(str(tmp_path / "runs"), keep=1)  # prunes what killed saves left beside its checkpoints
+    assert all((folder / "notes.txt").read_text() == "mine" for folder in mine), "only what a save made goes"
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [
+        "checkpoint_00000000", "checkpoint_00000000.old-backup", "checkpoint_00000000.tmp-a"]
 
 
 def test_loading_into_different_objects_is_refused(tmp_path):
