@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -18,11 +19,32 @@ SCRIPTS = REPO / "tests" / "scripts"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now, picked by the kernel (port 0 bound): never a fixed port, so runs side by
-    side never count on the same one. Another process may still take it before it is used."""
-    with socket.socket() as s:
+    """A TCP port free on ``host`` now, drawn at random below the kernel's ephemeral range: never a fixed port, so
+    runs side by side never count on the same one, and no outgoing connection (which takes an ephemeral port) can
+    take it in the seconds before a launched rank binds it, as one did to an srun test's MASTER_PORT (EADDRINUSE).
+    Another process binding it explicitly still can."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(25000, low)  # above the 15000-24999 of SLURM's port rule (environment/slurm.py)
+        if 29400 <= port < 29600:  # torch's default ports (29500, 29400)
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # below the range everything is taken: let the kernel pick
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux: net.ipv4.ip_local_port_range, 32768 by default)."""
+    try:
+        return max(25001, int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]))
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 class WaitTimedOut(AssertionError):
