@@ -292,10 +292,14 @@ def _check_replaceable(target: str) -> None:
                               "new or a checkpoint, or keep=K to keep numbered checkpoints inside a folder", target)
     names = sorted(os.listdir(target))
     if names and MARKER_FILE not in names:
-        held = ", ".join(names[:5]) + (f", ... ({len(names)} entries)" if len(names) > 5 else "")
         raise FileExistsError(errno.EEXIST, f"save_state() replaces its folder whole, and {target} is not a qaccel "
-                              f"checkpoint (it holds {held}), so nothing was written: give a new or empty folder, or "
-                              "keep=K to keep numbered checkpoints inside this one", target)
+                              f"checkpoint (it holds {_held(names)}), so nothing was written: give a new or empty "
+                              "folder, or keep=K to keep numbered checkpoints inside this one", target)
+
+
+def _held(names: list[str]) -> str:
+    """What a folder holds, in words: its first names and how many there are."""
+    return ", ".join(names[:8]) + (f", ... ({len(names)} entries)" if len(names) > 8 else "") if names else "nothing"
 
 
 def _optimizers(registry: Registry) -> list[torch.optim.Optimizer]:
@@ -432,8 +436,7 @@ def _not_a_checkpoint(path: str) -> FileNotFoundError:
         return FileNotFoundError(f"no checkpoint at {path}: there is no such file or folder")
     if not os.path.isdir(path):
         return FileNotFoundError(f"no checkpoint at {path}: it is a file; give the checkpoint's folder")
-    names = sorted(os.listdir(path))
-    held = ", ".join(names[:8]) + (f", ... ({len(names)} entries)" if len(names) > 8 else "") if names else "nothing"
+    held = _held(sorted(os.listdir(path)))
     return FileNotFoundError(
         f"{path} is not a qaccel checkpoint: it holds no {MARKER_FILE} (written last, so a half-written checkpoint "
         f"has none) and no complete checkpoint_<step> folder; it holds {held}")
