@@ -127,9 +127,10 @@ class Staging:
 
         def stage(leaf: Any) -> Any:
             if isinstance(leaf, torch.Tensor) and id(leaf) not in memo:
-                kept = self.staged[len(used)] if len(used) < len(self.staged) else None
-                if len(used) < len(self.staged):
-                    self.staged[len(used)] = None  # dropped now if it does not fit: one copy at most
+                place = len(used)
+                kept = self.staged[place] if place < len(self.staged) else None
+                if kept is not None:
+                    self.staged[place] = None  # dropped now if it does not fit: one copy at most
                 memo[id(leaf)] = _staged(leaf.detach(), kept, self.pin, copies)
                 used.append(memo[id(leaf)])
             return leaf
