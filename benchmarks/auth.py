@@ -69,8 +69,9 @@ def _train(acc: Accelerator, checkpoints: str) -> dict[str, float]:
 
     model = mlp(32, 256)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    loader = torch.utils.data.DataLoader(regression_data(STEPS * BATCH * acc.world_size, 32), batch_size=BATCH,
-                                         shuffle=True)
+    loader = torch.utils.data.DataLoader(
+        regression_data(STEPS * BATCH * acc.world_size, 32), batch_size=BATCH, shuffle=True
+    )
     model, optimizer, loader = acc.prepare(model, optimizer, loader)
     acc.resume(checkpoints)
     steps, watcher, start_cpu = [], None, _watcher_cpu_s()
@@ -103,8 +104,12 @@ def _sealing() -> tuple[float, float]:
     store = sealed.Sealed(torch.distributed.HashStore(), sealed.new_key(), rank=0)
     report = "x" * 4096
     stop = timeit.timeit(lambda: store.open("signal", store.seal("signal", "15")), number=20000) / 20000
-    where = timeit.timeit(lambda: store.open("report/0", store.seal("report/0", report, secret=True), secret=True),
-                          number=5000) / 5000
+    where = (
+        timeit.timeit(
+            lambda: store.open("report/0", store.seal("report/0", report, secret=True), secret=True), number=5000
+        )
+        / 5000
+    )
     return stop, where
 
 
@@ -118,15 +123,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     launches, training = (7, 3) if args.quick else (21, 11)
-    print(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '(not set)')}, torch {torch.__version__}, "
-          f"{os.cpu_count()} cores")
+    print(
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '(not set)')}, torch {torch.__version__}, "
+        f"{os.cpu_count()} cores"
+    )
     acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
     launch_s: dict[str, list[float]] = {"private": [], "open": []}
     for private in (True, False):  # warm-up: the server's imports, each way's first launch
         _way(private)
         acc.distribute(_one_all_reduce)(acc)
     for i in range(launches):
-        for private in ((True, False) if i % 2 == 0 else (False, True)):
+        for private in (True, False) if i % 2 == 0 else (False, True):
             way = _way(private)
             start = time.perf_counter()
             acc.distribute(_one_all_reduce)(acc)
@@ -134,7 +141,7 @@ def main() -> None:
     step_s: dict[str, list[float]] = {"private": [], "open": []}
     watcher: dict[str, list[float]] = {"private": [], "open": []}
     for i in range(training):
-        for private in ((True, False) if i % 2 == 0 else (False, True)):
+        for private in (True, False) if i % 2 == 0 else (False, True):
             way = _way(private)
             with tempfile.TemporaryDirectory() as folder:
                 got = acc.distribute(_train)(acc, folder)
@@ -161,13 +168,19 @@ def main() -> None:
     launch_extra = statistics.median(launch_s["private"]) - statistics.median(launch_s["open"])
     step_ratio = statistics.median(step_s["private"]) / statistics.median(step_s["open"])
     bound = 1 + (statistics.median(watcher["private"]) - statistics.median(watcher["open"]))
-    print(f"\nlaunch: private - open = {launch_extra * 1e3:+.2f} ms (target <= {LAUNCH_TARGET_S * 1e3:.0f} ms): "
-          f"{verdict(launch_extra <= LAUNCH_TARGET_S)}")
-    print(f"in place: the key's broadcast {key_s * 1e3:.3f} ms per session "
-          f"(target <= {LAUNCH_TARGET_S * 1e3:.0f} ms): {verdict(key_s <= LAUNCH_TARGET_S)}")
-    print(f"step: at most {bound:.4f} x open, the watcher's CPU time (target <= {STEP_TARGET}): "
-          f"{verdict(bound <= STEP_TARGET)}; measured private / open = {step_ratio:.4f} (the launches scatter: see "
-          "the min and max above)")
+    print(
+        f"\nlaunch: private - open = {launch_extra * 1e3:+.2f} ms (target <= {LAUNCH_TARGET_S * 1e3:.0f} ms): "
+        f"{verdict(launch_extra <= LAUNCH_TARGET_S)}"
+    )
+    print(
+        f"in place: the key's broadcast {key_s * 1e3:.3f} ms per session "
+        f"(target <= {LAUNCH_TARGET_S * 1e3:.0f} ms): {verdict(key_s <= LAUNCH_TARGET_S)}"
+    )
+    print(
+        f"step: at most {bound:.4f} x open, the watcher's CPU time (target <= {STEP_TARGET}): "
+        f"{verdict(bound <= STEP_TARGET)}; measured private / open = {step_ratio:.4f} (the launches scatter: see "
+        "the min and max above)"
+    )
 
 
 if __name__ == "__main__":

@@ -51,9 +51,9 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from report import resident, verdict
 
 from qaccel import Accelerator
-from report import resident, verdict
 
 SAVE_AT = 2  # the checkpoint is asked for before this step of the window
 WAYS = ("none", "torch.save", "blocking", "background", "dcp async")
@@ -142,15 +142,18 @@ def _train(acc, layers: int, width: int, strategy: str, rounds: int, steps: int,
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     cuda = acc.device.type == "cuda"  # the same advantages as save_state's staging: kept, pinned on CUDA
-    stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
-                                          use_non_blocking_copy=cuda))
+    stager = DefaultStager(
+        StagingOptions(
+            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
+        )
+    )
     # async_save over its own previous checkpoint, as a run makes it: torch warns that it overwrites, each time
     warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
     ways = [w for w in WAYS if not (strategy == "fsdp" and w == "torch.save")]
     local = [t.to_local() if hasattr(t, "to_local") else t for t in model.parameters()]
     out: dict = {"rounds": [], "rss": [], "state_mb": sum(t.numel() * t.element_size() * 3 for t in local) / 1e6}
     for r in range(rounds):
-        order = ways[r % len(ways):] + ways[:r % len(ways)]
+        order = ways[r % len(ways) :] + ways[: r % len(ways)]
         windows = {}
         for way in order:  # the second of two windows in a row: a run saves one way, again and again
             first = _window(acc, model, optimizer, way, folder, steps, width, group, stager, last=False)
@@ -171,9 +174,17 @@ def _slowest(ranks: list[dict], round_: int, way: str) -> dict:
         window = rank["rounds"][round_][way]
         during = [t for t, flying in zip(window["times"], window["during"]) if flying]
         lost = window["call"] + sum(t - normal for t in during) + window["wait"]
-        figures.append({"lost": lost, "during": len(during), "steps": (statistics.mean(during) / normal) if during
-                        else None, "normal": normal, "wait": window["wait"], "call": window["call"],
-                        "rss": window["rss"]})
+        figures.append(
+            {
+                "lost": lost,
+                "during": len(during),
+                "steps": (statistics.mean(during) / normal) if during else None,
+                "normal": normal,
+                "wait": window["wait"],
+                "call": window["call"],
+                "rss": window["rss"],
+            }
+        )
     return max(figures, key=lambda f: f["lost"])
 
 
@@ -193,52 +204,72 @@ def main() -> None:
     folder = tempfile.mkdtemp(prefix="bench-background-", dir=os.environ.get("BENCH_DIR", os.getcwd()))
     started = time.perf_counter()
     try:
-        ranks = acc.distribute(_train, all_results=True)(acc, opts.layers, opts.width, opts.strategy, rounds,
-                                                          opts.steps, opts.warmup, folder)
+        ranks = acc.distribute(_train, all_results=True)(
+            acc, opts.layers, opts.width, opts.strategy, rounds, opts.steps, opts.warmup, folder
+        )
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     ways = [w for w in WAYS if w in ranks[0]["rounds"][0] and w != "none"]
     state = sum(rank["state_mb"] for rank in ranks) if opts.strategy == "fsdp" else ranks[0]["state_mb"]
-    print(f"{opts.strategy}, world 2, CPU, gloo: {opts.layers} x Linear({opts.width}, {opts.width}) + Adam, state "
-          f"{state / 1000:.2f} GB {'across the ranks' if opts.strategy == 'fsdp' else 'on each rank'}; "
-          f"OMP_NUM_THREADS {os.environ.get('OMP_NUM_THREADS', 'not set')}; medians of {rounds} rounds, the slowest "
-          "rank's figures")
+    print(
+        f"{opts.strategy}, world 2, CPU, gloo: {opts.layers} x Linear({opts.width}, {opts.width}) + Adam, state "
+        f"{state / 1000:.2f} GB {'across the ranks' if opts.strategy == 'fsdp' else 'on each rank'}; "
+        f"OMP_NUM_THREADS {os.environ.get('OMP_NUM_THREADS', 'not set')}; medians of {rounds} rounds, the slowest "
+        "rank's figures"
+    )
     normal = statistics.median(_slowest(ranks, r, ways[0])["normal"] for r in range(rounds))
     print(f"normal step {normal:.3f} s\n")
-    print(f"{'way':12s} {'call (s)':>9s} {'steps during':>13s} {'x normal':>9s} {'wait (s)':>9s} {'lost (s)':>9s}  "
-          "rank 0's RSS after the call, by round (MiB)")
+    print(
+        f"{'way':12s} {'call (s)':>9s} {'steps during':>13s} {'x normal':>9s} {'wait (s)':>9s} {'lost (s)':>9s}  "
+        "rank 0's RSS after the call, by round (MiB)"
+    )
     med = {}
     for way in ways:
         figures = [_slowest(ranks, r, way) for r in range(rounds)]
         ratios = [f["steps"] for f in figures if f["steps"] is not None]
-        med[way] = {"lost": statistics.median(f["lost"] for f in figures),
-                    "call": statistics.median(f["call"] for f in figures),
-                    "steps": statistics.median(ratios) if ratios else None}
+        med[way] = {
+            "lost": statistics.median(f["lost"] for f in figures),
+            "call": statistics.median(f["call"] for f in figures),
+            "steps": statistics.median(ratios) if ratios else None,
+        }
         steps = f"{med[way]['steps']:9.2f}" if ratios else f"{'-':>9s}"
         rss = ", ".join(f"{rank_0['rounds'][r][way]['rss']:.0f}" for r in range(rounds) for rank_0 in ranks[:1])
-        print(f"{way:12s} {med[way]['call']:9.3f} {statistics.median(f['during'] for f in figures):13.0f} {steps} "
-              f"{statistics.median(f['wait'] for f in figures):9.3f} {med[way]['lost']:9.3f}  {rss}")
+        print(
+            f"{way:12s} {med[way]['call']:9.3f} {statistics.median(f['during'] for f in figures):13.0f} {steps} "
+            f"{statistics.median(f['wait'] for f in figures):9.3f} {med[way]['lost']:9.3f}  {rss}"
+        )
     for way in ("background", "dcp async"):
-        print(f"\nthe launch's first {way} save: call {max(rank[f'first call {way}'] for rank in ranks):.3f} s (new "
-              "memory for the copy" + (", the saves' gloo group)" if way == "background" else ")"), end="")
+        print(
+            f"\nthe launch's first {way} save: call {max(rank[f'first call {way}'] for rank in ranks):.3f} s (new "
+            "memory for the copy" + (", the saves' gloo group)" if way == "background" else ")"),
+            end="",
+        )
     print(f"\nrank 0's RSS after each round: {', '.join(f'{m:.0f}' for m in ranks[0]['rss'])} MiB")
     print("\ntargets")
     bg, blocking = med["background"], med["blocking"]
-    print(f"  {verdict(bg['call'] <= TARGETS['call'] * blocking['lost'])}  the training loop blocked by a later "
-          f"background save <= {TARGETS['call']} x a blocking save: {bg['call']:.3f} s = "
-          f"{bg['call'] / blocking['lost']:.3f} x {blocking['lost']:.3f} s")
+    print(
+        f"  {verdict(bg['call'] <= TARGETS['call'] * blocking['lost'])}  the training loop blocked by a later "
+        f"background save <= {TARGETS['call']} x a blocking save: {bg['call']:.3f} s = "
+        f"{bg['call'] / blocking['lost']:.3f} x {blocking['lost']:.3f} s"
+    )
     if "torch.save" in med:
         by_hand = med["torch.save"]["lost"]
-        print(f"  {verdict(blocking['lost'] <= TARGETS['blocking'] * by_hand)}  blocking save_state <= "
-              f"{TARGETS['blocking']} x torch.save by hand (fsynced): {blocking['lost']:.3f} s = "
-              f"{blocking['lost'] / by_hand:.2f} x {by_hand:.3f} s")
+        print(
+            f"  {verdict(blocking['lost'] <= TARGETS['blocking'] * by_hand)}  blocking save_state <= "
+            f"{TARGETS['blocking']} x torch.save by hand (fsynced): {blocking['lost']:.3f} s = "
+            f"{blocking['lost'] / by_hand:.2f} x {by_hand:.3f} s"
+        )
     dcp = med["dcp async"]
     steps = "-" if bg["steps"] is None else f"{bg['steps']:.2f} x normal"
-    print(f"  info  background save: steps during it {steps}; training time lost {bg['lost']:.3f} s = "
-          f"{bg['lost'] / blocking['lost']:.2f} x blocking")
-    print(f"  info  dcp async_save with a cached stager: call {dcp['call']:.3f} s, lost {dcp['lost']:.3f} s; "
-          f"background save_state's call = {bg['call'] / dcp['call']:.2f} x its call, lost = "
-          f"{bg['lost'] / dcp['lost']:.2f} x")
+    print(
+        f"  info  background save: steps during it {steps}; training time lost {bg['lost']:.3f} s = "
+        f"{bg['lost'] / blocking['lost']:.2f} x blocking"
+    )
+    print(
+        f"  info  dcp async_save with a cached stager: call {dcp['call']:.3f} s, lost {dcp['lost']:.3f} s; "
+        f"background save_state's call = {bg['call'] / dcp['call']:.2f} x its call, lost = "
+        f"{bg['lost'] / dcp['lost']:.2f} x"
+    )
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
 
 

@@ -28,9 +28,9 @@ import tempfile
 import time
 
 import torch
+from report import row, verdict
 
 from qaccel import Accelerator, storage
-from report import row, verdict
 
 TARGET = 1.10
 WIDTH = 2048  # 4 layers of 2048 x 2048: 16.8 M parameters

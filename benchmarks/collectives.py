@@ -27,9 +27,9 @@ import time
 
 import torch
 import torch.distributed as dist
+from report import timed, verdict
 
 from qaccel import Accelerator
-from report import timed, verdict
 
 WORLD = 2
 KEYS = (1, 8, 32, 128)
@@ -43,7 +43,6 @@ TARGET_KEYS, TARGET = 32, 1.3
 def make_metrics(count: int, rank: int) -> dict[str, float]:
     """``count`` metric-like floats, different on each rank."""
     return {f"metric_{i}": 0.25 * i + rank + 0.5 for i in range(count)}
-
 
 
 def qaccel_block(acc: Accelerator, metrics: dict[str, float]):
@@ -108,8 +107,9 @@ def rank_main(acc: Accelerator, runs: int, calls: int) -> dict:
     naive_calls = max(1, calls // 4)
 
     # Check once that qaccel reduces what the baselines reduce.
-    expected = {k: statistics.mean(make_metrics(32, r)[k] for r in range(dist.get_world_size()))
-                for k in make_metrics(32, rank)}
+    expected = {
+        k: statistics.mean(make_metrics(32, r)[k] for r in range(dist.get_world_size())) for k in make_metrics(32, rank)
+    }
     if acc.all_reduce_dict(make_metrics(32, rank)) != expected:
         raise RuntimeError("all_reduce_dict gave a different mean")
 
@@ -125,8 +125,6 @@ def rank_main(acc: Accelerator, runs: int, calls: int) -> dict:
 # ---- the driver ----
 
 
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=7, help="samples per way and key count (default 7)")
@@ -139,8 +137,11 @@ def main() -> int:
     started = time.perf_counter()
 
     acc = Accelerator(nprocs=WORLD, compute_setup="cpu")
-    print(f"(1 warm-up + {runs}) x {calls} calls per way and key count ({max(1, calls // 4)} for the naive loop), "
-          f"interleaved, in one launch of {WORLD} ranks ...", flush=True)
+    print(
+        f"(1 warm-up + {runs}) x {calls} calls per way and key count ({max(1, calls // 4)} for the naive loop), "
+        f"interleaved, in one launch of {WORLD} ranks ...",
+        flush=True,
+    )
     per_rank = acc.distribute(rank_main, all_results=True)(acc, runs, calls)
     # A sample is the slowest rank's block; figures in microseconds per call.
     us = {name: [1e6 * max(ts) for ts in zip(*(r[name] for r in per_rank))] for name in per_rank[0]}
@@ -150,28 +151,38 @@ def main() -> int:
     print(f"{'':44s} {'median':>8s} {'min':>8s} {'max':>8s} {'ratio':>7s}")
     for count in KEYS:
         base = med[f"bare/{count}"]
-        for way, label in (("bare", f"dist.all_reduce, 1 tensor of {count}"),
-                           ("qaccel", f"acc.all_reduce_dict, {count} float keys"),
-                           ("by_hand", "  info: pack + all_reduce + unpack by hand")):
+        for way, label in (
+            ("bare", f"dist.all_reduce, 1 tensor of {count}"),
+            ("qaccel", f"acc.all_reduce_dict, {count} float keys"),
+            ("by_hand", "  info: pack + all_reduce + unpack by hand"),
+        ):
             samples = us[f"{way}/{count}"]
             ratio = "" if way == "bare" else f"{med[f'{way}/{count}'] / base:6.2f}x"
             print(f"{label:44s} {med[f'{way}/{count}']:8.1f} {min(samples):8.1f} {max(samples):8.1f} {ratio:>7s}")
     naive = us[f"naive/{NAIVE_KEYS}"]
     label = f"  info: naive, {NAIVE_KEYS} all_reduces (one per key)"
-    print(f"{label:44s} {med[f'naive/{NAIVE_KEYS}']:8.1f} {min(naive):8.1f} {max(naive):8.1f} "
-          f"{med[f'naive/{NAIVE_KEYS}'] / med[f'bare/{NAIVE_KEYS}']:6.2f}x")
+    print(
+        f"{label:44s} {med[f'naive/{NAIVE_KEYS}']:8.1f} {min(naive):8.1f} {max(naive):8.1f} "
+        f"{med[f'naive/{NAIVE_KEYS}'] / med[f'bare/{NAIVE_KEYS}']:6.2f}x"
+    )
 
     print()
-    print("ratio acc.all_reduce_dict / one bare all_reduce (medians): "
-          + ", ".join(f"{count} keys {med[f'qaccel/{count}'] / med[f'bare/{count}']:.2f}x" for count in KEYS))
+    print(
+        "ratio acc.all_reduce_dict / one bare all_reduce (medians): "
+        + ", ".join(f"{count} keys {med[f'qaccel/{count}'] / med[f'bare/{count}']:.2f}x" for count in KEYS)
+    )
     target_ratio = med[f"qaccel/{TARGET_KEYS}"] / med[f"bare/{TARGET_KEYS}"]
     print()
     print("targets")
-    print(f"  {verdict(target_ratio <= TARGET)}  all_reduce_dict, {TARGET_KEYS} keys <= {TARGET} x one all_reduce: "
-          f"{target_ratio:.2f} x ({med[f'qaccel/{TARGET_KEYS}']:.1f} vs {med[f'bare/{TARGET_KEYS}']:.1f} us)")
-    print(f"  info  by hand, {TARGET_KEYS} keys: {med[f'by_hand/{TARGET_KEYS}'] / med[f'bare/{TARGET_KEYS}']:.2f} x; "
-          f"naive one-per-key: {med[f'naive/{NAIVE_KEYS}'] / med[f'bare/{NAIVE_KEYS}']:.2f} x "
-          f"= {med[f'naive/{NAIVE_KEYS}'] / med[f'qaccel/{NAIVE_KEYS}']:.1f} x qaccel")
+    print(
+        f"  {verdict(target_ratio <= TARGET)}  all_reduce_dict, {TARGET_KEYS} keys <= {TARGET} x one all_reduce: "
+        f"{target_ratio:.2f} x ({med[f'qaccel/{TARGET_KEYS}']:.1f} vs {med[f'bare/{TARGET_KEYS}']:.1f} us)"
+    )
+    print(
+        f"  info  by hand, {TARGET_KEYS} keys: {med[f'by_hand/{TARGET_KEYS}'] / med[f'bare/{TARGET_KEYS}']:.2f} x; "
+        f"naive one-per-key: {med[f'naive/{NAIVE_KEYS}'] / med[f'bare/{NAIVE_KEYS}']:.2f} x "
+        f"= {med[f'naive/{NAIVE_KEYS}'] / med[f'qaccel/{NAIVE_KEYS}']:.1f} x qaccel"
+    )
     print(f"\ntotal benchmark time {time.perf_counter() - started:.0f} s")
     return 0
 

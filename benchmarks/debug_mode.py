@@ -28,14 +28,13 @@ import sys
 
 import torch
 import torch.distributed as dist
+from report import row, timed, verdict
 
 from qaccel import Accelerator
 from qaccel.comm import session
-from report import row, timed, verdict
 
 WORLD = 2
 OFF_TARGET, STEP_TARGET = 1.3, 1.5
-
 
 
 def rank_main(acc: Accelerator, runs: int, calls: int) -> dict[str, list[float]]:
@@ -69,9 +68,15 @@ def rank_main(acc: Accelerator, runs: int, calls: int) -> dict[str, list[float]]
             optimizer.step()
             acc.all_reduce_dict({"loss": loss.item()})
 
-    ways = {"baseline": (by_hand, False, calls), "off": (reduce, False, calls), "on": (reduce, True, calls),
-            "step off": (step, False, calls // 4), "step on": (step, True, calls // 4),
-            "barrier off": (barrier, False, calls), "barrier on": (barrier, True, calls)}
+    ways = {
+        "baseline": (by_hand, False, calls),
+        "off": (reduce, False, calls),
+        "on": (reduce, True, calls),
+        "step off": (step, False, calls // 4),
+        "step on": (step, True, calls // 4),
+        "barrier off": (barrier, False, calls),
+        "barrier on": (barrier, True, calls),
+    }
     out: dict[str, list[float]] = {name: [] for name in ways}
     for i in range(runs + 1):
         for name, (block, debug, n) in ways.items():
@@ -93,7 +98,9 @@ def main() -> int:
     acc = Accelerator(nprocs=WORLD, compute_setup="cpu")
     per_rank = acc.distribute(rank_main, all_results=True)(acc, runs, calls)
     slowest = {name: [max(r[name][i] for r in per_rank) for i in range(runs)] for name in per_rank[0]}
-    print(f"debug mode, world {WORLD}, CPU/gloo, torch {torch.__version__}: {runs} samples, us per call (median, min, max)")
+    print(
+        f"debug mode, world {WORLD}, CPU/gloo, torch {torch.__version__}: {runs} samples, us per call (median, min, max)"
+    )
     for name, samples in slowest.items():
         label, median, low, high = row(name, [s * 1e6 for s in samples])
         print(f"  {label:12s} {median:9.1f} {low:9.1f} {high:9.1f}")
@@ -102,7 +109,9 @@ def main() -> int:
     print(f"all_reduce_dict, debug off / by hand: {off:.2f} x  (target <= {OFF_TARGET}) {verdict(off <= OFF_TARGET)}")
     print(f"all_reduce_dict, debug on / off:      {on:.2f} x  (info: one 2-number all_reduce more per call)")
     print(f"barrier, debug on / off:              {med['barrier on'] / med['barrier off']:.2f} x  (info)")
-    print(f"training step, debug on / off:        {step:.2f} x  (target <= {STEP_TARGET}) {verdict(step <= STEP_TARGET)}")
+    print(
+        f"training step, debug on / off:        {step:.2f} x  (target <= {STEP_TARGET}) {verdict(step <= STEP_TARGET)}"
+    )
     return 0
 
 

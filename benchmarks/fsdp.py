@@ -51,17 +51,18 @@ import resource
 import statistics
 import sys
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from report import resident, row, verdict
+from step_overhead import timed_section
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from qaccel import Accelerator
-from report import resident, row, verdict
-from step_overhead import timed_section
 
 LAYERS, WIDTH, BATCH = 24, 2048, 8
 LR = 1e-4
@@ -121,8 +122,15 @@ def memory_probe(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> di
     return {"bytes": held, "rss": now, "trimmed": resident(), "peak": max(now, peak)}
 
 
-def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, backward, shape: dict, steps: int,
-          out: dict, probe=memory_probe) -> Iterator[bool | None]:
+def train(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    backward,
+    shape: dict,
+    steps: int,
+    out: dict,
+    probe=memory_probe,
+) -> Iterator[bool | None]:
     """The training loop as a generator: yields None first (set-up done), then True after each of ``steps``
     steps. Records each step's loss in out["losses"], the FSDP units in out["units"], and what ``probe`` finds
     after the last optimizer.step() (before zero_grad) in out["held"]."""
@@ -197,8 +205,13 @@ def time_rank(acc: Accelerator, shape: dict, warmup: int, steps: int, block: int
             seconds, _ = timed_section(loops[name], count, j == len(sections) - 1, single[name])
             turns[name].append(seconds)
     return {
-        name: {"turns": turns[name], "steps": single[name][True], "bytes": outs[name]["held"],
-               "units": outs[name]["units"], "losses": [loss.item() for loss in outs[name]["losses"]]}
+        name: {
+            "turns": turns[name],
+            "steps": single[name][True],
+            "bytes": outs[name]["held"],
+            "units": outs[name]["units"],
+            "losses": [loss.item() for loss in outs[name]["losses"]],
+        }
         for name in loops
     } | {"threads": torch.get_num_threads()}
 
@@ -208,8 +221,10 @@ def time_rank(acc: Accelerator, shape: dict, warmup: int, steps: int, block: int
 
 def describe(shape: dict) -> str:
     params = shape["layers"] * (shape["width"] ** 2 + shape["width"])
-    return (f"{shape['layers']} x Linear({shape['width']}, {shape['width']}) + ReLU, {params / 1e6:.1f} M params "
-            f"= {4 * params / MIB:.0f} MiB fp32, AdamW, batch {shape['batch']} per rank")
+    return (
+        f"{shape['layers']} x Linear({shape['width']}, {shape['width']}) + ReLU, {params / 1e6:.1f} M params "
+        f"= {4 * params / MIB:.0f} MiB fp32, AdamW, batch {shape['batch']} per rank"
+    )
 
 
 def measure_memory(shape: dict, worlds: tuple[int, ...], min_params: int) -> dict[int, float]:
@@ -229,12 +244,24 @@ def measure_memory(shape: dict, worlds: tuple[int, ...], min_params: int) -> dic
     for (strategy, world), per_rank in results.items():
         for rank, r in enumerate(per_rank):
             held = r["bytes"]
-            figures = (held["params"], held["grads"], held["optimizer"], sum(held.values()),
-                       r["start"], r["rss"], r["trimmed"], r["peak"])
-            print(f"{strategy:9s} {world:5d} {rank:4d} {r['units']:5d} "
-                  + " ".join(f"{value / MIB:9.1f}" for value in figures))
-    print("(units: FSDP modules, the root included. RSS start, RSS, trimmed, peak: the whole process's resident "
-          "set when the rank began, when counting, then after malloc_trim(0), and its peak: see the docstring)\n")
+            figures = (
+                held["params"],
+                held["grads"],
+                held["optimizer"],
+                sum(held.values()),
+                r["start"],
+                r["rss"],
+                r["trimmed"],
+                r["peak"],
+            )
+            print(
+                f"{strategy:9s} {world:5d} {rank:4d} {r['units']:5d} "
+                + " ".join(f"{value / MIB:9.1f}" for value in figures)
+            )
+    print(
+        "(units: FSDP modules, the root included. RSS start, RSS, trimmed, peak: the whole process's resident "
+        "set when the rank began, when counting, then after malloc_trim(0), and its peak: see the docstring)\n"
+    )
 
     ratios = {}
     for world in worlds:
@@ -242,11 +269,15 @@ def measure_memory(shape: dict, worlds: tuple[int, ...], min_params: int) -> dic
         fsdp = max(sum(r["bytes"].values()) for r in results["fsdp", world])
         ratios[world] = fsdp / (ddp / world)
         ddp_loss, fsdp_loss = (results[s, world][0]["losses"] for s in ("ddp", "fsdp"))
-        print(f"world {world}: fsdp {fsdp / MIB:.1f} MiB per rank (largest rank) vs ideal ddp / {world} = "
-              f"{ddp / world / MIB:.1f} MiB: ratio {ratios[world]:.3f} (ideal 1.000); "
-              f"ddp {ddp / MIB:.1f} MiB = {ddp / fsdp:.2f} x fsdp")
-        print(f"  info: rank 0's losses per step, ddp {', '.join(f'{v:.6f}' for v in ddp_loss)}; "
-              f"fsdp {', '.join(f'{v:.6f}' for v in fsdp_loss)}")
+        print(
+            f"world {world}: fsdp {fsdp / MIB:.1f} MiB per rank (largest rank) vs ideal ddp / {world} = "
+            f"{ddp / world / MIB:.1f} MiB: ratio {ratios[world]:.3f} (ideal 1.000); "
+            f"ddp {ddp / MIB:.1f} MiB = {ddp / fsdp:.2f} x fsdp"
+        )
+        print(
+            f"  info: rank 0's losses per step, ddp {', '.join(f'{v:.6f}' for v in ddp_loss)}; "
+            f"fsdp {', '.join(f'{v:.6f}' for v in fsdp_loss)}"
+        )
     print(flush=True)
     return ratios
 
@@ -262,8 +293,11 @@ def measure_time(shape: dict, launches: int, warmup: int, steps: int, block: int
     single: dict[str, list[float]] = {"qaccel": [], "baseline": []}
     for launch in range(launches):
         acc = Accelerator(nprocs=TIME_WORLD, compute_setup="cpu", strategy="fsdp", fsdp_min_params=min_params)
-        print(f"step time: launch {launch + 1} of {launches}: {warmup} warm-up + {steps} timed steps per side, "
-              f"turns of {block} ...", flush=True)
+        print(
+            f"step time: launch {launch + 1} of {launches}: {warmup} warm-up + {steps} timed steps per side, "
+            f"turns of {block} ...",
+            flush=True,
+        )
         per_rank = acc.distribute(time_rank, all_results=True)(acc, shape, warmup, steps, block, launch)
         total = {}
         for name in ("qaccel", "baseline"):
@@ -274,28 +308,42 @@ def measure_time(shape: dict, launches: int, warmup: int, steps: int, block: int
         first = per_rank[0]
         drift = max(loss_drift(r["qaccel"]["losses"], r["baseline"]["losses"]) for r in per_rank)
         held = {name: max(sum(r[name]["bytes"].values()) for r in per_rank) / MIB for name in total}
-        print(f"  qaccel {total['qaccel'] / steps:.3f} s/step, baseline {total['baseline'] / steps:.3f} s/step, "
-              f"ratio {ratios[-1]:.3f}; losses' largest relative difference {drift:.2e}; held per rank: qaccel "
-              f"{held['qaccel']:.1f} MiB, baseline {held['baseline']:.1f} MiB; FSDP units: qaccel "
-              f"{first['qaccel']['units']}, baseline {first['baseline']['units']}", flush=True)
+        print(
+            f"  qaccel {total['qaccel'] / steps:.3f} s/step, baseline {total['baseline'] / steps:.3f} s/step, "
+            f"ratio {ratios[-1]:.3f}; losses' largest relative difference {drift:.2e}; held per rank: qaccel "
+            f"{held['qaccel']:.1f} MiB, baseline {held['baseline']:.1f} MiB; FSDP units: qaccel "
+            f"{first['qaccel']['units']}, baseline {first['baseline']['units']}",
+            flush=True,
+        )
         if first["qaccel"]["units"] != first["baseline"]["units"]:
-            print("  WARNING: qaccel's policy made a different number of FSDP units than the hand-written loop",
-                  flush=True)
+            print(
+                "  WARNING: qaccel's policy made a different number of FSDP units than the hand-written loop",
+                flush=True,
+            )
         if drift > LOSS_RTOL:
-            print(f"  WARNING: the two loops' losses differ by more than {LOSS_RTOL:g} (relative): qaccel "
-                  f"{first['qaccel']['losses']}, baseline {first['baseline']['losses']}", flush=True)
+            print(
+                f"  WARNING: the two loops' losses differ by more than {LOSS_RTOL:g} (relative): qaccel "
+                f"{first['qaccel']['losses']}, baseline {first['baseline']['losses']}",
+                flush=True,
+            )
 
-    print(f"\nstep time: world {TIME_WORLD}, CPU, gloo, {first['threads']} torch thread(s) per rank; "
-          f"{describe(shape)}; "
-          f"{launches} launch(es) x {steps} timed steps per side; seconds per step (a launch's mean, slowest rank per "
-          "turn)")
+    print(
+        f"\nstep time: world {TIME_WORLD}, CPU, gloo, {first['threads']} torch thread(s) per rank; "
+        f"{describe(shape)}; "
+        f"{launches} launch(es) x {steps} timed steps per side; seconds per step (a launch's mean, slowest rank per "
+        "turn)"
+    )
     print(f"{'':40s} {'median':>8s} {'min':>8s} {'max':>8s}")
-    for name, med, lo, hi in (row("baseline fully_shard loop", samples["baseline"]),
-                              row("qaccel strategy='fsdp' loop", samples["qaccel"])):
+    for name, med, lo, hi in (
+        row("baseline fully_shard loop", samples["baseline"]),
+        row("qaccel strategy='fsdp' loop", samples["qaccel"]),
+    ):
         print(f"{name:40s} {med:8.3f} {lo:8.3f} {hi:8.3f}")
     step_q, step_b = statistics.median(single["qaccel"]), statistics.median(single["baseline"])
-    print(f"info: median single step (slowest rank): qaccel {step_q:.3f} s, baseline {step_b:.3f} s, "
-          f"ratio {step_q / step_b:.3f}")
+    print(
+        f"info: median single step (slowest rank): qaccel {step_q:.3f} s, baseline {step_b:.3f} s, "
+        f"ratio {step_q / step_b:.3f}"
+    )
     ratio = statistics.median(ratios)
     print(f"ratio per launch {', '.join(f'{r:.3f}' for r in ratios)}; median {ratio:.3f}\n", flush=True)
     return ratio
@@ -304,18 +352,24 @@ def measure_time(shape: dict, launches: int, warmup: int, steps: int, block: int
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=("memory", "time"), help="one of the two parts (default both)")
-    parser.add_argument("--quick", action="store_true",
-                        help="8 x Linear(1024, 1024), 1 launch of 10 timed steps per side")
+    parser.add_argument(
+        "--quick", action="store_true", help="8 x Linear(1024, 1024), 1 launch of 10 timed steps per side"
+    )
     parser.add_argument("--layers", type=int, help=f"Linear layers (default {LAYERS}, --quick {QUICK['layers']})")
-    parser.add_argument("--width", type=int,
-                        help=f"their in and out features (default {WIDTH}, --quick {QUICK['width']})")
+    parser.add_argument(
+        "--width", type=int, help=f"their in and out features (default {WIDTH}, --quick {QUICK['width']})"
+    )
     parser.add_argument("--batch", type=int, default=BATCH, help=f"samples per rank and step (default {BATCH})")
-    parser.add_argument("--worlds", default=",".join(map(str, MEMORY_WORLDS)),
-                        help="worlds for the memory part, comma-separated (default 2,4)")
+    parser.add_argument(
+        "--worlds",
+        default=",".join(map(str, MEMORY_WORLDS)),
+        help="worlds for the memory part, comma-separated (default 2,4)",
+    )
     parser.add_argument("--launches", type=int, help=f"step-time launches (default 3, --quick {QUICK['launches']})")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per side and launch (default 1)")
-    parser.add_argument("--steps", type=int,
-                        help=f"timed steps per side and launch (default 6, --quick {QUICK['steps']})")
+    parser.add_argument(
+        "--steps", type=int, help=f"timed steps per side and launch (default 6, --quick {QUICK['steps']})"
+    )
     parser.add_argument("--block", type=int, default=1, help="steps per turn (default 1)")
     opts = parser.parse_args()
     defaults = QUICK if opts.quick else {"layers": LAYERS, "width": WIDTH, "launches": 3, "steps": 6}
@@ -328,7 +382,7 @@ def main() -> int:
     shape = {"layers": opts.layers, "width": opts.width, "batch": opts.batch}
     # qaccel's size rule (default 1 M parameters) makes every Linear a unit of its own, as the baseline does by
     # hand; for layers smaller than that the threshold comes down to one layer so the two shard alike.
-    min_params = min(1_000_000, opts.width ** 2 + opts.width)
+    min_params = min(1_000_000, opts.width**2 + opts.width)
     started = time.perf_counter()
 
     verdicts = []
@@ -337,8 +391,10 @@ def main() -> int:
             verdicts.append(f"  info  world {world}: fsdp bytes held / (ddp / {world}): {ratio:.3f} (ideal 1.000)")
     if opts.only in (None, "time"):
         ratio = measure_time(shape, opts.launches, opts.warmup, opts.steps, opts.block, min_params)
-        verdicts.append(f"  {verdict(ratio <= TARGET)}  qaccel fsdp step <= {TARGET} x hand-written fully_shard "
-                        f"(world {TIME_WORLD}): {ratio:.3f} x")
+        verdicts.append(
+            f"  {verdict(ratio <= TARGET)}  qaccel fsdp step <= {TARGET} x hand-written fully_shard "
+            f"(world {TIME_WORLD}): {ratio:.3f} x"
+        )
     print("targets")
     print("\n".join(verdicts))
     print(f"\ntotal benchmark time {time.perf_counter() - started:.0f} s")

@@ -158,7 +158,9 @@ def _baseline_worker(rank: int, world: int, kind: str, port: int, out_dir: str, 
 
     def prepare(model, optimizer=None):
         if optimizer is None:  # one object, as the seed's function passes it when it makes the optimizer
-            return model if isinstance(model, torch.optim.Optimizer) else torch.nn.parallel.DistributedDataParallel(model)
+            return (
+                model if isinstance(model, torch.optim.Optimizer) else torch.nn.parallel.DistributedDataParallel(model)
+            )
         return torch.nn.parallel.DistributedDataParallel(model), optimizer
 
     work = _work(kind, prepare, dist.barrier) if built is None else _seed_work(*built, prepare, dist.barrier)
@@ -182,8 +184,9 @@ def child_baseline(world: int, kind: str, method: str = "spawn") -> dict:
         port = _free_port()
         built = _seed_setup(kind) if kind in SEED_KINDS else None
         t_call = time.time()
-        mp.start_processes(_baseline_worker, args=(world, kind, port, out_dir, built), nprocs=world, join=True,
-                           start_method=method)
+        mp.start_processes(
+            _baseline_worker, args=(world, kind, port, out_dir, built), nprocs=world, join=True, start_method=method
+        )
         return _collect(out_dir, world, t_call)
 
 
@@ -210,8 +213,9 @@ def child_accelerate(world: int, kind: str) -> dict:
     built = _seed_setup(kind) if kind in SEED_KINDS else None
     with tempfile.TemporaryDirectory(prefix="bench-accelerate-") as out_dir:
         t_call = time.time()
-        notebook_launcher(_accelerate_worker, args=(world, kind, out_dir, built), num_processes=world,
-                          use_port=str(_free_port()))
+        notebook_launcher(
+            _accelerate_worker, args=(world, kind, out_dir, built), num_processes=world, use_port=str(_free_port())
+        )
         return _collect(out_dir, world, t_call)
 
 
@@ -239,8 +243,12 @@ def child_qaccel(world: int, kind: str, threaded: int = 0, setup: int = 0) -> di
     t_call = time.time()
     results = run()
     ready = max(t for t, _ in results)
-    return {"call": ready - t_call, "construct": ready - t_construct, "ready": ready,
-            "steps": max(s for _, s in results)}
+    return {
+        "call": ready - t_call,
+        "construct": ready - t_construct,
+        "ready": ready,
+        "steps": max(s for _, s in results),
+    }
 
 
 def child_qaccel_seed(world: int, kind: str, top: int = 0) -> dict:
@@ -304,11 +312,14 @@ def child_kernel(world: int, kind: str, runner: str, pause: int = 0) -> dict:
     shown: list = []
     try:
         client.wait_for_ready(timeout=60)
-        cells = [KERNEL_IMPORTS[runner], f"time.sleep({pause})" if pause else "", f"built = launch._seed_setup('{kind}')",
-                 KERNEL_LAUNCH[runner].format(world=world, kind=kind)]
+        cells = [
+            KERNEL_IMPORTS[runner],
+            f"time.sleep({pause})" if pause else "",
+            f"built = launch._seed_setup('{kind}')",
+            KERNEL_LAUNCH[runner].format(world=world, kind=kind),
+        ]
         for cell in cells:
-            reply = client.execute_interactive(textwrap.dedent(cell), timeout=CHILD_TIMEOUT_S,
-                                               output_hook=shown.append)
+            reply = client.execute_interactive(textwrap.dedent(cell), timeout=CHILD_TIMEOUT_S, output_hook=shown.append)
             if reply["content"]["status"] != "ok":
                 raise RuntimeError(f"a cell failed in the kernel: {reply['content']}")
     finally:
@@ -328,8 +339,9 @@ def _forked_world(world: int, kind: str) -> float:
     with tempfile.TemporaryDirectory(prefix="bench-fork-") as out_dir:
         port = _free_port()
         t_call = time.time()
-        procs = [context.Process(target=_baseline_worker, args=(rank, world, kind, port, out_dir))
-                 for rank in range(world)]
+        procs = [
+            context.Process(target=_baseline_worker, args=(rank, world, kind, port, out_dir)) for rank in range(world)
+        ]
         for proc in procs:
             proc.start()
         for proc in procs:
@@ -361,8 +373,14 @@ def child_later(world: int, count: int) -> dict:
     return later
 
 
-CHILDREN = {"baseline": child_baseline, "accelerate": child_accelerate, "qaccel": child_qaccel,
-            "qaccel_seed": child_qaccel_seed, "kernel": child_kernel, "later": child_later}
+CHILDREN = {
+    "baseline": child_baseline,
+    "accelerate": child_accelerate,
+    "qaccel": child_qaccel,
+    "qaccel_seed": child_qaccel_seed,
+    "kernel": child_kernel,
+    "later": child_later,
+}
 
 
 # ---- the driver ----
@@ -372,8 +390,13 @@ def run_child(*args: object) -> dict:
     """Run this script with --child ARGS in a fresh interpreter and return the JSON it prints last; with "start",
     the seconds from starting the interpreter to its ranks being ready (what ``python train.py`` waits)."""
     started = time.time()
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", *map(str, args)],
-                          capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--child", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT_S,
+        check=False,
+    )
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout + proc.stderr)
         raise RuntimeError(f"child {' '.join(map(str, args))} exited with code {proc.returncode}")
@@ -401,22 +424,31 @@ def sample(label: str, *args: object) -> dict:
 def time_command(code: str) -> tuple[float, str]:
     """Wall-clock seconds of ``python -c CODE`` in a fresh interpreter, and what it printed."""
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
-                          timeout=CHILD_TIMEOUT_S)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S
+    )
     return time.perf_counter() - start, proc.stdout
 
 
 def _runners(with_accelerate: bool) -> list[tuple[str, tuple]]:
     """(label, child arguments after world and kind) of each runner timed on a first launch."""
-    runners = [("spawn", ("baseline",)), ("qaccel", ("qaccel",)), ("qaccel, caller threaded", ("qaccel", 1)),
-               ("qaccel after 1 s of set-up", ("qaccel", 0, 1))]
+    runners = [
+        ("spawn", ("baseline",)),
+        ("qaccel", ("qaccel",)),
+        ("qaccel, caller threaded", ("qaccel", 1)),
+        ("qaccel after 1 s of set-up", ("qaccel", 0, 1)),
+    ]
     return runners + ([("accelerate", ("accelerate",))] if with_accelerate else [])
 
 
 def _seed_runners(with_accelerate: bool) -> list[tuple[str, tuple]]:
     """(label, child arguments after world and kind) of each runner timed in the seed's script shape."""
-    runners = [("spawn", ("baseline",)), ("forked by hand", ("baseline", "fork")),
-               ("qaccel, seed's order", ("qaccel_seed",)), ("qaccel, Accelerator at the top", ("qaccel_seed", 1))]
+    runners = [
+        ("spawn", ("baseline",)),
+        ("forked by hand", ("baseline", "fork")),
+        ("qaccel, seed's order", ("qaccel_seed",)),
+        ("qaccel, Accelerator at the top", ("qaccel_seed", 1)),
+    ]
     return runners + ([("accelerate", ("accelerate",))] if with_accelerate else [])
 
 
@@ -424,8 +456,10 @@ def _kernel_runners(with_accelerate: bool, with_kernel: bool) -> list[tuple[str,
     """(label, child arguments after world and kind) of each runner timed in a Jupyter kernel (the seed's shapes)."""
     if not with_kernel:
         return []
-    runners = [("kernel, qaccel, Run All", ("kernel", "qaccel")),
-               (f"kernel, qaccel, launch {KERNEL_PAUSE_S} s after the import", ("kernel", "qaccel", KERNEL_PAUSE_S))]
+    runners = [
+        ("kernel, qaccel, Run All", ("kernel", "qaccel")),
+        (f"kernel, qaccel, launch {KERNEL_PAUSE_S} s after the import", ("kernel", "qaccel", KERNEL_PAUSE_S)),
+    ]
     return runners + ([("kernel, accelerate, Run All", ("kernel", "accelerate"))] if with_accelerate else [])
 
 
@@ -437,8 +471,9 @@ def measure_world(world: int, rounds: int, with_accelerate: bool, with_kernel: b
     """First launches of every runner and kind, ``rounds`` rounds with alternating samples; later launches."""
     runs = [(label, args, kind) for kind in KINDS for label, args in _runners(with_accelerate)]
     runs += [(label, args, kind) for kind in SEED_KINDS for label, args in _seed_runners(with_accelerate)]
-    runs += [(label, args, kind) for kind in SEED_KINDS for label, args in _kernel_runners(with_accelerate,
-                                                                                            with_kernel)]
+    runs += [
+        (label, args, kind) for kind in SEED_KINDS for label, args in _kernel_runners(with_accelerate, with_kernel)
+    ]
     first: dict[tuple[str, str], list[dict]] = {(label, kind): [] for label, _, kind in runs}
     for i in range(rounds):
         line = []
@@ -447,9 +482,15 @@ def measure_world(world: int, rounds: int, with_accelerate: bool, with_kernel: b
             line.append(f"{label} {kind} {first[label, kind][-1]['call']:.2f}")
         print(f"  world {world}, round {i + 1}: " + ", ".join(line) + " s", flush=True)
     later = run_child("later", world, LATER_LAUNCHES)
-    print(f"  world {world}, second launch (DDP, right after a bare first) {later['second'][0]:.3f} s; later launches: "
-          "bare " + ", ".join(f"{t:.3f}" for t in later["bare"]) + "; DDP "
-          + ", ".join(f"{t:.3f}" for t in later["ddp"]) + " s", flush=True)
+    print(
+        f"  world {world}, second launch (DDP, right after a bare first) {later['second'][0]:.3f} s; later launches: "
+        "bare "
+        + ", ".join(f"{t:.3f}" for t in later["bare"])
+        + "; DDP "
+        + ", ".join(f"{t:.3f}" for t in later["ddp"])
+        + " s",
+        flush=True,
+    )
     return {"first": first, "later": later}
 
 
@@ -487,48 +528,111 @@ def report_world(world: int, data: dict, with_accelerate: bool, with_kernel: boo
             targets += _seed_targets(world, kind, label, med, with_accelerate)
     for kind in SEED_KINDS if with_accelerate else ():
         fork, theirs = med("forked by hand", kind), med("accelerate", kind)
-        targets.append((None, f"world {world}, {SHAPES[kind]}: forked by hand (os.fork, gloo, DDP; no launcher) "
-                        f"{fork:.3f} s = {fork / theirs:.2f} x Accelerate ({theirs:.3f} s), the floor of a first "
-                        "launch"))
+        targets.append(
+            (
+                None,
+                (
+                    f"world {world}, {SHAPES[kind]}: forked by hand (os.fork, gloo, DDP; no launcher) "
+                    f"{fork:.3f} s = {fork / theirs:.2f} x Accelerate ({theirs:.3f} s), the floor of a first "
+                    "launch"
+                ),
+            )
+        )
     for kind in SEED_KINDS if with_kernel and with_accelerate else ():
         ours, theirs = med("kernel, qaccel, Run All", kind), med("kernel, accelerate, Run All", kind)
         paused = med(f"kernel, qaccel, launch {KERNEL_PAUSE_S} s after the import", kind)
-        targets.append((ours <= VS_ACCELERATE * theirs, f"world {world}, {SHAPES[kind]} in a Jupyter kernel, Run All: "
-                        f"first launch <= {VS_ACCELERATE} x Accelerate's: {ours:.3f} s = {ours / theirs:.2f} x "
-                        f"{theirs:.3f} s ({paused:.3f} s = {paused / theirs:.2f} x when launched {KERNEL_PAUSE_S} s "
-                        "after the import cell)"))
+        targets.append(
+            (
+                ours <= VS_ACCELERATE * theirs,
+                (
+                    f"world {world}, {SHAPES[kind]} in a Jupyter kernel, Run All: "
+                    f"first launch <= {VS_ACCELERATE} x Accelerate's: {ours:.3f} s = {ours / theirs:.2f} x "
+                    f"{theirs:.3f} s ({paused:.3f} s = {paused / theirs:.2f} x when launched {KERNEL_PAUSE_S} s "
+                    "after the import cell)"
+                ),
+            )
+        )
     if with_accelerate:
         threaded, theirs = med("qaccel, caller threaded", "ddp"), med("accelerate", "ddp")
-        targets.append((threaded <= VS_ACCELERATE * theirs, f"world {world}, first launch DDP with a threaded caller "
-                        f"(a Jupyter kernel's path: fresh-interpreter server) <= {VS_ACCELERATE} x Accelerate: "
-                        f"{threaded:.3f} s = {threaded / theirs:.2f} x {theirs:.3f} s"))
+        targets.append(
+            (
+                threaded <= VS_ACCELERATE * theirs,
+                (
+                    f"world {world}, first launch DDP with a threaded caller "
+                    f"(a Jupyter kernel's path: fresh-interpreter server) <= {VS_ACCELERATE} x Accelerate: "
+                    f"{threaded:.3f} s = {threaded / theirs:.2f} x {theirs:.3f} s"
+                ),
+            )
+        )
     for kind in KINDS:
         ours, spawn = med("qaccel", kind), med("spawn", kind)
-        targets.append((ours <= 0.6 * spawn, f"world {world}, first launch {kind} <= 0.6 x spawn: {ours:.3f} s = "
-                        f"{ours / spawn:.2f} x {spawn:.3f} s"))
+        targets.append(
+            (
+                ours <= 0.6 * spawn,
+                f"world {world}, first launch {kind} <= 0.6 x spawn: {ours:.3f} s = {ours / spawn:.2f} x {spawn:.3f} s",
+            )
+        )
     if with_accelerate:
         ours, theirs = med("qaccel", "ddp"), med("accelerate", "ddp")
-        targets.append((ours <= theirs, f"world {world}, first launch DDP <= Accelerate's notebook_launcher: "
-                        f"{ours:.3f} s = {ours / theirs:.2f} x {theirs:.3f} s"))
+        targets.append(
+            (
+                ours <= theirs,
+                (
+                    f"world {world}, first launch DDP <= Accelerate's notebook_launcher: "
+                    f"{ours:.3f} s = {ours / theirs:.2f} x {theirs:.3f} s"
+                ),
+            )
+        )
     for kind in KINDS:
         ours, fork = statistics.median(later[kind]), statistics.median(later[f"fork {kind}"])
-        targets.append((ours <= LATER_VS_FORK * fork, f"world {world}, later launches {kind} <= {LATER_VS_FORK} x the "
-                        f"same launch forked by hand: {ours:.3f} s = {ours / fork:.2f} x {fork:.3f} s"))
+        targets.append(
+            (
+                ours <= LATER_VS_FORK * fork,
+                (
+                    f"world {world}, later launches {kind} <= {LATER_VS_FORK} x the "
+                    f"same launch forked by hand: {ours:.3f} s = {ours / fork:.2f} x {fork:.3f} s"
+                ),
+            )
+        )
     steps, exec_steps = med("qaccel", "ddp", "steps"), med("qaccel, caller threaded", "ddp", "steps")
-    targets.append((steps <= 1.05 * exec_steps, f"world {world}, {STEPS} steps in ranks of a first launch called at "
-                    f"once (quick or forked server) <= 1.05 x in ranks of a fresh-interpreter server: {steps:.3f} s = "
-                    f"{steps / exec_steps:.2f} x"))
+    targets.append(
+        (
+            steps <= 1.05 * exec_steps,
+            (
+                f"world {world}, {STEPS} steps in ranks of a first launch called at "
+                f"once (quick or forked server) <= 1.05 x in ranks of a fresh-interpreter server: {steps:.3f} s = "
+                f"{steps / exec_steps:.2f} x"
+            ),
+        )
+    )
     for kind in KINDS:
         ours = med("qaccel", kind, "start")
-        others = ", ".join(f"{label} {med(label, kind, 'start'):.3f} s" for label, _ in _runners(with_accelerate)
-                           if label != "qaccel" and "set-up" not in label)
+        others = ", ".join(
+            f"{label} {med(label, kind, 'start'):.3f} s"
+            for label, _ in _runners(with_accelerate)
+            if label != "qaccel" and "set-up" not in label
+        )
         targets.append((None, f"world {world}, python process start -> ready, {kind}: qaccel {ours:.3f} s; {others}"))
     for kind in KINDS:
-        targets.append((None, f"world {world}, first launch {kind} after 1 s of the caller's set-up: "
-                        f"{med('qaccel after 1 s of set-up', kind):.3f} s from the call (the server's imports overlap "
-                        "the set-up)"))
-    targets.append((None, f"world {world}, second launch, DDP, right after a bare first one: {later['second'][0]:.3f} s "
-                    "(it waits for the rest of the server's import, which the first launch did not)"))
+        targets.append(
+            (
+                None,
+                (
+                    f"world {world}, first launch {kind} after 1 s of the caller's set-up: "
+                    f"{med('qaccel after 1 s of set-up', kind):.3f} s from the call (the server's imports overlap "
+                    "the set-up)"
+                ),
+            )
+        )
+    targets.append(
+        (
+            None,
+            (
+                f"world {world}, second launch, DDP, right after a bare first one: {later['second'][0]:.3f} s "
+                "(it waits for the rest of the server's import, which the first launch did not)"
+            ),
+        )
+    )
     return targets
 
 
@@ -540,13 +644,24 @@ def _seed_targets(world: int, kind: str, label: str, med, with_accelerate: bool)
     against = f"{ours:.3f} s = {ours / spawn:.2f} x spawn ({spawn:.3f} s)"
     if with_accelerate:
         theirs = med("accelerate", kind)
-        targets = [(ours <= VS_ACCELERATE * theirs, f"{name}: first launch <= {VS_ACCELERATE} x Accelerate's "
-                    f"notebook_launcher: {against}, {ours / theirs:.2f} x Accelerate ({theirs:.3f} s)")]
+        targets = [
+            (
+                ours <= VS_ACCELERATE * theirs,
+                (
+                    f"{name}: first launch <= {VS_ACCELERATE} x Accelerate's "
+                    f"notebook_launcher: {against}, {ours / theirs:.2f} x Accelerate ({theirs:.3f} s)"
+                ),
+            )
+        ]
     else:
         targets = [(None, f"{name}: first launch {against}")]
     steps, spawn_steps = med(label, kind, "steps"), med("spawn", kind, "steps")
-    return targets + [(steps <= 1.05 * spawn_steps, f"{name}: {STEPS} steps <= 1.05 x spawn's ranks: {steps:.3f} s "
-                       f"= {steps / spawn_steps:.2f} x")]
+    return targets + [
+        (
+            steps <= 1.05 * spawn_steps,
+            f"{name}: {STEPS} steps <= 1.05 x spawn's ranks: {steps:.3f} s = {steps / spawn_steps:.2f} x",
+        )
+    ]
 
 
 def main() -> int:
@@ -591,11 +706,20 @@ def main() -> int:
         targets += report_world(world, data[world], with_accelerate, with_kernel)
 
     own = statistics.median(imp_own)
-    print(f"\nimport torch {statistics.median(imp_torch):.3f} s, import torch + qaccel "
-          f"{statistics.median(imp_qaccel):.3f} s (python -c, medians)")
+    print(
+        f"\nimport torch {statistics.median(imp_torch):.3f} s, import torch + qaccel "
+        f"{statistics.median(imp_qaccel):.3f} s (python -c, medians)"
+    )
     torch_s = statistics.median(imp_torch)
-    targets.append((own <= IMPORT_VS_TORCH * torch_s, f"qaccel's own import <= {IMPORT_VS_TORCH} x import torch: "
-                    f"{own:.3f} s = {own / torch_s:.3f} x {torch_s:.3f} s"))
+    targets.append(
+        (
+            own <= IMPORT_VS_TORCH * torch_s,
+            (
+                f"qaccel's own import <= {IMPORT_VS_TORCH} x import torch: "
+                f"{own:.3f} s = {own / torch_s:.3f} x {torch_s:.3f} s"
+            ),
+        )
+    )
     print("\ntargets")
     for passed, text in targets:
         print(f"  {'info' if passed is None else verdict(passed):4s}  {text}")

@@ -32,9 +32,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
-
 from report import row, verdict
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 WORLD = 2
 TARGET = 1.5
@@ -99,9 +98,24 @@ def torchrun(epochs: int) -> list[float]:
     """This script's --torchrun-rank mode under torchrun; rank 0 prints the times as its last line."""
     with tempfile.TemporaryDirectory() as log_dir:  # else torchrun leaves a torchelastic_* dir in the temp dir
         proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--log-dir", log_dir, "--standalone", "--nproc_per_node",
-             str(WORLD), os.path.abspath(__file__), "--torchrun-rank", str(epochs)],
-            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--log-dir",
+                log_dir,
+                "--standalone",
+                "--nproc_per_node",
+                str(WORLD),
+                os.path.abspath(__file__),
+                "--torchrun-rank",
+                str(epochs),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            check=False,
         )
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout + proc.stderr)
@@ -140,20 +154,30 @@ def main() -> int:
         base += torchrun(epochs)
         ours += run_qaccel(acc, epochs)
         spawn += spawned(epochs)
-        print(f"  run {i + 1}: torchrun {statistics.median(base[-epochs:]):.4f} s, qaccel "
-              f"{statistics.median(ours[-epochs:]):.4f} s, mp.spawn {statistics.median(spawn[-epochs:]):.4f} s "
-              f"(medians over {epochs} epochs)", flush=True)
+        print(
+            f"  run {i + 1}: torchrun {statistics.median(base[-epochs:]):.4f} s, qaccel "
+            f"{statistics.median(ours[-epochs:]):.4f} s, mp.spawn {statistics.median(spawn[-epochs:]):.4f} s "
+            f"(medians over {epochs} epochs)",
+            flush=True,
+        )
 
-    print(f"\nworld {WORLD}, CPU, gloo, num_workers=2; iter(loader) -> first batch, slowest rank; "
-          f"{runs} runs x {epochs} epochs per side; seconds")
+    print(
+        f"\nworld {WORLD}, CPU, gloo, num_workers=2; iter(loader) -> first batch, slowest rank; "
+        f"{runs} runs x {epochs} epochs per side; seconds"
+    )
     print(f"{'':48s} {'median':>8s} {'min':>8s} {'max':>8s}")
-    rows = (row("hand-written loop under torchrun (baseline)", base), row("qaccel prepare(), python script.py", ours),
-            row("hand-written loop under mp.spawn (info)", spawn))
+    rows = (
+        row("hand-written loop under torchrun (baseline)", base),
+        row("qaccel prepare(), python script.py", ours),
+        row("hand-written loop under mp.spawn (info)", spawn),
+    )
     for name, med, lo, hi in rows:
         print(f"{name:48s} {med:8.4f} {lo:8.4f} {hi:8.4f}")
     ratio = statistics.median(ours) / statistics.median(base)
-    print(f"\nratio qaccel / torchrun (medians): {ratio:.2f};  mp.spawn / torchrun: "
-          f"{statistics.median(spawn) / statistics.median(base):.1f}")
+    print(
+        f"\nratio qaccel / torchrun (medians): {ratio:.2f};  mp.spawn / torchrun: "
+        f"{statistics.median(spawn) / statistics.median(base):.1f}"
+    )
     print(f"  {verdict(ratio <= TARGET)}  an epoch's workers start in <= {TARGET} x the time under torchrun")
     return 0
 

@@ -66,8 +66,10 @@ def main() -> None:
     print(f"{'gpu rule':<34}{rule * 1e3:>9.2f} us")
     worst = max(rank_0, probe, checked - alone)  # the probe also delays the client that follows it
     verdict = "PASS" if worst <= 5.0 else "MISS"
-    print(f"{verdict}: the checks cost at most {worst:.3f} ms per process (target <= 5 ms; {checked / alone:.2f} x "
-          "torch's client)")
+    print(
+        f"{verdict}: the checks cost at most {worst:.3f} ms per process (target <= 5 ms; {checked / alone:.2f} x "
+        "torch's client)"
+    )
 
 
 if __name__ == "__main__":

@@ -31,9 +31,9 @@ import tempfile
 import time
 
 import torch
+from report import row, verdict
 
 from qaccel import Accelerator, storage
-from report import row, verdict
 
 TARGET = 1.10
 
@@ -66,7 +66,7 @@ def _rounds(acc, rounds: int, pause: float, root: str) -> tuple[dict[str, list[f
     }
     samples: dict[str, list[float]] = {name: [] for name in ways}
     for r in range(rounds + 1):
-        names = list(ways)[r % len(ways):] + list(ways)[:r % len(ways)]
+        names = list(ways)[r % len(ways) :] + list(ways)[: r % len(ways)]
         for name in names:
             end = time.perf_counter() + pause
             while time.perf_counter() < end:  # training: the state changes between checkpoints
@@ -92,17 +92,21 @@ def main() -> None:
         samples, size = acc.distribute(_rounds)(acc, rounds, opts.pause, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"a save over the checkpoint before it: {size / 1e9:.2f} GB (model + Adam), 1 process, {opts.pause:g} s of "
-          f"training before each save; OMP_NUM_THREADS {os.environ.get('OMP_NUM_THREADS', 'not set')}; medians of "
-          f"{rounds} rounds")
+    print(
+        f"a save over the checkpoint before it: {size / 1e9:.2f} GB (model + Adam), 1 process, {opts.pause:g} s of "
+        f"training before each save; OMP_NUM_THREADS {os.environ.get('OMP_NUM_THREADS', 'not set')}; medians of "
+        f"{rounds} rounds"
+    )
     print(f"{'way':<14}{'median s':>10}{'min s':>9}{'max s':>9}{'x torch':>9}")
     base = statistics.median(samples["torch.save"])
     for name, values in samples.items():
         name, median, low, high = row(name, values)
         print(f"{name:<14}{median:>10.3f}{low:>9.3f}{high:>9.3f}{median / base:>9.2f}")
     dropped, kept = statistics.median(samples["dropped"]), statistics.median(samples["kept cached"])
-    print(f"\n  {verdict(dropped <= TARGET * base)}  save_state <= {TARGET} x torch.save by hand (fsynced): "
-          f"{dropped:.3f} s = {dropped / base:.2f} x {base:.3f} s")
+    print(
+        f"\n  {verdict(dropped <= TARGET * base)}  save_state <= {TARGET} x torch.save by hand (fsynced): "
+        f"{dropped:.3f} s = {dropped / base:.2f} x {base:.3f} s"
+    )
     print(f"  info  keeping the checkpoint before it cached: {kept:.3f} s = {kept / dropped:.2f} x dropping it")
 
 

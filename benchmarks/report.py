@@ -52,7 +52,9 @@ def mlp(in_features: int, hidden: int):
 
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Linear(in_features, hidden), torch.nn.ReLU(),
-        torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
+        torch.nn.Linear(in_features, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden),
+        torch.nn.ReLU(),
         torch.nn.Linear(hidden, 1),
     )

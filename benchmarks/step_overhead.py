@@ -50,15 +50,16 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from report import mlp, regression_data, row, verdict
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from qaccel import Accelerator
-from report import mlp, regression_data, row, verdict
 
 WORLD = 2
 IN_FEATURES, HIDDEN = 32, 256
@@ -261,19 +262,24 @@ def rank_main(acc: Accelerator, comparison: str, runs: int, steps: int, block: i
 
 # Per comparison: what the Accelerator gets, the table's row names, what one step is called.
 SETUPS = {
-    "plain": dict(
-        accelerator={}, title="plain loop",
-        rows=("baseline DDP+DistributedSampler loop", "qaccel prepare+prepare_batch loop"), step="step",
-    ),
-    "accumulate": dict(
-        accelerator={"gradient_accumulation_steps": ACCUMULATE},
-        title=f"gradient accumulation, {ACCUMULATE} micro-steps per update",
-        rows=("baseline DDP+no_sync loop", "qaccel accumulate+backward loop"), step="micro-step",
-    ),
-    "resume": dict(
-        accelerator={}, title="plain loop after acc.resume(): armed to stop on SIGTERM/USR1",
-        rows=("baseline DDP+DistributedSampler loop", "qaccel loop after resume()"), step="step",
-    ),
+    "plain": {
+        "accelerator": {},
+        "title": "plain loop",
+        "rows": ("baseline DDP+DistributedSampler loop", "qaccel prepare+prepare_batch loop"),
+        "step": "step",
+    },
+    "accumulate": {
+        "accelerator": {"gradient_accumulation_steps": ACCUMULATE},
+        "title": f"gradient accumulation, {ACCUMULATE} micro-steps per update",
+        "rows": ("baseline DDP+no_sync loop", "qaccel accumulate+backward loop"),
+        "step": "micro-step",
+    },
+    "resume": {
+        "accelerator": {},
+        "title": "plain loop after acc.resume(): armed to stop on SIGTERM/USR1",
+        "rows": ("baseline DDP+DistributedSampler loop", "qaccel loop after resume()"),
+        "step": "step",
+    },
 }
 
 
@@ -284,8 +290,11 @@ def compare(comparison: str, runs: int, steps: int, block: int, launch: tuple[in
     step = setup["step"]
     acc = Accelerator(nprocs=WORLD, compute_setup="cpu", **setup["accelerator"])
     print(f"== {comparison}: {setup['title']} (launch {launch[0]} of {launch[1]})", flush=True)
-    print(f"{steps} {step}s x (1 warm-up + {runs}) per side, taking turns every {block} {step}s, in one launch "
-          f"of {WORLD} ranks ...", flush=True)
+    print(
+        f"{steps} {step}s x (1 warm-up + {runs}) per side, taking turns every {block} {step}s, in one launch "
+        f"of {WORLD} ranks ...",
+        flush=True,
+    )
     per_rank = acc.distribute(rank_main, all_results=True)(acc, comparison, runs, steps, block)
 
     # Each timed section counts at its slowest rank; a sample is the sum of its sections.
@@ -297,10 +306,12 @@ def compare(comparison: str, runs: int, steps: int, block: int, launch: tuple[in
     for i, (q, b) in enumerate(zip(qaccel, baseline)):
         print(f"  {i + 1}: qaccel {q:.3f} s, baseline {b:.3f} s, ratio {q / b:.3f}", flush=True)
 
-    print(f"\n{comparison}: world {WORLD}, CPU, gloo, {per_rank[0]['threads']} torch thread(s) per rank; MLP "
-          f"{IN_FEATURES}->{HIDDEN}->{HIDDEN}->1, batch {BATCH} per rank, {steps} {step}s over {EPOCHS} epochs, "
-          f"{per_rank[0]['updates']} optimizer updates (both sides); {runs} samples per row; "
-          f"seconds per {steps} {step}s (slowest rank per section)")
+    print(
+        f"\n{comparison}: world {WORLD}, CPU, gloo, {per_rank[0]['threads']} torch thread(s) per rank; MLP "
+        f"{IN_FEATURES}->{HIDDEN}->{HIDDEN}->1, batch {BATCH} per rank, {steps} {step}s over {EPOCHS} epochs, "
+        f"{per_rank[0]['updates']} optimizer updates (both sides); {runs} samples per row; "
+        f"seconds per {steps} {step}s (slowest rank per section)"
+    )
     per_step = "ms/" + ("step" if step == "step" else "micro")
     print(f"{'':40s} {'median':>8s} {'min':>8s} {'max':>8s} {per_step:>8s}")
     for name, med, lo, hi in (row(setup["rows"][0], baseline), row(setup["rows"][1], qaccel)):
@@ -310,8 +321,10 @@ def compare(comparison: str, runs: int, steps: int, block: int, launch: tuple[in
     ratio = q_med / base_med
     print()
     print(f"ratio qaccel / baseline (medians):          {ratio:.3f}")
-    print(f"ratio qaccel / baseline (median of pairs):  {statistics.median(paired):.3f}   "
-          f"(pairs range {min(paired):.3f} .. {max(paired):.3f})")
+    print(
+        f"ratio qaccel / baseline (median of pairs):  {statistics.median(paired):.3f}   "
+        f"(pairs range {min(paired):.3f} .. {max(paired):.3f})"
+    )
     print(f"qaccel overhead per {step + ' (medians):':24s}{1e6 * (q_med - base_med) / steps:+.1f} us")
     # Robust to the rare slow step (a late wake-up in gloo): the median single step, at the slower rank.
     # With accumulation the two kinds of micro-step (all-reduce or not) differ ~3 x, so each gets its own line.
@@ -322,8 +335,10 @@ def compare(comparison: str, runs: int, steps: int, block: int, launch: tuple[in
             continue
         step_q = max(statistics.median(r["qaccel_steps"][updated]) for r in per_rank)
         step_b = max(statistics.median(r["baseline_steps"][updated]) for r in per_rank)
-        print(f"info: median single {kind}: qaccel {1e6 * step_q:.0f} us, baseline {1e6 * step_b:.0f} us, "
-              f"ratio {step_q / step_b:.3f} ({1e6 * (step_q - step_b):+.1f} us)")
+        print(
+            f"info: median single {kind}: qaccel {1e6 * step_q:.0f} us, baseline {1e6 * step_b:.0f} us, "
+            f"ratio {step_q / step_b:.3f} ({1e6 * (step_q - step_b):+.1f} us)"
+        )
     print(f"info: this launch's ratio {ratio:.3f}", flush=True)
     print(flush=True)
     return ratio
@@ -331,17 +346,30 @@ def compare(comparison: str, runs: int, steps: int, block: int, launch: tuple[in
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=int, default=8, help="samples per side and launch, after one warm-up each (default 8)")
+    parser.add_argument(
+        "--runs", type=int, default=8, help="samples per side and launch, after one warm-up each (default 8)"
+    )
     parser.add_argument("--launches", type=int, default=5, help="launches per comparison (default 5)")
     parser.add_argument("--quick", action="store_true", help="1 launch, 3 samples per side")
-    parser.add_argument("--only", choices=tuple(COMPARISONS),
-                        help="run one comparison: plain (the plain loop) or accumulate (gradient accumulation, "
-                             f"k={ACCUMULATE}); default both, plain first")
-    parser.add_argument("--steps", type=int, default=STEPS,
-                        help=f"training steps (micro-steps when accumulating) per sample (default {STEPS})")
-    parser.add_argument("--block", type=int, default=BLOCK,
-                        help=f"steps per timed section before the other loop takes its turn (default {BLOCK}); "
-                             "--block equal to --steps alternates whole loops")
+    parser.add_argument(
+        "--only",
+        choices=tuple(COMPARISONS),
+        help="run one comparison: plain (the plain loop) or accumulate (gradient accumulation, "
+        f"k={ACCUMULATE}); default both, plain first",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=STEPS,
+        help=f"training steps (micro-steps when accumulating) per sample (default {STEPS})",
+    )
+    parser.add_argument(
+        "--block",
+        type=int,
+        default=BLOCK,
+        help=f"steps per timed section before the other loop takes its turn (default {BLOCK}); "
+        "--block equal to --steps alternates whole loops",
+    )
     opts = parser.parse_args()
     runs, launches = (3, 1) if opts.quick else (opts.runs, opts.launches)
     if min(runs, launches, opts.block) < 1:
@@ -355,8 +383,10 @@ def main() -> int:
         if opts.only in (None, name):
             per_launch = [compare(name, runs, opts.steps, opts.block, (i + 1, launches)) for i in range(launches)]
             ratios[name] = statistics.median(per_launch)
-            print(f"{name}: ratio per launch {', '.join(f'{r:.3f}' for r in per_launch)}; "
-                  f"median {ratios[name]:.3f}\n", flush=True)
+            print(
+                f"{name}: ratio per launch {', '.join(f'{r:.3f}' for r in per_launch)}; median {ratios[name]:.3f}\n",
+                flush=True,
+            )
 
     print("targets (median over launches)")
     for name, ratio in ratios.items():

@@ -64,11 +64,11 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from report import mlp, regression_data, row, verdict
 from torch.utils.data import DataLoader, TensorDataset
 
 from qaccel import Accelerator, TrainConfig, Trainer
 from qaccel.callbacks import Callback, Stage, WriteMetrics
-from report import mlp, regression_data, row, verdict
 
 WORLD = 2
 IN_FEATURES, HIDDEN = 32, 256
@@ -157,8 +157,7 @@ def run_hand(template: torch.nn.Module, dataset: TensorDataset, epochs: int) -> 
     return Run(marks, batch_starts, mean_loss)
 
 
-def run_trainer(side: str, template: torch.nn.Module, dataset: TensorDataset, epochs: int,
-                folder: Path) -> Run:
+def run_trainer(side: str, template: torch.nn.Module, dataset: TensorDataset, epochs: int, folder: Path) -> Run:
     """One fit of the Trainer as ``side`` configures it, in a fresh folder."""
     model = copy.deepcopy(template)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
@@ -168,9 +167,16 @@ def run_trainer(side: str, template: torch.nn.Module, dataset: TensorDataset, ep
     if side == "tb":
         callbacks.append(WriteMetrics(on="train_batch_end", called_every=1))
     callbacks.append(EpochClock(marks, batch_starts))  # last, so that it marks after the callbacks it times
-    config = TrainConfig(nprocs=WORLD, compute_setup="cpu", max_iter=epochs, write_every=1, verbose=False,
-                         tracking_tool="csv" if side == "csv" else "tensorboard", callbacks=callbacks,
-                         log_folder=folder)
+    config = TrainConfig(
+        nprocs=WORLD,
+        compute_setup="cpu",
+        max_iter=epochs,
+        write_every=1,
+        verbose=False,
+        tracking_tool="csv" if side == "csv" else "tensorboard",
+        callbacks=callbacks,
+        log_folder=folder,
+    )
     trainer = Trainer(model, optimizer, config, loss_fn="mse")
     trainer.fit(DataLoader(dataset, batch_size=BATCH, shuffle=True))
     return Run(marks, batch_starts[:-1], trainer.history[-1]["train_loss"])  # the last list: train_end's
@@ -209,22 +215,26 @@ def rank_main(rounds: int, epochs: int, batches: int, root: str, profile: bool) 
     out["cpu"] = {side: [] for side in SIDES}
     out["losses"] = {side: [] for side in SIDES}
     for i in range(rounds):
-        order = SIDES[i % len(SIDES):] + SIDES[:i % len(SIDES)]
+        order = SIDES[i % len(SIDES) :] + SIDES[: i % len(SIDES)]
         for side in order[::-1] if i // len(SIDES) % 2 else order:
             gc.collect()
             run = run_side(side, template, dataset, 1 + epochs, Path(root, f"{side}-{i}"))
             counts = [len(starts) for starts in run.batch_starts]
             if len(run.marks) != 2 + epochs or counts != [batches] * (1 + epochs):
-                raise RuntimeError(f"{side}: {len(run.marks)} epoch marks and batches per epoch {counts}; expected "
-                                   f"{2 + epochs} and {batches} each")
+                raise RuntimeError(
+                    f"{side}: {len(run.marks)} epoch marks and batches per epoch {counts}; expected "
+                    f"{2 + epochs} and {batches} each"
+                )
             out[side].append([b[0] - a[0] for a, b in pairwise(run.marks[1:])])
             out["cpu"][side].append(statistics.fmean(b[1] - a[1] for a, b in pairwise(run.marks[1:])))
-            out["batch"][side].append(statistics.median(
-                b - a for starts in run.batch_starts[1:] for a, b in pairwise(starts)))
+            out["batch"][side].append(
+                statistics.median(b - a for starts in run.batch_starts[1:] for a, b in pairwise(starts))
+            )
             out["losses"][side].append(run.loss)
     if profile:
-        out["profiles"] = {side: profiled(side, template, dataset, 1 + epochs, Path(root, f"{side}-profile"))
-                           for side in ("csv", "tb")}
+        out["profiles"] = {
+            side: profiled(side, template, dataset, 1 + epochs, Path(root, f"{side}-profile")) for side in ("csv", "tb")
+        }
     out["threads"] = torch.get_num_threads()
     return out
 
@@ -232,12 +242,16 @@ def rank_main(rounds: int, epochs: int, batches: int, root: str, profile: bool) 
 # ---- the driver ----
 
 
-def launch(acc: Accelerator, runs: int, epochs: int, batches: int, profile: bool, which: tuple[int, int]
-           ) -> dict[str, float]:
+def launch(
+    acc: Accelerator, runs: int, epochs: int, batches: int, profile: bool, which: tuple[int, int]
+) -> dict[str, float]:
     """One launch of the ranks: print its samples and table; its ratios of the medians (side / hand). ``which`` is
     (this launch, of how many), for the heading."""
-    print(f"== launch {which[0]} of {which[1]}: {runs} rounds of ({', '.join(SIDES)}), each run 1 warm-up + {epochs} "
-          f"timed epochs of {batches} batches, {WORLD} ranks ...", flush=True)
+    print(
+        f"== launch {which[0]} of {which[1]}: {runs} rounds of ({', '.join(SIDES)}), each run 1 warm-up + {epochs} "
+        f"timed epochs of {batches} batches, {WORLD} ranks ...",
+        flush=True,
+    )
     load_before = os.getloadavg()[0]
     root = tempfile.mkdtemp(prefix="qaccel-bench-trainer-")
     try:
@@ -249,17 +263,23 @@ def launch(acc: Accelerator, runs: int, epochs: int, batches: int, profile: bool
     samples = {side: [statistics.fmean(epoch_times) for epoch_times in result[side]] for side in SIDES}
 
     for i in range(runs):
-        print(f"  {i + 1}: " + ", ".join(f"{side} {samples[side][i]:.3f} s" for side in SIDES)
-              + "; ratios " + ", ".join(f"{side} {samples[side][i] / samples['hand'][i]:.3f}"
-                                        for side in SIDES[1:]), flush=True)
+        print(
+            f"  {i + 1}: "
+            + ", ".join(f"{side} {samples[side][i]:.3f} s" for side in SIDES)
+            + "; ratios "
+            + ", ".join(f"{side} {samples[side][i] / samples['hand'][i]:.3f}" for side in SIDES[1:]),
+            flush=True,
+        )
     losses = {side: statistics.median(values) for side, values in result["losses"].items()}
     print("  last epoch's mean loss (median): " + ", ".join(f"{side} {loss:.4f}" for side, loss in losses.items()))
 
-    print(f"\nworld {WORLD}, CPU, gloo, {result['threads']} torch thread(s) per rank; MLP "
-          f"{IN_FEATURES}->{HIDDEN}->{HIDDEN}->1, Adam, batch {BATCH} per rank, {batches} batches per epoch; "
-          f"{runs} samples per row, each the mean of {epochs} epoch(s); seconds per epoch (slower rank); load "
-          f"average (1 min) {load_before:.2f} before, {load_after:.2f} after (2 of it this benchmark's ranks), "
-          f"{os.cpu_count()} cores")
+    print(
+        f"\nworld {WORLD}, CPU, gloo, {result['threads']} torch thread(s) per rank; MLP "
+        f"{IN_FEATURES}->{HIDDEN}->{HIDDEN}->1, Adam, batch {BATCH} per rank, {batches} batches per epoch; "
+        f"{runs} samples per row, each the mean of {epochs} epoch(s); seconds per epoch (slower rank); load "
+        f"average (1 min) {load_before:.2f} before, {load_after:.2f} after (2 of it this benchmark's ranks), "
+        f"{os.cpu_count()} cores"
+    )
     print(f"{'':44s} {'median':>8s} {'min':>8s} {'max':>8s} {'ms/batch':>8s}")
     for side in SIDES:
         name, med, lo, hi = row(ROWS[side], samples[side])
@@ -271,22 +291,28 @@ def launch(acc: Accelerator, runs: int, epochs: int, batches: int, profile: bool
         med = statistics.median(samples[side])
         ratios[side] = med / hand
         paired = [s / h for s, h in zip(samples[side], samples["hand"])]
-        print(f"{side}: ratio to hand (medians) {ratios[side]:.3f}; median of pairs {statistics.median(paired):.3f} "
-              f"(pairs {min(paired):.3f} .. {max(paired):.3f}); overhead per batch "
-              f"{1e6 * (med - hand) / batches:+.1f} us")
+        print(
+            f"{side}: ratio to hand (medians) {ratios[side]:.3f}; median of pairs {statistics.median(paired):.3f} "
+            f"(pairs {min(paired):.3f} .. {max(paired):.3f}); overhead per batch "
+            f"{1e6 * (med - hand) / batches:+.1f} us"
+        )
     # Robust to the moments another process takes the core: the median interval between two batch starts (rank 0).
     single = {side: statistics.median(result["batch"][side]) for side in SIDES}
     for side in SIDES[1:]:
         ratios[f"{side} batch"] = single[side] / single["hand"]
-        print(f"info: median single batch: {side} {1e6 * single[side]:.0f} us, hand {1e6 * single['hand']:.0f} us, "
-              f"ratio {single[side] / single['hand']:.3f} ({1e6 * (single[side] - single['hand']):+.1f} us)")
+        print(
+            f"info: median single batch: {side} {1e6 * single[side]:.0f} us, hand {1e6 * single['hand']:.0f} us, "
+            f"ratio {single[side] / single['hand']:.3f} ({1e6 * (single[side] - single['hand']):+.1f} us)"
+        )
     # What rank 0's process (its threads included) spent on the CPU per epoch: waiting for a core another process
     # holds does not count, so this shows the work each side does with little of the machine's noise.
     cpu = {side: statistics.median(result["cpu"][side]) for side in SIDES}
     for side in SIDES[1:]:
         ratios[f"{side} cpu"] = cpu[side] / cpu["hand"]
-        print(f"info: rank 0's CPU time per epoch: {side} {cpu[side]:.3f} s, hand {cpu['hand']:.3f} s, ratio "
-              f"{cpu[side] / cpu['hand']:.3f} ({1e6 * (cpu[side] - cpu['hand']) / batches:+.1f} us per batch)")
+        print(
+            f"info: rank 0's CPU time per epoch: {side} {cpu[side]:.3f} s, hand {cpu['hand']:.3f} s, ratio "
+            f"{cpu[side] / cpu['hand']:.3f} ({1e6 * (cpu[side] - cpu['hand']) / batches:+.1f} us per batch)"
+        )
     for side, text in result.get("profiles", {}).items():
         print(f"\n== cProfile of one {side} fit on rank 0 (1 + {epochs} epochs; set-up and end of fit included)")
         print(text)
@@ -298,17 +324,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=RUNS, help=f"rounds per launch: samples per side (default {RUNS})")
     parser.add_argument("--launches", type=int, default=LAUNCHES, help=f"launches (default {LAUNCHES})")
-    parser.add_argument("--epochs", type=int, default=EPOCHS,
-                        help=f"timed epochs per run, after 1 warm-up epoch (default {EPOCHS})")
-    parser.add_argument("--batches", type=int, default=BATCHES,
-                        help=f"batches per rank per epoch (default {BATCHES})")
+    parser.add_argument(
+        "--epochs", type=int, default=EPOCHS, help=f"timed epochs per run, after 1 warm-up epoch (default {EPOCHS})"
+    )
+    parser.add_argument("--batches", type=int, default=BATCHES, help=f"batches per rank per epoch (default {BATCHES})")
     parser.add_argument("--quick", action="store_true", help="1 launch of 3 rounds, 1 timed epoch of 100 batches")
-    parser.add_argument("--profile", action="store_true",
-                        help="after each launch's rounds, cProfile one csv and one tb fit on rank 0 and print the "
-                             "top functions")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after each launch's rounds, cProfile one csv and one tb fit on rank 0 and print the top functions",
+    )
     opts = parser.parse_args()
-    runs, launches, epochs, batches = (3, 1, 1, 100) if opts.quick else (opts.runs, opts.launches, opts.epochs,
-                                                                          opts.batches)
+    runs, launches, epochs, batches = (
+        (3, 1, 1, 100) if opts.quick else (opts.runs, opts.launches, opts.epochs, opts.batches)
+    )
     if min(runs, launches, epochs, batches) < 1:
         parser.error("--runs, --launches, --epochs and --batches must be at least 1")
     started = time.perf_counter()
@@ -318,15 +347,21 @@ def main() -> int:
     per_launch = [launch(acc, runs, epochs, batches, opts.profile, (i + 1, launches)) for i in range(launches)]
     ratios = {key: statistics.median(r[key] for r in per_launch) for key in per_launch[0]}
     for key in per_launch[0]:
-        print(f"{key}: ratio to hand per launch {', '.join(f'{r[key]:.3f}' for r in per_launch)}; "
-              f"median {ratios[key]:.3f}")
+        print(
+            f"{key}: ratio to hand per launch {', '.join(f'{r[key]:.3f}' for r in per_launch)}; "
+            f"median {ratios[key]:.3f}"
+        )
 
     print(f"\ntargets ({today}, median over {launches} launch(es) of the ratio of medians)")
     for side, target in TARGETS.items():
-        print(f"  {verdict(ratios[side] <= target)}  {ROWS[side]} <= {target:.2f} x hand-written loop: "
-              f"{ratios[side]:.3f} x")
-        print(f"  info  the same, median single batch: {ratios[f'{side} batch']:.3f} x; rank 0's CPU time per epoch: "
-              f"{ratios[f'{side} cpu']:.3f} x")
+        print(
+            f"  {verdict(ratios[side] <= target)}  {ROWS[side]} <= {target:.2f} x hand-written loop: "
+            f"{ratios[side]:.3f} x"
+        )
+        print(
+            f"  info  the same, median single batch: {ratios[f'{side} batch']:.3f} x; rank 0's CPU time per epoch: "
+            f"{ratios[f'{side} cpu']:.3f} x"
+        )
     print(f"\ntotal benchmark time {time.perf_counter() - started:.0f} s")
     return 0
 

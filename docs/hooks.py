@@ -23,8 +23,7 @@ def on_page_markdown(markdown, page, config, files, **kwargs):
     from qaccel.options import option_table  # ImportError until qaccel provides it: the build must fail
 
     _filled.append(page.file.src_uri)
-    return "\n".join(option_table().strip() + "\n" if line.strip() == MARKER else line
-                     for line in markdown.split("\n"))
+    return "\n".join(option_table().strip() + "\n" if line.strip() == MARKER else line for line in markdown.split("\n"))
 
 
 def on_post_build(config, **kwargs):

@@ -35,7 +35,7 @@ def make_images(n: int, seed: int) -> TensorDataset:
     labels = torch.arange(n) % 10
     labels = labels[torch.randperm(n, generator=g)]
     angle = 2 * math.pi * labels / 10
-    jitter = lambda: torch.randint(-2, 3, (n,), generator=g)  # noqa: E731
+    jitter = lambda: torch.randint(-2, 3, (n,), generator=g)
     cy, cx = 13.5 + 8 * torch.sin(angle) + jitter(), 13.5 + 8 * torch.cos(angle) + jitter()
     dy, dx = torch.rand(n, generator=g) * 27, torch.rand(n, generator=g) * 27  # distractor anywhere
     grid = torch.arange(28.0)
@@ -145,8 +145,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nprocs", type=int, default=2, help="ranks to start under plain python (default 2)")
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--out", default="classify_cnn", metavar="DIR",
-                        help="the folder to save the weights into, as DIR/model.pt (default: ./classify_cnn)")
+    parser.add_argument(
+        "--out",
+        default="classify_cnn",
+        metavar="DIR",
+        help="the folder to save the weights into, as DIR/model.pt (default: ./classify_cnn)",
+    )
     parser.add_argument("--accumulate", type=int, default=1, metavar="K", help="batches per optimizer update")
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (the model stays float32)")
     parser.add_argument("--checkpoint", metavar="DIR", help="save_state(DIR) after every epoch")
@@ -161,8 +165,11 @@ def main() -> None:
 
     # Create the Accelerator first: under plain python it starts warming up the rank launcher at once.
     acc = Accelerator(
-        nprocs=args.nprocs, compute_setup="auto", log_setup="cpu",
-        gradient_accumulation_steps=args.accumulate, mixed_precision="bf16" if args.bf16 else "no",
+        nprocs=args.nprocs,
+        compute_setup="auto",
+        log_setup="cpu",
+        gradient_accumulation_steps=args.accumulate,
+        mixed_precision="bf16" if args.bf16 else "no",
     )
 
     torch.manual_seed(0)  # same initial weights on every rank under torchrun/srun (DDP also syncs them)

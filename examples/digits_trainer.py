@@ -51,8 +51,12 @@ class SmallCNN(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.features = torch.nn.Sequential(
-            torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-            torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+            torch.nn.Conv2d(1, 16, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2),
+            torch.nn.Conv2d(16, 32, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2),
         )
         self.classify = torch.nn.Linear(32 * 2 * 2, 10)
 
@@ -102,8 +106,7 @@ def main() -> None:
     if trainer.accelerator.is_main_process:  # under torchrun and srun every rank gets here: print once
         last = trainer.history[-1]
         print(f"validation accuracy {last['val_accuracy']:.2%} after epoch {last['step']}")
-        print(f"run folder: {trainer.log_folder} (curves.png, tracking/ with the {args.tracking} files, "
-              "checkpoints/)")
+        print(f"run folder: {trainer.log_folder} (curves.png, tracking/ with the {args.tracking} files, checkpoints/)")
 
 
 if __name__ == "__main__":

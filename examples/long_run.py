@@ -47,7 +47,9 @@ def train(args: argparse.Namespace, acc: Accelerator) -> float:
     model = torch.nn.Sequential(torch.nn.Linear(1, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     loader = DataLoader(NoisySine(4096), batch_size=32, shuffle=True, num_workers=2)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * math.ceil(len(loader) / acc.world_size))
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(
+        optimizer, T_max=args.epochs * math.ceil(len(loader) / acc.world_size)
+    )
     model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
 
     resumed = acc.resume(args.ckpt, keep=args.keep)

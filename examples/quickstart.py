@@ -1,8 +1,8 @@
 """Quick start: one training function, run unchanged by `python`, `torchrun` or `srun`.
 
-    python examples/quickstart.py                                   # qaccel starts 2 ranks
-    torchrun --standalone --nproc_per_node 2 examples/quickstart.py  # torchrun's ranks, run in place
-    srun -n 2 python examples/quickstart.py                          # each SLURM task is a rank
+python examples/quickstart.py                                   # qaccel starts 2 ranks
+torchrun --standalone --nproc_per_node 2 examples/quickstart.py  # torchrun's ranks, run in place
+srun -n 2 python examples/quickstart.py                          # each SLURM task is a rank
 """
 
 from __future__ import annotations

@@ -119,8 +119,12 @@ def main() -> None:
 
     # Create the Accelerator first: under plain python it starts warming up the rank launcher at once.
     acc = Accelerator(
-        nprocs=args.nprocs, compute_setup="auto", log_setup="cpu", dtype=getattr(torch, args.dtype),
-        gradient_accumulation_steps=args.accumulate, mixed_precision="bf16" if args.bf16 else "no",
+        nprocs=args.nprocs,
+        compute_setup="auto",
+        log_setup="cpu",
+        dtype=getattr(torch, args.dtype),
+        gradient_accumulation_steps=args.accumulate,
+        mixed_precision="bf16" if args.bf16 else "no",
     )
 
     torch.manual_seed(0)  # same initial weights on every rank under torchrun/srun (DDP also syncs them)
@@ -134,8 +138,14 @@ def main() -> None:
     val_loader = DataLoader(make_data(1000, seed=1), batch_size=64)
 
     metrics = acc.distribute(train)(
-        model, optimizer, dataloader, acc,
-        val_loader=val_loader, epochs=args.epochs, checkpoint=args.checkpoint, resume=args.resume,
+        model,
+        optimizer,
+        dataloader,
+        acc,
+        val_loader=val_loader,
+        epochs=args.epochs,
+        checkpoint=args.checkpoint,
+        resume=args.resume,
     )
 
     if acc.is_main_process:

@@ -14,13 +14,25 @@ Layers, each importing only the ones below it:
 __version__ = "0.1.0"
 
 from qaccel.accelerator import Accelerator
-from qaccel.errors import (CheckpointError, CollectiveMismatchError, Preempted, QaccelError, RankError, RankKilledError,
-                           RendezvousError)
+from qaccel.errors import (
+    CheckpointError,
+    CollectiveMismatchError,
+    Preempted,
+    QaccelError,
+    RankError,
+    RankKilledError,
+    RendezvousError,
+)
+from qaccel.launch.launchers import warm_up_in_kernel
 from qaccel.notebook import debug_launcher, notebook_launcher
-from qaccel.options import (DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin, ProjectConfiguration,
-                            SlurmCluster)
+from qaccel.options import (
+    DataLoaderConfiguration,
+    DistributedType,
+    GradientAccumulationPlugin,
+    ProjectConfiguration,
+    SlurmCluster,
+)
 from qaccel.train.batch_size import should_reduce_batch_size
-from qaccel.utils import find_executable_batch_size
 from qaccel.train.checkpoint import consolidate
 from qaccel.train.loaders import DictDataLoader, InfiniteTensorDataset, to_dataloader
 from qaccel.trainer.callbacks import OptimizeResult
@@ -29,16 +41,41 @@ from qaccel.trainer.parameters import get_parameters, num_parameters, set_parame
 from qaccel.trainer.saveload import load_checkpoint, load_model, write_checkpoint
 from qaccel.trainer.steps import default_optimize_step
 from qaccel.trainer.trainer import Trainer
-from qaccel.launch.launchers import warm_up_in_kernel
+from qaccel.utils import find_executable_batch_size
 
 warm_up_in_kernel()
 
 __all__ = [
-    "Accelerator", "DataLoaderConfiguration", "DistributedType", "ProjectConfiguration", "GradientAccumulationPlugin", "Preempted", "consolidate", "CheckpointError", "CollectiveMismatchError",
-    "QaccelError", "RankError", "RankKilledError", "RendezvousError", "SlurmCluster", "TrainConfig", "Trainer",
+    "Accelerator",
+    "CheckpointError",
+    "CollectiveMismatchError",
+    "DataLoaderConfiguration",
+    "DictDataLoader",
+    "DistributedType",
+    "GradientAccumulationPlugin",
+    "InfiniteTensorDataset",
+    "OptimizeResult",
+    "Preempted",
+    "ProjectConfiguration",
+    "QaccelError",
+    "RankError",
+    "RankKilledError",
+    "RendezvousError",
+    "SlurmCluster",
+    "TrainConfig",
+    "Trainer",
     "__version__",
-    "debug_launcher", "find_executable_batch_size", "notebook_launcher", "should_reduce_batch_size",
-    # qadence's ml_tools names
-    "DictDataLoader", "InfiniteTensorDataset", "OptimizeResult", "default_optimize_step", "get_parameters", "load_checkpoint", "load_model",
-    "num_parameters", "set_parameters", "to_dataloader", "write_checkpoint",
+    "consolidate",
+    "debug_launcher",
+    "default_optimize_step",
+    "find_executable_batch_size",
+    "get_parameters",
+    "load_checkpoint",
+    "load_model",
+    "notebook_launcher",
+    "num_parameters",
+    "set_parameters",
+    "should_reduce_batch_size",
+    "to_dataloader",
+    "write_checkpoint",
 ]

@@ -8,24 +8,49 @@ import functools
 import os
 import sys
 import warnings
-from typing import Any, Callable, Iterable, Mapping, Never, Sequence, TypeVar
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Never, TypeVar
 
 import torch
 
-from qaccel import options
+from qaccel import handlers, options
 from qaccel.comm import collectives, ranks, session
 from qaccel.environment import Environment, detect
 from qaccel.errors import warn_once
-from qaccel import handlers
 from qaccel.handlers import AutocastKwargs, KwargsHandler, ProfileKwargs, TorchDynamoPlugin
 from qaccel.launch import cluster, in_place, launchers
 from qaccel.launch.protocol import HandBack, Launcher
 from qaccel.nested import map_leaves
-from qaccel.options import (Backend, BackendName, ComputeSetup, ComputeSetupName, DeviceType, DistributedType, LogSetup,
-                            LogSetupName, MixedPrecision, MixedPrecisionName, SlurmCluster, StartMethod,
-                            StartMethodName, Strategy, StrategyName)
-from qaccel.train import (background, batch, checkpoint, gradients, precision, prepare, profiling, progress, seeding,
-                          sharding, stopping)
+from qaccel.options import (
+    Backend,
+    BackendName,
+    ComputeSetup,
+    ComputeSetupName,
+    DeviceType,
+    DistributedType,
+    LogSetup,
+    LogSetupName,
+    MixedPrecision,
+    MixedPrecisionName,
+    SlurmCluster,
+    StartMethod,
+    StartMethodName,
+    Strategy,
+    StrategyName,
+)
+from qaccel.train import (
+    background,
+    batch,
+    checkpoint,
+    gradients,
+    precision,
+    prepare,
+    profiling,
+    progress,
+    seeding,
+    sharding,
+    stopping,
+)
 from qaccel.train.batch_size import release_memory
 from qaccel.train.registry import GradientState, Registry
 from qaccel.train.uneven import overridden as uneven_batches
@@ -100,7 +125,8 @@ class Accelerator:
         if env.kind.started_by_launcher and max_restarts and env.rank == 0:
             warnings.warn(
                 f"Accelerator(max_restarts={max_restarts}) restarts the ranks of a plain launch only; under {env.kind} "
-                "use torchrun --max-restarts, or SLURM's requeue (slurm/requeue.sbatch)", stacklevel=3,
+                "use torchrun --max-restarts, or SLURM's requeue (slurm/requeue.sbatch)",
+                stacklevel=3,
             )
         if env.kind.started_by_launcher and rank_prefix and env.rank == 0:
             warnings.warn(
@@ -278,13 +304,27 @@ class Accelerator:
         """Accelerate's ``state``: where this rank runs, by Accelerate's names, as of now. In a cluster job's caller,
         what its nodes decide says ``"decided on the nodes"``."""
         if self._config.device_type is not None:
-            return AcceleratorState(self.distributed_type, self.num_processes, self.process_index,
-                                    self.local_process_index, self.device, self.mixed_precision, self.backend,
-                                    self.debug)
+            return AcceleratorState(
+                self.distributed_type,
+                self.num_processes,
+                self.process_index,
+                self.local_process_index,
+                self.device,
+                self.mixed_precision,
+                self.backend,
+                self.debug,
+            )
         on_nodes = options.ON_THE_NODES
-        return AcceleratorState(DistributedType.FSDP if self.strategy is Strategy.FSDP else on_nodes,
-                                self.num_processes, self.process_index, self.local_process_index, on_nodes,
-                                self.mixed_precision, self._config.backend or on_nodes, self.debug)
+        return AcceleratorState(
+            DistributedType.FSDP if self.strategy is Strategy.FSDP else on_nodes,
+            self.num_processes,
+            self.process_index,
+            self.local_process_index,
+            on_nodes,
+            self.mixed_precision,
+            self._config.backend or on_nodes,
+            self.debug,
+        )
 
     def _decided(self, what: str) -> None:
         """Raise when ``what`` is decided on a cluster job's nodes, not here."""
@@ -292,7 +332,8 @@ class Accelerator:
             raise RuntimeError(
                 f"Accelerator.{what} is {options.ON_THE_NODES}: this Accelerator's ranks are the tasks of a SLURM job "
                 "(cluster=...), and each decides its device, backend and precision where it runs, from the GPUs it "
-                f"sees there; read acc.{what} inside the function you distribute")
+                f"sees there; read acc.{what} inside the function you distribute"
+            )
 
     @property
     def strategy(self) -> Strategy:
@@ -359,8 +400,9 @@ class Accelerator:
         """Submit ``fn(*args, **kwargs)`` to the ``cluster`` as one SLURM job and return at once a handle to it
         (``job_id``, ``state``, ``result()``, ``results()``, ``cancel()``, ``logs()``)."""
         if self._config.cluster is None:
-            raise ValueError("submit() needs Accelerator(cluster=qaccel.SlurmCluster(...)); without a cluster use "
-                             "distribute()")
+            raise ValueError(
+                "submit() needs Accelerator(cluster=qaccel.SlurmCluster(...)); without a cluster use distribute()"
+            )
         return cluster.submit(fn, args, kwargs, self._config, self._config.cluster, _HAND_BACK.in_place)
 
     def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, all_results: bool) -> Any:
@@ -380,8 +422,10 @@ class Accelerator:
         """Every rank gets the ranks' lists (or other iterables) concatenated in rank order, as in Accelerate:
         ``gather_object([x])`` is every rank's ``x``, indexed by rank."""
         if isinstance(obj, (str, bytes)) or not isinstance(obj, Iterable):
-            raise TypeError(f"gather_object() concatenates the ranks' lists, as Accelerate's does; got a "
-                            f"{type(obj).__name__}: gather_object([obj]) gives one entry per rank")
+            raise TypeError(
+                f"gather_object() concatenates the ranks' lists, as Accelerate's does; got a "
+                f"{type(obj).__name__}: gather_object([obj]) gives one entry per rank"
+            )
         return [item for part in collectives.gather_object(obj, self._live()) for item in part]
 
     def wait_for_everyone(self) -> None:
@@ -392,8 +436,9 @@ class Accelerator:
         """``print`` on the main process only."""
         collectives.main_print(self._ctx(), *args, **kwargs)
 
-    def progress(self, iterable: Iterable[R], desc: str | None = None, total: int | None = None,
-                 **options: Any) -> Iterable[R]:
+    def progress(
+        self, iterable: Iterable[R], desc: str | None = None, total: int | None = None, **options: Any
+    ) -> Iterable[R]:
         """A progress bar over ``iterable`` on the main process only (tqdm if installed, else a status line)."""
         return progress.progress(iterable, self._ctx(), desc, total, **options)
 
@@ -407,10 +452,12 @@ class Accelerator:
         Not in the loop of a loader whose ranks take different numbers of steps (even_batches=False)."""
         marks = self._registry().marks
         if marks.steps is not None:
-            raise RuntimeError(f"gather_for_metrics() needs every rank in every step of the loop; with "
-                               f"even_batches=False this epoch's ranks take {marks.steps} steps: collect per rank "
-                               "and gather_object() after the loop, or keep even_batches=True (its padding is "
-                               "left out of gather_for_metrics)")
+            raise RuntimeError(
+                f"gather_for_metrics() needs every rank in every step of the loop; with "
+                f"even_batches=False this epoch's ranks take {marks.steps} steps: collect per rank "
+                "and gather_object() after the loop, or keep even_batches=True (its padding is "
+                "left out of gather_for_metrics)"
+            )
         remainder = marks.remainder
         if use_gather_object or (isinstance(data, list) and not all(isinstance(x, torch.Tensor) for x in data)):
             gathered = self.gather_object(data)
@@ -485,8 +532,9 @@ class Accelerator:
         registry.trigger = False
         return True
 
-    def synchronize_rng_states(self, rng_types: Iterable[str] = ("torch", "cuda"),
-                               generator: torch.Generator | None = None) -> None:
+    def synchronize_rng_states(
+        self, rng_types: Iterable[str] = ("torch", "cuda"), generator: torch.Generator | None = None
+    ) -> None:
         """Give every rank rank 0's state of the generators in ``rng_types``: ``"torch"`` (the global CPU one),
         ``"cuda"`` (this rank's device; skipped on CPU), ``"generator"`` (``generator``)."""
         seeding.synchronize_rng_states(rng_types, generator, self._live())
@@ -495,8 +543,14 @@ class Accelerator:
         """``torch.save`` on the main process only, atomically (a crash never leaves a half-written file)."""
         checkpoint.save(obj, path, self._live())
 
-    def save_state(self, directory: str | os.PathLike | None = None, *, keep: int | None = None,
-                   background: bool = False, safe_serialization: bool = True) -> str:
+    def save_state(
+        self,
+        directory: str | os.PathLike | None = None,
+        *,
+        keep: int | None = None,
+        background: bool = False,
+        safe_serialization: bool = True,
+    ) -> str:
         """Checkpoint prepared models, optimizers, LR schedulers and loaders, the fp16 scaler, every rank's RNG
         states, registered objects and the step count, atomically; returns the checkpoint's path. Call it on
         every rank. ``safe_serialization`` (Accelerate's) changes nothing: the files are qaccel's, checksummed.
@@ -527,8 +581,9 @@ class Accelerator:
         save is in flight), or the save's failure raised. Call it on every rank."""
         return background.wait(self._registry())
 
-    def load_state(self, directory: str | os.PathLike | None = None, *, missing_ok: bool = False,
-                   allow_pickle: bool | None = None) -> str | None:
+    def load_state(
+        self, directory: str | os.PathLike | None = None, *, missing_ok: bool = False, allow_pickle: bool | None = None
+    ) -> str | None:
         """Restore a save_state() checkpoint into the objects prepared (and registered) in this run, in order.
 
         ``directory`` is a checkpoint, or a folder of them whose newest complete one is read (a half-written
@@ -553,12 +608,17 @@ class Accelerator:
             return registry.checkpoints
         if self._config.project_dir is not None:
             return os.path.join(self._config.project_dir, "checkpoints"), self._config.keep_checkpoints
-        raise ValueError(f"{caller} needs a directory, a resume(directory) call before it, or "
-                         "Accelerator(project_dir=...)")
+        raise ValueError(
+            f"{caller} needs a directory, a resume(directory) call before it, or Accelerator(project_dir=...)"
+        )
 
     def resume(
-        self, directory: str | os.PathLike | None = None, keep: int | None = 3, *,
-        requeue_signal: int | str | None = "SIGUSR1", allow_pickle: bool | None = None,
+        self,
+        directory: str | os.PathLike | None = None,
+        keep: int | None = 3,
+        *,
+        requeue_signal: int | str | None = "SIGUSR1",
+        allow_pickle: bool | None = None,
     ) -> str | None:
         """Make ``directory`` this run's checkpoint folder, continue from its newest intact checkpoint if there is
         one, and stop cleanly on a signal. Returns the checkpoint loaded (None on a first start).
@@ -583,8 +643,9 @@ class Accelerator:
         requeue = None if requeue_signal is None else stopping.as_signal(requeue_signal, "requeue_signal")
         registry, ctx = self._registry(), self._live()
         registry.checkpoints = (os.fspath(directory), keep)
-        loaded = checkpoint.load_state(directory, registry, ctx, missing_ok=True, fall_back=True,
-                                       allow_pickle=allow_pickle)
+        loaded = checkpoint.load_state(
+            directory, registry, ctx, missing_ok=True, fall_back=True, allow_pickle=allow_pickle
+        )
         if loaded is not None and ctx.rank == 0:
             # one write: the ranks of torchrun or srun may share this stream
             sys.stderr.write(checkpoint.resumed_line(loaded, registry, ctx) + "\n")
@@ -608,7 +669,9 @@ class Accelerator:
         """Add objects with state_dict()/load_state_dict() to what save_state() writes."""
         for obj in objs:
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-                raise TypeError(f"register_for_checkpointing needs state_dict() and load_state_dict(); {type(obj).__name__} lacks them")
+                raise TypeError(
+                    f"register_for_checkpointing needs state_dict() and load_state_dict(); {type(obj).__name__} lacks them"
+                )
         self._registry().registered.extend(objs)
 
     def skip_first_batches(self, dataloader: Any, num_batches: int) -> Any:
@@ -628,18 +691,24 @@ class Accelerator:
 
     # ---- Accelerate's experiment trackers (log_with; qaccel/train/trackers.py) ----
 
-    def init_trackers(self, project_name: str, config: dict[str, Any] | None = None,
-                      init_kwargs: dict[str, dict[str, Any]] | None = None) -> None:
+    def init_trackers(
+        self,
+        project_name: str,
+        config: dict[str, Any] | None = None,
+        init_kwargs: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
         """Start the trackers of ``log_with`` for ``project_name`` on the main process, ``config`` stored as the
         run's hyperparameters; ``init_kwargs`` gives, by tracker name, wandb.init's arguments, the SummaryWriter's
         of ``get_tracker("tensorboard", unwrap=True)``, or MLflow's ``run_name``, ``tags`` and ``description``.
         Call it on every rank. After load_state() or resume(), or before them, the trackers continue the runs the
         checkpoint recorded (save_state() records them), without the steps logged after it."""
-        self._registry().trackers.init(self._config.log_with, project_name, config, init_kwargs,
-                                       self._config.logging_dir, self.is_main_process)
+        self._registry().trackers.init(
+            self._config.log_with, project_name, config, init_kwargs, self._config.logging_dir, self.is_main_process
+        )
 
-    def log(self, values: dict[str, Any], step: int | None = None,
-            log_kwargs: dict[str, dict[str, Any]] | None = None) -> None:
+    def log(
+        self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, dict[str, Any]] | None = None
+    ) -> None:
         """Write ``values`` at ``step`` to every tracker, on the main process only (None: the step after the last
         one logged); ``log_kwargs`` gives, by tracker name, more arguments (wandb's ``run.log`` takes them)."""
         self._registry().trackers.log(values, step, log_kwargs)
@@ -719,8 +788,12 @@ class Accelerator:
         return self._own_registry
 
     def _new_registry(self, run: session.Run | None = None) -> Registry:
-        registry = Registry(self._config.gradient_accumulation_steps, precision.make_scaler(self.mixed_precision, self._config.handlers.scaler),
-                            self._config.sync_each_batch, keep_global_batch=self._config.keep_global_batch)
+        registry = Registry(
+            self._config.gradient_accumulation_steps,
+            precision.make_scaler(self.mixed_precision, self._config.handlers.scaler),
+            self._config.sync_each_batch,
+            keep_global_batch=self._config.keep_global_batch,
+        )
         if run is not None:
             run.closers.append(registry.release)
         return registry
@@ -749,8 +822,9 @@ class Accelerator:
         """Accelerate's: inside the block, prepared DataLoaders take ``even_batches`` (default False: no padding,
         ranks may take different numbers of steps). Their steps are made safe as the option ``even_batches=False``
         makes them, the prepared DDP models joined for you, so ``joinables`` is not needed."""
-        return uneven_batches(self._registry(), self._config,
-                              self._config.even_batches if even_batches is None else even_batches)
+        return uneven_batches(
+            self._registry(), self._config, self._config.even_batches if even_batches is None else even_batches
+        )
 
     def no_sync(self, *models: torch.nn.Module) -> Any:
         """Context: the block's backward passes keep gradients local (DDP ``no_sync``; FSDP: no reduce-scatter);
@@ -786,16 +860,20 @@ class Accelerator:
 
         Prepared models already run their forward under it; use this for other computations.
         """
-        settings = self._config.handlers.autocast if autocast_handler is None else handlers.resolve(
-            [autocast_handler])[0].autocast
+        settings = (
+            self._config.handlers.autocast
+            if autocast_handler is None
+            else handlers.resolve([autocast_handler])[0].autocast
+        )
         return precision.autocast(self.mixed_precision, self.device, settings)
 
     def profile(self, profile_handler: ProfileKwargs | None = None) -> Any:
         """Context profiling its block with ``torch.profiler`` (the ``ProfileKwargs`` given here or in
         ``kwargs_handlers``); yields the profiler. With ``output_trace_dir`` every rank writes its Chrome trace
         there (``profile_<rank>.json``) and the ranks wait for each other at the end."""
-        chosen = self._config.handlers.profile if profile_handler is None else handlers.resolve(
-            [profile_handler])[0].profile
+        chosen = (
+            self._config.handlers.profile if profile_handler is None else handlers.resolve([profile_handler])[0].profile
+        )
         return profiling.profile(chosen or ProfileKwargs(), self._live())
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
@@ -806,8 +884,9 @@ class Accelerator:
         """Clip gradients elementwise (unscaled first under fp16); skipped on accumulation steps."""
         gradients.clip(torch.nn.utils.clip_grad_value_, parameters, self._registry(), clip_value)
 
-    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True,
-                     keep_torch_compile: bool = True) -> torch.nn.Module:
+    def unwrap_model(
+        self, model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
+    ) -> torch.nn.Module:
         """The user's module inside the DDP wrapper prepare() added. ``keep_fp32_wrapper=False`` takes mixed
         precision's autocast off its forward, ``keep_torch_compile=False`` the compilation of ``dynamo_backend``
         (in place, as Accelerate's: the prepared model loses them too); a module you compiled yourself

@@ -1,5 +1,6 @@
 """The Trainer's callbacks (qadence's names): ``from qaccel.callbacks import EarlyStopping``."""
 
+from qaccel.train.tracking import make_tracker as get_writer  # qadence's name: the tracker for a tracking tool
 from qaccel.trainer.callbacks import (
     Callback,
     EarlyStopping,
@@ -19,11 +20,22 @@ from qaccel.trainer.callbacks import (
     WriteMetrics,
 )
 
-from qaccel.train.tracking import make_tracker as get_writer  # qadence's name: the tracker for a tracking tool
-
 __all__ = [
-    "Callback", "EarlyStopping", "GradientMonitoring", "LoadCheckpoint", "LogHyperparameters", "LogModelTracker",
+    "Callback",
+    "EarlyStopping",
+    "GradientMonitoring",
     "LRSchedulerCosineAnnealing",
-    "LRSchedulerCyclic", "LRSchedulerStepDecay", "OptimizeResult", "PlotMetrics", "PrintMetrics",
-    "SaveBestCheckpoint", "SaveCheckpoint", "Stage", "WriteMetrics", "get_writer",
+    "LRSchedulerCyclic",
+    "LRSchedulerStepDecay",
+    "LoadCheckpoint",
+    "LogHyperparameters",
+    "LogModelTracker",
+    "OptimizeResult",
+    "PlotMetrics",
+    "PrintMetrics",
+    "SaveBestCheckpoint",
+    "SaveCheckpoint",
+    "Stage",
+    "WriteMetrics",
+    "get_writer",
 ]

@@ -9,22 +9,24 @@ import os
 import platform
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 import qaccel
+from qaccel import options
 from qaccel.accelerator import Accelerator
 from qaccel.comm import hangs, session
 from qaccel.environment import Environment, detect
 from qaccel.environment import gpus as gpu_rule
-from qaccel import options
 from qaccel.train import checkpoint
 
 
 def _accelerator(args: argparse.Namespace) -> Accelerator:
-    return Accelerator(nprocs=1 if args.nprocs is None else args.nprocs, compute_setup=args.compute_setup, timeout=args.timeout)
+    return Accelerator(
+        nprocs=1 if args.nprocs is None else args.nprocs, compute_setup=args.compute_setup, timeout=args.timeout
+    )
 
 
 def env_report(args: argparse.Namespace) -> int:
@@ -43,20 +45,47 @@ def env_report(args: argparse.Namespace) -> int:
     ]
     acc = _accelerator(args)
     if env.is_launched:
-        lines.append(("this process", f"rank {acc.rank} of {acc.world_size} (local {acc.local_rank}, node {acc.node_rank} of {env.num_nodes})"))
+        lines.append(
+            (
+                "this process",
+                f"rank {acc.rank} of {acc.world_size} (local {acc.local_rank}, node {acc.node_rank} of {env.num_nodes})",
+            )
+        )
         lines.append(("rendezvous", f"{env.master_addr}:{env.master_port}" if env.master_addr else "from the launcher"))
         local = env.local_world_size
     else:
         if args.nprocs is None:
-            lines.append(("nprocs", "your script's Accelerator(nprocs=N) decides; shown: N=1, "
-                                    "`qaccel env --nprocs N` shows the plan for N"))
-        lines.append(("would start", f"{acc.world_size} ranks on this node, forked from a torch-preloaded forkserver"
-                      if acc.world_size > 1 else "nothing: fn runs in this process"))
-        lines.append(("rendezvous", "TCPStore on 127.0.0.1, port picked by the kernel" if acc.world_size > 1 else "none (one process)"))
+            lines.append(
+                (
+                    "nprocs",
+                    (
+                        "your script's Accelerator(nprocs=N) decides; shown: N=1, "
+                        "`qaccel env --nprocs N` shows the plan for N"
+                    ),
+                )
+            )
+        lines.append(
+            (
+                "would start",
+                f"{acc.world_size} ranks on this node, forked from a torch-preloaded forkserver"
+                if acc.world_size > 1
+                else "nothing: fn runs in this process",
+            )
+        )
+        lines.append(
+            (
+                "rendezvous",
+                "TCPStore on 127.0.0.1, port picked by the kernel" if acc.world_size > 1 else "none (one process)",
+            )
+        )
         local = acc.world_size
     device_key = "device (rank 0)" if acc.world_size > 1 and not env.is_launched else "device"
-    lines += [(device_key, str(acc.device)), ("gpu", _gpu_line(acc, env, gpus)), ("backend", acc.backend),
-              ("log device", str(acc.log_device))]
+    lines += [
+        (device_key, str(acc.device)),
+        ("gpu", _gpu_line(acc, env, gpus)),
+        ("backend", acc.backend),
+        ("log device", str(acc.log_device)),
+    ]
     threads, why = session.thread_budget(local)
     lines.append(("threads per rank", f"{threads if threads is not None else torch.get_num_threads()} ({why})"))
     width = max(len(k) for k, _ in lines)
@@ -180,8 +209,10 @@ def consolidate(args: argparse.Namespace) -> int:
     """One plain model file from a (sharded) save_state() checkpoint."""
     found = checkpoint.consolidate(args.checkpoint, args.out, args.model, allow_pickle=args.allow_pickle or None)
     size = os.path.getsize(args.out) / 2**20
-    print(f"qaccel consolidate: model {args.model} of {found} -> {args.out} ({size:.1f} MiB); load it with "
-          "model.load_state_dict(torch.load(path, weights_only=True))")
+    print(
+        f"qaccel consolidate: model {args.model} of {found} -> {args.out} ({size:.1f} MiB); load it with "
+        "model.load_state_dict(torch.load(path, weights_only=True))"
+    )
     return 0
 
 
@@ -196,8 +227,10 @@ def inspect(args: argparse.Namespace) -> int:
         per_rank = "the global batch, sliced per rank" if loader.get("split_batches") else "per rank"
         shape = f"; batch {batch} {per_rank}, global batch {loader['global_batch']}" if batch is not None else ""
         done = loader.get("done", "?")
-        print(f"loader {i}     epoch {loader['epoch']}, {done} of the epoch's batches done by all ranks together "
-              f"({loader['batches']} per rank){shape}")
+        print(
+            f"loader {i}     epoch {loader['epoch']}, {done} of the epoch's batches done by all ranks together "
+            f"({loader['batches']} per rank){shape}"
+        )
     return 0
 
 
@@ -208,10 +241,15 @@ def where(args: argparse.Namespace) -> int:
             ranks = hangs.ask_where(pid)
         except FileNotFoundError:
             raise ProcessLookupError(f"no process {pid}") from None
-        sent = (f"process {pid} (a plain launch passes it on to its ranks)" if ranks == [pid]
-                else f"the workers of torchrun {pid}: {', '.join(map(str, ranks))}")
-        print(f"qaccel where: sent SIGUSR2 to {sent}; each rank prints where it is to its output (the terminal of a "
-              "plain launch, or the rank's log) and goes on")
+        sent = (
+            f"process {pid} (a plain launch passes it on to its ranks)"
+            if ranks == [pid]
+            else f"the workers of torchrun {pid}: {', '.join(map(str, ranks))}"
+        )
+        print(
+            f"qaccel where: sent SIGUSR2 to {sent}; each rank prints where it is to its output (the terminal of a "
+            "plain launch, or the rank's log) and goes on"
+        )
     return 0
 
 
@@ -222,23 +260,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("checkpoint", help="a save_state() checkpoint, or a folder of them (the newest is read)")
     p.add_argument("out", help="the file to write")
     p.add_argument("--model", type=int, default=0, help="which prepared model, in prepare() order (default 0)")
-    p.add_argument("--allow-pickle", action="store_true",
-                   help="read a sharded checkpoint's metadata (a pickle) even from a folder others can write")
+    p.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="read a sharded checkpoint's metadata (a pickle) even from a folder others can write",
+    )
     p = sub.add_parser("inspect", help="show a checkpoint's world size, step and loader positions without loading it")
     p.add_argument("checkpoint", help="a save_state() checkpoint, or a folder of them (the newest is read)")
     p = sub.add_parser("where", help="make the ranks of a running job print where they are (SIGUSR2)")
     p.add_argument("pid", type=int, nargs="+", help="a plain launch's python process, a torchrun, or a rank")
-    for name, help_text in (("env", "show versions, the detected environment and what qaccel would use"),
-                            ("test", "run a short real distributed smoke test")):
+    for name, help_text in (
+        ("env", "show versions, the detected environment and what qaccel would use"),
+        ("test", "run a short real distributed smoke test"),
+    ):
         p = sub.add_parser(name, help=help_text)
-        p.add_argument("--nprocs", type=int, default=2 if name == "test" else None,
-                       help="ranks to start in a plain process (env: the plan for N; default: what nprocs=1 starts)")
+        p.add_argument(
+            "--nprocs",
+            type=int,
+            default=2 if name == "test" else None,
+            help="ranks to start in a plain process (env: the plan for N; default: what nprocs=1 starts)",
+        )
         p.add_argument("--compute-setup", default="auto", choices=["auto", "cpu", "gpu"])
         p.add_argument("--timeout", type=float, default=60.0, help="seconds a collective may wait")
     args = parser.parse_args(argv)
     try:
-        commands = {"env": env_report, "test": smoke_test, "consolidate": consolidate, "inspect": inspect,
-                    "where": where}
+        commands = {
+            "env": env_report,
+            "test": smoke_test,
+            "consolidate": consolidate,
+            "inspect": inspect,
+            "where": where,
+        }
         return commands[args.command](args)
     except (ValueError, TypeError, RuntimeError, OSError) as exc:
         print(f"qaccel {args.command}: {exc}", file=sys.stderr)

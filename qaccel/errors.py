@@ -184,10 +184,11 @@ class ErrorReport:
     def of(cls, rank: int, exc: BaseException) -> ErrorReport:
         try:
             exc_bytes: bytes | None = cloudpickle.dumps(exc)
-        except Exception:
+        except Exception:  # noqa: BLE001 - whatever stops pickling it, the report carries its text
             exc_bytes = None
-        return cls(rank, type_name(exc), str(exc), _text(exc, notes=exc_bytes is None), exc_bytes,
-                   isinstance(exc, Preempted))
+        return cls(
+            rank, type_name(exc), str(exc), _text(exc, notes=exc_bytes is None), exc_bytes, isinstance(exc, Preempted)
+        )
 
     @property
     def is_peer_loss(self) -> bool:
@@ -209,10 +210,11 @@ def exception_from(report: ErrorReport) -> BaseException:
     """The rank's own exception object when it survives pickling, else a RankError carrying its text."""
     try:
         exc = pickle.loads(report.exc) if report.exc is not None else None
-    except Exception:
+    except Exception:  # noqa: BLE001 - whatever stops unpickling it, a RankError carries its text
         exc = None
     if not isinstance(exc, BaseException):
-        exc = RankError(f"rank {report.rank} raised {report.type}: {report.message}", report.rank, report.type,
-                        report.traceback)
+        exc = RankError(
+            f"rank {report.rank} raised {report.type}: {report.message}", report.rank, report.type, report.traceback
+        )
     exc.__cause__ = RemoteTraceback(f"Traceback from rank {report.rank}:\n{report.traceback}")
     return exc

@@ -13,8 +13,9 @@ import dataclasses
 import datetime
 import enum
 import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -60,7 +61,9 @@ class DistributedDataParallelKwargs(KwargsHandler):
     comm_wrapper: DDPCommunicationHookType | str = DDPCommunicationHookType.NO
     comm_state_option: dict = field(default_factory=dict)
 
-    def to_dict(self, ignore_keys: Sequence[str] = ("comm_hook", "comm_wrapper", "comm_state_option")) -> dict[str, Any]:
+    def to_dict(
+        self, ignore_keys: Sequence[str] = ("comm_hook", "comm_wrapper", "comm_state_option")
+    ) -> dict[str, Any]:
         return {key: value for key, value in super().to_dict().items() if key not in ignore_keys}
 
     def register_comm_hook(self, model: torch.nn.Module) -> None:
@@ -123,16 +126,36 @@ class ProfileKwargs(KwargsHandler):
         activities = None if self.activities is None else [_activity(a) for a in self.activities]
         schedule = None if self.schedule_option is None else torch.profiler.schedule(**self.schedule_option)
         return torch.profiler.profile(
-            activities=activities, schedule=schedule, on_trace_ready=self.on_trace_ready,
-            record_shapes=self.record_shapes, profile_memory=self.profile_memory, with_stack=self.with_stack,
-            with_flops=self.with_flops, with_modules=self.with_modules,
+            activities=activities,
+            schedule=schedule,
+            on_trace_ready=self.on_trace_ready,
+            record_shapes=self.record_shapes,
+            profile_memory=self.profile_memory,
+            with_stack=self.with_stack,
+            with_flops=self.with_flops,
+            with_modules=self.with_modules,
         )
 
 
 # torch.compile's backends by Accelerate's DynamoBackend names (torch's name is the lower-case one); "no": none
-DYNAMO_BACKENDS = ("no", "eager", "aot_eager", "inductor", "aot_ts_nvfuser", "nvprims_nvfuser", "cudagraphs", "ofi",
-                   "fx2trt", "onnxrt", "tensorrt", "aot_torchxla_trace_once", "torchxla_trace_once", "tvm",
-                   "hpu_backend", "neuron")
+DYNAMO_BACKENDS = (
+    "no",
+    "eager",
+    "aot_eager",
+    "inductor",
+    "aot_ts_nvfuser",
+    "nvprims_nvfuser",
+    "cudagraphs",
+    "ofi",
+    "fx2trt",
+    "onnxrt",
+    "tensorrt",
+    "aot_torchxla_trace_once",
+    "torchxla_trace_once",
+    "tvm",
+    "hpu_backend",
+    "neuron",
+)
 DYNAMO_PREFIX = "ACCELERATE_DYNAMO_"  # what Accelerate's launcher exports, read as Accelerate's plugin reads it
 
 
@@ -194,15 +217,20 @@ def compile_settings(dynamo_backend: object) -> dict[str, Any] | None:
         plugin = TorchDynamoPlugin(backend=dynamo_backend)
     elif type(dynamo_backend).__name__ == "TorchDynamoPlugin" and dataclasses.is_dataclass(dynamo_backend):
         names = {f.name for f in dataclasses.fields(TorchDynamoPlugin)}
-        plugin = TorchDynamoPlugin(**{f.name: getattr(dynamo_backend, f.name)
-                                      for f in dataclasses.fields(dynamo_backend) if f.name in names})
+        plugin = TorchDynamoPlugin(
+            **{f.name: getattr(dynamo_backend, f.name) for f in dataclasses.fields(dynamo_backend) if f.name in names}
+        )
     else:
-        raise TypeError(f"dynamo_backend must be a backend name ({', '.join(map(repr, DYNAMO_BACKENDS))}), a "
-                        f"TorchDynamoPlugin or None; got {dynamo_backend!r}")
+        raise TypeError(
+            f"dynamo_backend must be a backend name ({', '.join(map(repr, DYNAMO_BACKENDS))}), a "
+            f"TorchDynamoPlugin or None; got {dynamo_backend!r}"
+        )
     if plugin.use_regional_compilation:
-        raise ValueError("TorchDynamoPlugin(use_regional_compilation=True) is not in qaccel: compile the repeated "
-                         "blocks yourself (block.compile() for each) before prepare(), and leave the plugin's "
-                         "backend at 'no'")
+        raise ValueError(
+            "TorchDynamoPlugin(use_regional_compilation=True) is not in qaccel: compile the repeated "
+            "blocks yourself (block.compile() for each) before prepare(), and leave the plugin's "
+            "backend at 'no'"
+        )
     return None if plugin.backend == "no" else plugin.to_kwargs()
 
 
@@ -213,8 +241,13 @@ def _activity(name: str) -> torch.profiler.ProfilerActivity:
     return known[name]
 
 
-HANDLER_CLASSES: tuple[type[KwargsHandler], ...] = (DistributedDataParallelKwargs, InitProcessGroupKwargs,
-                                                     GradScalerKwargs, AutocastKwargs, ProfileKwargs)
+HANDLER_CLASSES: tuple[type[KwargsHandler], ...] = (
+    DistributedDataParallelKwargs,
+    InitProcessGroupKwargs,
+    GradScalerKwargs,
+    AutocastKwargs,
+    ProfileKwargs,
+)
 # Accelerate's other handlers, and why qaccel has none
 _NOT_HERE = {
     "FP8RecipeKwargs": "qaccel has no fp8 training",
@@ -243,8 +276,10 @@ def resolve(handlers: object) -> tuple[Handlers, dict[str, Any]]:
     if handlers is None:
         return Handlers(), {}
     if isinstance(handlers, (str, bytes, Mapping)) or not isinstance(handlers, Sequence):
-        raise TypeError(f"kwargs_handlers must be a list of handlers ({', '.join(c.__name__ for c in HANDLER_CLASSES)}); "
-                        f"got {handlers!r}")
+        raise TypeError(
+            f"kwargs_handlers must be a list of handlers ({', '.join(c.__name__ for c in HANDLER_CLASSES)}); "
+            f"got {handlers!r}"
+        )
     found: dict[type[KwargsHandler], KwargsHandler] = {}
     for handler in handlers:
         ours = _as_ours(handler)
@@ -254,10 +289,16 @@ def resolve(handlers: object) -> tuple[Handlers, dict[str, Any]]:
     resolved, chosen = Handlers(), {}
     if (ddp := found.get(DistributedDataParallelKwargs)) is not None:
         resolved = dataclasses.replace(
-            resolved, ddp=ddp.to_kwargs(), comm_state_option=dict(ddp.comm_state_option),
+            resolved,
+            ddp=ddp.to_kwargs(),
+            comm_state_option=dict(ddp.comm_state_option),
             comm_hook=_hook("comm_hook", ddp.comm_hook, tuple(DDPCommunicationHookType)),
-            comm_wrapper=_hook("comm_wrapper", ddp.comm_wrapper, (DDPCommunicationHookType.NO,
-                               DDPCommunicationHookType.FP16, DDPCommunicationHookType.BF16)))
+            comm_wrapper=_hook(
+                "comm_wrapper",
+                ddp.comm_wrapper,
+                (DDPCommunicationHookType.NO, DDPCommunicationHookType.FP16, DDPCommunicationHookType.BF16),
+            ),
+        )
     if (scaler := found.get(GradScalerKwargs)) is not None:
         resolved = dataclasses.replace(resolved, scaler=scaler.to_kwargs())
     if (autocast := found.get(AutocastKwargs)) is not None:
@@ -269,8 +310,10 @@ def resolve(handlers: object) -> tuple[Handlers, dict[str, Any]]:
     if (group := found.get(InitProcessGroupKwargs)) is not None:
         chosen = group.to_kwargs()
         if chosen.pop("init_method", None) is not None:
-            raise ValueError("InitProcessGroupKwargs(init_method=...) is not in qaccel: the ranks meet through "
-                             "qaccel's store (or the launcher's MASTER_ADDR/MASTER_PORT); leave init_method at None")
+            raise ValueError(
+                "InitProcessGroupKwargs(init_method=...) is not in qaccel: the ranks meet through "
+                "qaccel's store (or the launcher's MASTER_ADDR/MASTER_PORT); leave init_method at None"
+            )
     return resolved, chosen
 
 
@@ -281,8 +324,10 @@ def _as_ours(handler: object) -> KwargsHandler:
         raise ValueError(f"kwargs_handlers: {name} is Accelerate's; {_NOT_HERE[name]}")
     ours = {c.__name__: c for c in HANDLER_CLASSES}.get(name)
     if ours is None or not dataclasses.is_dataclass(handler):
-        raise TypeError(f"kwargs_handlers takes {', '.join(c.__name__ for c in HANDLER_CLASSES)} (qaccel's, from "
-                        f"qaccel.utils, or Accelerate's); got {handler!r}")
+        raise TypeError(
+            f"kwargs_handlers takes {', '.join(c.__name__ for c in HANDLER_CLASSES)} (qaccel's, from "
+            f"qaccel.utils, or Accelerate's); got {handler!r}"
+        )
     if isinstance(handler, ours):
         return handler
     names = {f.name for f in dataclasses.fields(ours)}
@@ -296,24 +341,34 @@ def _as_ours(handler: object) -> KwargsHandler:
 def _hook(name: str, value: object, allowed: tuple[DDPCommunicationHookType, ...]) -> DDPCommunicationHookType:
     raw = value.value if isinstance(value, enum.Enum) else value
     if raw not in [a.value for a in allowed]:
-        raise ValueError(f"DistributedDataParallelKwargs.{name} must be one of "
-                         f"{', '.join(repr(a.value) for a in allowed)}; got {value!r}")
+        raise ValueError(
+            f"DistributedDataParallelKwargs.{name} must be one of "
+            f"{', '.join(repr(a.value) for a in allowed)}; got {value!r}"
+        )
     return DDPCommunicationHookType(raw)
 
 
-def register_comm_hook(model: torch.nn.Module, hook: DDPCommunicationHookType | str,
-                       wrapper: DDPCommunicationHookType | str, state_option: Mapping[str, Any]) -> None:
+def register_comm_hook(
+    model: torch.nn.Module,
+    hook: DDPCommunicationHookType | str,
+    wrapper: DDPCommunicationHookType | str,
+    state_option: Mapping[str, Any],
+) -> None:
     """torch's hook of that name on a DDP ``model``, inside the wrapper; PowerSGD gets its state (Accelerate's
     mapping)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     hook, wrapper = DDPCommunicationHookType(hook), DDPCommunicationHookType(wrapper)
-    hooks = {DDPCommunicationHookType.FP16: default_hooks.fp16_compress_hook,
-             DDPCommunicationHookType.BF16: default_hooks.bf16_compress_hook,
-             DDPCommunicationHookType.POWER_SGD: powerSGD_hook.powerSGD_hook,
-             DDPCommunicationHookType.BATCHED_POWER_SGD: powerSGD_hook.batched_powerSGD_hook}
-    wrappers = {DDPCommunicationHookType.FP16: default_hooks.fp16_compress_wrapper,
-                DDPCommunicationHookType.BF16: default_hooks.bf16_compress_wrapper}
+    hooks = {
+        DDPCommunicationHookType.FP16: default_hooks.fp16_compress_hook,
+        DDPCommunicationHookType.BF16: default_hooks.bf16_compress_hook,
+        DDPCommunicationHookType.POWER_SGD: powerSGD_hook.powerSGD_hook,
+        DDPCommunicationHookType.BATCHED_POWER_SGD: powerSGD_hook.batched_powerSGD_hook,
+    }
+    wrappers = {
+        DDPCommunicationHookType.FP16: default_hooks.fp16_compress_wrapper,
+        DDPCommunicationHookType.BF16: default_hooks.bf16_compress_wrapper,
+    }
     chosen = hooks.get(hook)
     if chosen is None:
         return

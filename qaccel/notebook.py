@@ -6,17 +6,30 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from qaccel.accelerator import Accelerator
 from qaccel.options import MIXED_PRECISION_VARIABLE
 
 
-def notebook_launcher(function: Callable[..., Any], args: tuple = (), num_processes: int | None = None,
-                      mixed_precision: str = "no", use_port: str = "29500", master_addr: str = "127.0.0.1",
-                      node_rank: int = 0, num_nodes: int = 1, rdzv_backend: str = "static", rdzv_endpoint: str = "",
-                      rdzv_conf: dict | None = None, rdzv_id: str = "none", max_restarts: int = 0,
-                      monitor_interval: float = 0.1, log_line_prefix_template: str | None = None) -> Any:
+def notebook_launcher(
+    function: Callable[..., Any],
+    args: tuple = (),
+    num_processes: int | None = None,
+    mixed_precision: str = "no",
+    use_port: str = "29500",
+    master_addr: str = "127.0.0.1",
+    node_rank: int = 0,
+    num_nodes: int = 1,
+    rdzv_backend: str = "static",
+    rdzv_endpoint: str = "",
+    rdzv_conf: dict | None = None,
+    rdzv_id: str = "none",
+    max_restarts: int = 0,
+    monitor_interval: float = 0.1,
+    log_line_prefix_template: str | None = None,
+) -> Any:
     """``function(*args)`` on ``num_processes`` ranks of this machine, as Accelerate's notebook_launcher; returns
     rank 0's result.
 
@@ -30,11 +43,17 @@ def notebook_launcher(function: Callable[..., Any], args: tuple = (), num_proces
     if num_processes is None:
         raise ValueError("notebook_launcher() needs num_processes=...: the number of ranks to start on this machine")
     if num_nodes != 1 or node_rank != 0:
-        raise ValueError(f"notebook_launcher(num_nodes={num_nodes}, node_rank={node_rank}): qaccel starts ranks on "
-                         "this machine only; for several nodes run the script under torchrun (its c10d rendezvous) "
-                         "or SLURM, or give Accelerator(cluster=qaccel.SlurmCluster(nodes=...))")
-    accelerator = Accelerator(nprocs=num_processes, mixed_precision=mixed_precision, max_restarts=max_restarts,
-                              rank_prefix=log_line_prefix_template is not None)
+        raise ValueError(
+            f"notebook_launcher(num_nodes={num_nodes}, node_rank={node_rank}): qaccel starts ranks on "
+            "this machine only; for several nodes run the script under torchrun (its c10d rendezvous) "
+            "or SLURM, or give Accelerator(cluster=qaccel.SlurmCluster(nodes=...))"
+        )
+    accelerator = Accelerator(
+        nprocs=num_processes,
+        mixed_precision=mixed_precision,
+        max_restarts=max_restarts,
+        rank_prefix=log_line_prefix_template is not None,
+    )
     with _ranks_environment(**{MIXED_PRECISION_VARIABLE: accelerator.mixed_precision.value}):
         return accelerator.distribute(function)(*args)
 

@@ -17,8 +17,9 @@ import os
 import re
 import textwrap
 import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping, NamedTuple, Sequence, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -112,8 +113,9 @@ class DeviceType(enum.StrEnum):
 def option(default: Any, values: str, meaning: str, *, positional: bool = False) -> Any:
     """One option's entry in ``Options``: its default, its allowed values (for people) and what it does;
     ``positional``: the Accelerator takes it by position too (the first few)."""
-    return dataclasses.field(default=default, kw_only=True,
-                             metadata={"values": values, "meaning": meaning, "positional": positional})
+    return dataclasses.field(
+        default=default, kw_only=True, metadata={"values": values, "meaning": meaning, "positional": positional}
+    )
 
 
 @dataclass
@@ -123,151 +125,203 @@ class Options:
     fields: a new option is one entry here, and its checks in ``make_config``."""
 
     nprocs: int = option(
-        1, "int ≥ 1",
-        "ranks to start when run as a plain `python script.py`; under torchrun or srun the launcher's world size "
-        "wins",
-        positional=True)
+        1,
+        "int ≥ 1",
+        "ranks to start when run as a plain `python script.py`; under torchrun or srun the launcher's world size wins",
+        positional=True,
+    )
     compute_setup: ComputeSetupName | ComputeSetup = option(
-        "auto", "`auto`, `cpu`, `gpu`",
+        "auto",
+        "`auto`, `cpu`, `gpu`",
         "`auto`: a GPU per rank if the ranks see GPUs, else the CPU, decided where the ranks run (a cluster job's "
         "nodes)",
-        positional=True)
+        positional=True,
+    )
     log_setup: LogSetupName | LogSetup = option(
-        "cpu", "`cpu`, `auto`",
-        "where reduced metrics land: `cpu`, or `auto` (the compute device)",
-        positional=True)
+        "cpu", "`cpu`, `auto`", "where reduced metrics land: `cpu`, or `auto` (the compute device)", positional=True
+    )
     backend: BackendName | Backend | None = option(
-        None, "`None`, `gloo`, `nccl`, `mpi`",
+        None,
+        "`None`, `gloo`, `nccl`, `mpi`",
         "`None`: nccl for GPU, gloo for CPU; `mpi` only if torch was built with it",
-        positional=True)
+        positional=True,
+    )
     dtype: torch.dtype | None = option(
-        None, "a floating-point or complex `torch.dtype`, or `None`",
+        None,
+        "a floating-point or complex `torch.dtype`, or `None`",
         "cast models and the floating-point tensors of batches to it; complex tensors stay complex at its precision",
-        positional=True)
+        positional=True,
+    )
     timeout: float | datetime.timedelta = option(
-        1800.0, "seconds or a `timedelta`",
-        "how long a collective or the rendezvous may wait before failing (and saying where each rank is)")
+        1800.0,
+        "seconds or a `timedelta`",
+        "how long a collective or the rendezvous may wait before failing (and saying where each rank is)",
+    )
     start_method: StartMethodName | StartMethod = option(
-        "forkserver", "`forkserver`, `spawn`",
+        "forkserver",
+        "`forkserver`, `spawn`",
         "how a plain launch starts ranks: forked from a server with torch imported (fast, CUDA-safe), or a fresh "
-        "interpreter each")
-    gradient_accumulation_steps: int = option(
-        1, "int ≥ 1",
-        "micro-steps per optimizer update under `accumulate()`")
+        "interpreter each",
+    )
+    gradient_accumulation_steps: int = option(1, "int ≥ 1", "micro-steps per optimizer update under `accumulate()`")
     keep_global_batch: bool = option(
-        False, "`True`, `False`",
+        False,
+        "`True`, `False`",
         "on resuming a checkpoint written by another number of ranks, keep its global batch (batch per rank x ranks"
         " x micro-steps) by scaling gradient accumulation (4 ranks to 2: twice the micro-steps); a world that "
         "cannot keep it fails at resume. Needs the step inside `accumulate()`; split batches keep the global batch "
-        "without it")
+        "without it",
+    )
     sync_each_batch: bool = option(
-        False, "`True`, `False`",
+        False,
+        "`True`, `False`",
         "under `accumulate()`, synchronise (reduce) gradients on every micro-step instead of holding them unreduced"
-        " until the update: more communication, less memory (FSDP keeps only gradient shards)")
+        " until the update: more communication, less memory (FSDP keeps only gradient shards)",
+    )
     mixed_precision: MixedPrecisionName | MixedPrecision | None = option(
-        None, "`None`, `no`, `bf16`, `fp16`",
+        None,
+        "`None`, `no`, `bf16`, `fp16`",
         "autocast of prepared models' forward; `bf16` on CPU and CUDA, `fp16` on CUDA with a gradient scaler. "
         "`None`: `ACCELERATE_MIXED_PRECISION` if set (what Accelerate's launchers and "
-        "`notebook_launcher(mixed_precision=...)` tell the ranks), else `no`")
+        "`notebook_launcher(mixed_precision=...)` tell the ranks), else `no`",
+    )
     split_batches: bool = option(
-        False, "`True`, `False`",
+        False,
+        "`True`, `False`",
         "prepared DataLoaders' batch size is the batch of all ranks together, of which each rank takes its slice "
-        "(Accelerate's `split_batches`); it must divide by the world size")
+        "(Accelerate's `split_batches`); it must divide by the world size",
+    )
     even_batches: bool = option(
-        True, "`True`, `False`",
+        True,
+        "`True`, `False`",
         "`True`: a prepared DataLoader's last step is padded with the epoch's first samples, so that every rank "
         "takes the same number of full batches; `False`: no padding, ranks may take different numbers of steps "
-        "(Accelerate's `even_batches`; DDP only, and with gradient accumulation only with `sync_each_batch`)")
+        "(Accelerate's `even_batches`; DDP only, and with gradient accumulation only with `sync_each_batch`)",
+    )
     dispatch_batches: bool | None = option(
-        None, "`None`, `True`, `False`",
+        None,
+        "`None`, `True`, `False`",
         "`True`: only rank 0 reads a prepared DataLoader (its dataset, sampler and workers) and sends every rank "
         "its batch, the same batch it would have read itself; `None`/`False`: each rank reads its own (Accelerate's"
-        " `None` dispatches an `IterableDataset`)")
+        " `None` dispatches an `IterableDataset`)",
+    )
     device_placement: bool = option(
-        True, "`True`, `False`",
+        True,
+        "`True`, `False`",
         "`prepare()` puts models, optimizer state and the batches of DataLoaders on this rank's device; `False` "
         "leaves them where they are (Accelerate's `device_placement`; `prepare(..., device_placement=[...])` "
-        "chooses per object)")
+        "chooses per object)",
+    )
     use_seedable_sampler: bool = option(
-        False, "`True`, `False`",
+        False,
+        "`True`, `False`",
         "how a prepared DataLoader's shuffled order is drawn, as Accelerate's: `False`, from the sampler's "
         "generator (your DataLoader's `generator`, or one seeded from torch's global RNG), given rank 0's state as "
         "each epoch starts and advanced by it, so that re-seeding your generator re-orders; `True`, epoch `e` from "
         "the seed `data_seed + e` (`data_seed` unset: torch's initial seed on rank 0). Either way a checkpoint "
-        "holds what the order needs: a resumed run goes on in it")
+        "holds what the order needs: a resumed run goes on in it",
+    )
     data_seed: int | None = option(
-        None, "`None` or an int ≥ 0",
-        "with `use_seedable_sampler=True`, the shuffling seed (Accelerate's "
-        "`DataLoaderConfiguration(data_seed=...)`)")
+        None,
+        "`None` or an int ≥ 0",
+        "with `use_seedable_sampler=True`, the shuffling seed (Accelerate's `DataLoaderConfiguration(data_seed=...)`)",
+    )
     rng_types: Sequence[str] | None = option(
-        None, "`None` or a list of `torch`, `cuda`, `generator`",
+        None,
+        "`None` or a list of `torch`, `cuda`, `generator`",
         "the generators every rank gets rank 0's state of as each epoch of a prepared DataLoader starts, as "
         "Accelerate's `rng_types`: `generator` is the one its shuffled order is drawn from, `torch` and `cuda` the "
-        "global ones; `None`: `generator`")
+        "global ones; `None`: `generator`",
+    )
     step_scheduler_with_optimizer: bool = option(
-        False, "`True`, `False`",
+        False,
+        "`True`, `False`",
         "`True`: a prepared LR scheduler's `step()` does nothing on accumulation micro-steps or when fp16 skipped "
         "the update, and steps once per rank on an update (once with `split_batches`), as Accelerate's does by "
         "default: for a schedule sized on the unprepared DataLoader's length; `False`: prepared schedulers are "
-        "yours, step them once per update")
+        "yours, step them once per update",
+    )
     max_restarts: int = option(
-        0, "int ≥ 0",
+        0,
+        "int ≥ 0",
         "in a plain launch, how many times to restart all ranks after a rank fails (with `resume()` they continue "
         "from the newest checkpoint); under torchrun and srun the launcher's own restarts and requeues apply "
-        "instead")
+        "instead",
+    )
     strategy: StrategyName | Strategy = option(
-        "ddp", "`ddp`, `fsdp`",
+        "ddp",
+        "`ddp`, `fsdp`",
         "`ddp`: every rank holds the whole model, gradients are all-reduced; `fsdp`: torch's FSDP2, parameters, "
-        "gradients and optimizer state sharded over the ranks")
+        "gradients and optimizer state sharded over the ranks",
+    )
     fsdp_modules: Sequence[type | str] | None = option(
-        None, "module classes or class names, or `None`",
+        None,
+        "module classes or class names, or `None`",
         "with `fsdp`, the classes sharded as units of their own (e.g. your transformer block); `None`: every "
-        "submodule holding `fsdp_min_params` parameters not already in a unit")
+        "submodule holding `fsdp_min_params` parameters not already in a unit",
+    )
     fsdp_min_params: int = option(
-        FSDP_MIN_PARAMS, "int ≥ 1",
-        "the size rule's threshold (parameters) when `fsdp_modules` is `None`")
+        FSDP_MIN_PARAMS, "int ≥ 1", "the size rule's threshold (parameters) when `fsdp_modules` is `None`"
+    )
     debug: bool | None = option(
-        None, "`None`, `True`, `False`",
+        None,
+        "`None`, `True`, `False`",
         "before each qaccel collective, check that every rank calls the same one with the same shapes, and fail on "
-        "every rank naming each rank's call site if not; `None`: the `QACCEL_DEBUG` variable (`1`/`0`; unset: off)")
+        "every rank naming each rank's call site if not; `None`: the `QACCEL_DEBUG` variable (`1`/`0`; unset: off)",
+    )
     project_dir: str | os.PathLike | None = option(
-        None, "a folder, or `None`",
+        None,
+        "a folder, or `None`",
         "where `save_state()`, `load_state()` and `resume()` without a folder keep checkpoints: "
-        "`<project_dir>/checkpoints/checkpoint_<step>`")
+        "`<project_dir>/checkpoints/checkpoint_<step>`",
+    )
     keep_checkpoints: int | None = option(
-        None, "`None` or int ≥ 1",
+        None,
+        "`None` or int ≥ 1",
         "how many of those `save_state()` without a folder keeps, the newest (`None`: all); Accelerate's "
-        "`ProjectConfiguration(total_limit=...)`")
+        "`ProjectConfiguration(total_limit=...)`",
+    )
     log_with: Any = option(
-        None, "`None`, `tensorboard`, `wandb`, `mlflow`, `csv`, `all`, a tracker object, or a list of them",
+        None,
+        "`None`, `tensorboard`, `wandb`, `mlflow`, `csv`, `all`, a tracker object, or a list of them",
         "Accelerate's experiment trackers: `init_trackers()` starts them and `log()` writes to them, on the main "
         "process only; `all`: those of tensorboard, wandb and mlflow that are installed; a tracker object is one "
-        "with Accelerate's `GeneralTracker` methods (`name`, `log`, `finish`, ...)")
+        "with Accelerate's `GeneralTracker` methods (`name`, `log`, `finish`, ...)",
+    )
     logging_dir: str | os.PathLike | None = option(
-        None, "a folder, or `None`",
+        None,
+        "a folder, or `None`",
         "where trackers write: TensorBoard and CSV into `<logging_dir>/<project_name>`, MLflow into "
         "`<logging_dir>/mlruns` (unless `MLFLOW_TRACKING_URI` is set); `None`: `project_dir` (Accelerate's "
-        "`ProjectConfiguration(logging_dir=...)`)")
+        "`ProjectConfiguration(logging_dir=...)`)",
+    )
     rank_prefix: bool = option(
-        False, "`True`, `False`",
+        False,
+        "`True`, `False`",
         "in a plain launch, start each line the ranks print with `[rank N] ` (under torchrun or srun ask the "
-        "launcher: `--tee` with `TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`, `srun --label`)")
+        "launcher: `--tee` with `TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`, `srun --label`)",
+    )
     kwargs_handlers: Sequence[KwargsHandler] | None = option(
-        None, "`None` or a list of `qaccel.utils` handlers (or Accelerate's)",
+        None,
+        "`None` or a list of `qaccel.utils` handlers (or Accelerate's)",
         "settings for torch objects qaccel makes, as Accelerate's `kwargs_handlers`: "
         "`DistributedDataParallelKwargs` (the DDP wrapper's arguments and a communication hook), "
         "`InitProcessGroupKwargs` (`timeout`, `backend`), `GradScalerKwargs`, `AutocastKwargs`, `ProfileKwargs` "
-        "(for `profile()`)")
+        "(for `profile()`)",
+    )
     dynamo_backend: str | TorchDynamoPlugin | None = option(
         None,
         "`None`, `no`, a `torch.compile` backend (`inductor`, `aot_eager`, `eager`, ...), or a `TorchDynamoPlugin`",
         "compile prepared models' forward with `torch.compile`, in place and under their DDP or FSDP2 wrapper (the "
         "prepared object stays the same; `unwrap_model` gives your module); `None`: the `ACCELERATE_DYNAMO_*` "
-        "variables Accelerate's launcher exports, else `no`")
+        "variables Accelerate's launcher exports, else `no`",
+    )
     cluster: SlurmCluster | None = option(
-        None, "`None` or a `qaccel.SlurmCluster`",
+        None,
+        "`None` or a `qaccel.SlurmCluster`",
         "`distribute()` from a plain process submits one SLURM job (through submitit) whose tasks are the ranks, "
-        "waits, and returns the result; nprocs must be its nodes x tasks per node")
+        "waits, and returns the result; nprocs must be its nodes x tasks per node",
+    )
 
 
 @dataclass(frozen=True)
@@ -316,9 +370,14 @@ def option_table() -> str:
     arguments = ", ".join(f"{o.name}={o.default!r}" for o in OPTIONS)
     call = textwrap.fill(f"acc = Accelerator({arguments})", 112, subsequent_indent=" " * 18, break_on_hyphens=False)
     rows = [
-        "```python", call, "```", "",
-        f"The first {positional} may be given by position; the others are keyword-only.", "",
-        "| option | default | values | what it does |", "| --- | --- | --- | --- |",
+        "```python",
+        call,
+        "```",
+        "",
+        f"The first {positional} may be given by position; the others are keyword-only.",
+        "",
+        "| option | default | values | what it does |",
+        "| --- | --- | --- | --- |",
     ]
     for option in OPTIONS:
         rows.append(f"| `{option.name}` | `{option.default!r}` | {option.values} | {option.meaning} |")
@@ -343,8 +402,11 @@ def make_config(env: Environment, **options: Any) -> Config:
     compute_setup = _choice("compute_setup", values["compute_setup"], ComputeSetup)
     asked = (compute_setup, values["backend"], values["dtype"], _mixed_precision(values["mixed_precision"]))
     # a cluster job's ranks run on its nodes, which decide what depends on them; every other rank runs here
-    devices = _on_the_nodes(*asked) if values["cluster"] is not None and not env.is_launched \
+    devices = (
+        _on_the_nodes(*asked)
+        if values["cluster"] is not None and not env.is_launched
         else _devices(*asked, env, nprocs)
+    )
     strategy = _choice("strategy", values["strategy"], Strategy)
     log_setup = _choice("log_setup", values["log_setup"], LogSetup)
     if devices.device_type is not None:
@@ -365,8 +427,8 @@ def make_config(env: Environment, **options: Any) -> Config:
         mixed_precision=devices.mixed_precision,
         split_batches=_flag("split_batches", values["split_batches"]),
         even_batches=_even_batches(values, strategy),
-        dispatch_batches=values["dispatch_batches"] is not None and _flag("dispatch_batches",
-                                                                          values["dispatch_batches"]),
+        dispatch_batches=values["dispatch_batches"] is not None
+        and _flag("dispatch_batches", values["dispatch_batches"]),
         device_placement=_flag("device_placement", values["device_placement"]),
         use_seedable_sampler=_flag("use_seedable_sampler", values["use_seedable_sampler"]),
         data_seed=_data_seed(values["data_seed"], values["use_seedable_sampler"]),
@@ -380,8 +442,9 @@ def make_config(env: Environment, **options: Any) -> Config:
         project_dir=_folder("project_dir", values["project_dir"]),
         log_with=_log_with(values["log_with"], _logging_dir(values)),
         logging_dir=_logging_dir(values),
-        keep_checkpoints=None if values["keep_checkpoints"] is None else count("keep_checkpoints",
-                                                                                  values["keep_checkpoints"], 1),
+        keep_checkpoints=None
+        if values["keep_checkpoints"] is None
+        else count("keep_checkpoints", values["keep_checkpoints"], 1),
         rank_prefix=_flag("rank_prefix", values["rank_prefix"]),
         handlers=_handlers_for(handlers, strategy),
         compile=compile_settings(values["dynamo_backend"]),
@@ -395,10 +458,16 @@ def placements(device_placement: object, count: int) -> list[bool | None]:
     """prepare()'s ``device_placement``: one bool (or None, the option) per object."""
     if device_placement is None:
         return [None] * count
-    if isinstance(device_placement, (str, bytes)) or not isinstance(device_placement, Sequence) \
-            or len(device_placement) != count or not all(p is None or isinstance(p, bool) for p in device_placement):
-        raise ValueError(f"prepare(device_placement=...) must be a list of {count} bools, one per object passed; "
-                         f"got {device_placement!r}")
+    if (
+        isinstance(device_placement, (str, bytes))
+        or not isinstance(device_placement, Sequence)
+        or len(device_placement) != count
+        or not all(p is None or isinstance(p, bool) for p in device_placement)
+    ):
+        raise ValueError(
+            f"prepare(device_placement=...) must be a list of {count} bools, one per object passed; "
+            f"got {device_placement!r}"
+        )
     return list(device_placement)
 
 
@@ -408,8 +477,10 @@ def _data_seed(seed: object, seedable: object) -> int | None:
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"data_seed must be an int >= 0 or None; got {seed!r}")
     if seedable is not True:
-        raise ValueError("data_seed seeds the order of use_seedable_sampler=True (as in Accelerate, where it does "
-                         "nothing otherwise): set use_seedable_sampler=True, or seed your DataLoader's generator")
+        raise ValueError(
+            "data_seed seeds the order of use_seedable_sampler=True (as in Accelerate, where it does "
+            "nothing otherwise): set use_seedable_sampler=True, or seed your DataLoader's generator"
+        )
     return seed
 
 
@@ -425,8 +496,10 @@ def _rng_types(value: object) -> tuple[str, ...]:
     names = tuple(item.value if isinstance(item, enum.Enum) else item for item in value)
     for name in names:
         if name not in RNG_TYPES:
-            raise ValueError(f"rng_types holds {', '.join(map(repr, RNG_TYPES))} (Accelerate's xla, npu, ... are "
-                             f"not qaccel's); got {name!r}")
+            raise ValueError(
+                f"rng_types holds {', '.join(map(repr, RNG_TYPES))} (Accelerate's xla, npu, ... are "
+                f"not qaccel's); got {name!r}"
+            )
     return tuple(dict.fromkeys(names))
 
 
@@ -445,12 +518,16 @@ def _from_handler(values: dict[str, Any], group_options: dict[str, Any]) -> dict
 def _handlers_for(handlers: Handlers, strategy: Strategy) -> Handlers:
     """DDP's settings are for the DDP wrapper, which strategy='fsdp' does not make."""
     if strategy is Strategy.FSDP and (handlers.ddp or handlers.comm_hook is not DDPCommunicationHookType.NO):
-        raise ValueError("DistributedDataParallelKwargs applies to strategy='ddp' (the DDP wrapper); "
-                         "strategy='fsdp' shards the model with FSDP2 instead: leave it out")
+        raise ValueError(
+            "DistributedDataParallelKwargs applies to strategy='ddp' (the DDP wrapper); "
+            "strategy='fsdp' shards the model with FSDP2 instead: leave it out"
+        )
     return handlers
 
 
-def _choice(name: str, value: object, allowed: type[enum.StrEnum], members: Sequence[enum.StrEnum] | None = None) -> Any:
+def _choice(
+    name: str, value: object, allowed: type[enum.StrEnum], members: Sequence[enum.StrEnum] | None = None
+) -> Any:
     """``value`` as a member of ``allowed`` (of ``members``, when only some are available here)."""
     members = tuple(allowed) if members is None else tuple(members)
     if not isinstance(value, str) or value not in members:
@@ -466,8 +543,12 @@ def count(name: str, value: object, least: int) -> int:
 
 
 # log_with's names: the trackers qaccel writes to (qaccel/train/tracking.py), each with its module and pip package
-TRACKERS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
-            "mlflow": ("mlflow", "mlflow-skinny"), "csv": (None, None)}
+TRACKERS = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+    "mlflow": ("mlflow", "mlflow-skinny"),
+    "csv": (None, None),
+}
 ALL_TRACKERS = ("tensorboard", "wandb", "mlflow")  # what log_with="all" takes, those installed (Accelerate's "all")
 _FOLDER_TRACKERS = ("tensorboard", "csv")  # they write into <logging_dir>/<project_name>
 
@@ -486,15 +567,19 @@ def _log_with(value: object, logging_dir: str | None) -> tuple[Any, ...]:
     for item in value if isinstance(value, (list, tuple)) else [value]:
         if _is_tracker_object(item):
             if getattr(item, "requires_logging_directory", False) and logging_dir is None:
-                raise ValueError(f"log_with's tracker {item.name!r} requires a logging directory: give project_dir=..., "
-                                 "logging_dir=... or project_config=ProjectConfiguration(project_dir=...)")
+                raise ValueError(
+                    f"log_with's tracker {item.name!r} requires a logging directory: give project_dir=..., "
+                    "logging_dir=... or project_config=ProjectConfiguration(project_dir=...)"
+                )
             chosen.append(item)
             continue
         raw = item.value if isinstance(item, enum.Enum) else item
         name = raw.lower() if isinstance(raw, str) else raw
         if name not in (*TRACKERS, "all"):
-            raise ValueError(f"log_with must be one of {allowed}, a tracker object with Accelerate's GeneralTracker "
-                             f"methods, or a list of them; got {item!r}")
+            raise ValueError(
+                f"log_with must be one of {allowed}, a tracker object with Accelerate's GeneralTracker "
+                f"methods, or a list of them; got {item!r}"
+            )
         for one in [n for n in ALL_TRACKERS if importlib.util.find_spec(TRACKERS[n][0])] if name == "all" else [name]:
             if one not in chosen:
                 chosen.append(one)
@@ -503,18 +588,26 @@ def _log_with(value: object, logging_dir: str | None) -> tuple[Any, ...]:
             continue
         module, package = TRACKERS[name]
         if module is not None and importlib.util.find_spec(module) is None:
-            raise ImportError(f"log_with={name!r} needs the {package} package: pip install {package} (from qaccel's "
-                              f"checkout: pip install -e '.[{name}]')")
+            raise ImportError(
+                f"log_with={name!r} needs the {package} package: pip install {package} (from qaccel's "
+                f"checkout: pip install -e '.[{name}]')"
+            )
         if name in _FOLDER_TRACKERS and logging_dir is None:
-            raise ValueError(f"log_with={name!r} writes into <logging_dir>/<project_name>: give project_dir=..., "
-                             "logging_dir=... or project_config=ProjectConfiguration(project_dir=..., logging_dir=...)")
+            raise ValueError(
+                f"log_with={name!r} writes into <logging_dir>/<project_name>: give project_dir=..., "
+                "logging_dir=... or project_config=ProjectConfiguration(project_dir=..., logging_dir=...)"
+            )
     return tuple(chosen)
 
 
 def _is_tracker_object(item: object) -> bool:
     """A tracker of the user's own, as Accelerate's GeneralTracker: a name, log() and finish()."""
-    return (not isinstance(item, (str, enum.Enum)) and isinstance(getattr(item, "name", None), str)
-            and callable(getattr(item, "log", None)) and callable(getattr(item, "finish", None)))
+    return (
+        not isinstance(item, (str, enum.Enum))
+        and isinstance(getattr(item, "name", None), str)
+        and callable(getattr(item, "log", None))
+        and callable(getattr(item, "finish", None))
+    )
 
 
 def _folder(name: str, value: object) -> str | None:
@@ -527,10 +620,8 @@ def _folder(name: str, value: object) -> str | None:
 
 # Arguments of Accelerate's Accelerator that qaccel does not take, and the qaccel way to get what they do.
 ACCELERATE_ONLY = {
-    "deepspeed_plugin": "qaccel has no DeepSpeed; strategy='fsdp' shards parameters, gradients and optimizer "
-                        "state",
-    "deepspeed_plugins": "qaccel has no DeepSpeed; strategy='fsdp' shards parameters, gradients and optimizer "
-                         "state",
+    "deepspeed_plugin": "qaccel has no DeepSpeed; strategy='fsdp' shards parameters, gradients and optimizer state",
+    "deepspeed_plugins": "qaccel has no DeepSpeed; strategy='fsdp' shards parameters, gradients and optimizer state",
     "fsdp_plugin": "strategy='fsdp' with fsdp_modules=... or fsdp_min_params=...",
     "torch_tp_plugin": "qaccel has no tensor parallelism",
     "megatron_lm_plugin": "qaccel has no Megatron-LM",
@@ -564,9 +655,11 @@ def from_accelerate(arguments: dict[str, Any], chosen: dict[str, Any]) -> dict[s
         elif name in ACCELERATE_ONLY:
             raise TypeError(f"Accelerator({name}=...) is Accelerate's; in qaccel: {ACCELERATE_ONLY[name]}")
         else:
-            raise TypeError(f"Accelerator() got an unexpected argument {name!r}; the options are "
-                            f"{', '.join(NAMES)} (and Accelerate's cpu=True, dataloader_config=..., "
-                            "gradient_accumulation_plugin=... and project_config=...)")
+            raise TypeError(
+                f"Accelerator() got an unexpected argument {name!r}; the options are "
+                f"{', '.join(NAMES)} (and Accelerate's cpu=True, dataloader_config=..., "
+                "gradient_accumulation_plugin=... and project_config=...)"
+            )
     return chosen
 
 
@@ -641,8 +734,10 @@ def minutes(limit: str | int) -> int:
         return limit
     match = _TIME.match(limit) if isinstance(limit, str) else None
     if match is None or limit in ("0", "00"):
-        raise ValueError(f"SlurmCluster.time must be minutes > 0 or a SLURM time limit ('HH:MM:SS', 'D-HH:MM:SS', "
-                         f"...); got {limit!r}")
+        raise ValueError(
+            f"SlurmCluster.time must be minutes > 0 or a SLURM time limit ('HH:MM:SS', 'D-HH:MM:SS', "
+            f"...); got {limit!r}"
+        )
     days, fields = match.group(1), [int(f) for f in match.group(2).split(":")]
     if days is not None:  # D-HH[:MM[:SS]]
         hours, mins, secs = (fields + [0, 0])[:3]
@@ -659,15 +754,18 @@ def _cluster(cluster: Any, nprocs: int) -> SlurmCluster | None:
     if not isinstance(cluster, SlurmCluster):
         raise TypeError(f"cluster must be a qaccel.SlurmCluster or None; got {type(cluster).__name__}")
     if cluster.world_size != nprocs:
-        raise ValueError(f"nprocs={nprocs} but the cluster has nodes x tasks_per_node = {cluster.nodes} x "
-                         f"{cluster.tasks_per_node} = {cluster.world_size} ranks: make them equal")
+        raise ValueError(
+            f"nprocs={nprocs} but the cluster has nodes x tasks_per_node = {cluster.nodes} x "
+            f"{cluster.tasks_per_node} = {cluster.world_size} ranks: make them equal"
+        )
     try:
         import submitit  # noqa: F401 - the job goes through it
     except ImportError:
-        raise ImportError("cluster= submits through submitit, which is not installed: pip install submitit (from "
-                          "qaccel's checkout: pip install -e '.[slurm]')") from None
+        raise ImportError(
+            "cluster= submits through submitit, which is not installed: pip install submitit (from "
+            "qaccel's checkout: pip install -e '.[slurm]')"
+        ) from None
     return cluster
-
 
 
 @dataclass
@@ -717,15 +815,19 @@ def _accumulation_plugin(plugin: Any, chosen: dict[str, Any]) -> dict[str, Any]:
     if plugin is None:
         return chosen
     if getattr(plugin, "sync_with_dataloader", True) is not True:
-        raise ValueError("GradientAccumulationPlugin(sync_with_dataloader=False) is not in qaccel: an epoch's last "
-                         "batch always synchronises and updates")
+        raise ValueError(
+            "GradientAccumulationPlugin(sync_with_dataloader=False) is not in qaccel: an epoch's last "
+            "batch always synchronises and updates"
+        )
     steps = getattr(plugin, "num_steps", None)
     each = _flag("GradientAccumulationPlugin.sync_each_batch", getattr(plugin, "sync_each_batch", False))
     chosen = {**chosen, "sync_each_batch": each or chosen.get("sync_each_batch", False)}
     if steps is not None:
         if chosen.get("gradient_accumulation_steps", 1) not in (1, steps):
-            raise ValueError(f"GradientAccumulationPlugin(num_steps={steps}) contradicts "
-                             f"gradient_accumulation_steps={chosen['gradient_accumulation_steps']}")
+            raise ValueError(
+                f"GradientAccumulationPlugin(num_steps={steps}) contradicts "
+                f"gradient_accumulation_steps={chosen['gradient_accumulation_steps']}"
+            )
         chosen["gradient_accumulation_steps"] = steps
     return chosen
 
@@ -736,7 +838,7 @@ _LOADER_VALUES = {"use_stateful_dataloader": (False,)}
 
 _LOADER_WAYS = {
     "use_stateful_dataloader": "save_state() records where every prepared loader is, and load_state() continues "
-                               "there, mid-epoch included",
+    "there, mid-epoch included",
 }
 
 
@@ -747,15 +849,22 @@ def _project_config(config: Any, chosen: dict[str, Any]) -> dict[str, Any]:
     if config is None:
         return chosen
     if getattr(config, "save_on_each_node", False):
-        raise ValueError("ProjectConfiguration(save_on_each_node=True) is not in qaccel: a checkpoint's files go to "
-                         "one folder every node reaches (a shared file system); leave save_on_each_node at False")
+        raise ValueError(
+            "ProjectConfiguration(save_on_each_node=True) is not in qaccel: a checkpoint's files go to "
+            "one folder every node reaches (a shared file system); leave save_on_each_node at False"
+        )
     if getattr(config, "iteration", 0):
-        raise ValueError(f"ProjectConfiguration(iteration={config.iteration}) is not in qaccel: numbered "
-                         "checkpoints are named by the optimizer step (checkpoint_<step>), which a resumed run "
-                         "continues; leave iteration at 0")
+        raise ValueError(
+            f"ProjectConfiguration(iteration={config.iteration}) is not in qaccel: numbered "
+            "checkpoints are named by the optimizer step (checkpoint_<step>), which a resumed run "
+            "continues; leave iteration at 0"
+        )
     chosen = dict(chosen)
-    for field, option in (("project_dir", "project_dir"), ("logging_dir", "logging_dir"),
-                          ("total_limit", "keep_checkpoints")):
+    for field, option in (
+        ("project_dir", "project_dir"),
+        ("logging_dir", "logging_dir"),
+        ("total_limit", "keep_checkpoints"),
+    ):
         value = getattr(config, field, None)
         if value is None:
             continue
@@ -774,8 +883,10 @@ def _dataloader_config(config: Any, chosen: dict[str, Any]) -> dict[str, Any]:
     for field, allowed in _LOADER_VALUES.items():
         value = getattr(config, field, allowed[0])
         if not any(value is a for a in allowed):
-            raise ValueError(f"DataLoaderConfiguration({field}={value!r}) is not in qaccel: {_LOADER_WAYS[field]}; "
-                             f"leave {field} at {allowed[0]!r}")
+            raise ValueError(
+                f"DataLoaderConfiguration({field}={value!r}) is not in qaccel: {_LOADER_WAYS[field]}; "
+                f"leave {field} at {allowed[0]!r}"
+            )
     split = _flag("DataLoaderConfiguration.split_batches", getattr(config, "split_batches", False))
     even = _flag("DataLoaderConfiguration.even_batches", getattr(config, "even_batches", True))
     dispatch = getattr(config, "dispatch_batches", None)
@@ -784,12 +895,17 @@ def _dataloader_config(config: Any, chosen: dict[str, Any]) -> dict[str, Any]:
     seedable = _flag("DataLoaderConfiguration.use_seedable_sampler", getattr(config, "use_seedable_sampler", False))
     data_seed = getattr(config, "data_seed", None)
     if data_seed is not None and chosen.get("data_seed") not in (None, data_seed):
-        raise ValueError(f"DataLoaderConfiguration(data_seed={data_seed!r}) contradicts data_seed={chosen['data_seed']!r}")
-    return {**chosen, "split_batches": split or chosen.get("split_batches", False),
-            "use_seedable_sampler": seedable or chosen.get("use_seedable_sampler", False),
-            "data_seed": data_seed if data_seed is not None else chosen.get("data_seed"),
-            "even_batches": even and chosen.get("even_batches", True),
-            "dispatch_batches": dispatch if dispatch is not None else chosen.get("dispatch_batches")}
+        raise ValueError(
+            f"DataLoaderConfiguration(data_seed={data_seed!r}) contradicts data_seed={chosen['data_seed']!r}"
+        )
+    return {
+        **chosen,
+        "split_batches": split or chosen.get("split_batches", False),
+        "use_seedable_sampler": seedable or chosen.get("use_seedable_sampler", False),
+        "data_seed": data_seed if data_seed is not None else chosen.get("data_seed"),
+        "even_batches": even and chosen.get("even_batches", True),
+        "dispatch_batches": dispatch if dispatch is not None else chosen.get("dispatch_batches"),
+    }
 
 
 def _even_batches(values: dict[str, Any], strategy: Strategy) -> bool:
@@ -803,11 +919,15 @@ def check_uneven(strategy: Strategy, accumulation_steps: int, sync_each_batch: b
     """even_batches=False lets ranks take different numbers of steps: DDP shadows the missing ones (torch's Join),
     which FSDP cannot do, and a rank's unsynchronised accumulated gradients would be lost on the steps it misses."""
     if strategy is Strategy.FSDP:
-        raise ValueError("even_batches=False needs strategy='ddp': FSDP cannot let ranks take different numbers of "
-                         "steps; keep even_batches=True (the last step is padded)")
+        raise ValueError(
+            "even_batches=False needs strategy='ddp': FSDP cannot let ranks take different numbers of "
+            "steps; keep even_batches=True (the last step is padded)"
+        )
     if accumulation_steps != 1 and not sync_each_batch:
-        raise ValueError("even_batches=False with gradient_accumulation_steps > 1 needs sync_each_batch=True: a rank "
-                         "that runs out of batches first would otherwise drop the gradients it holds unreduced")
+        raise ValueError(
+            "even_batches=False with gradient_accumulation_steps > 1 needs sync_each_batch=True: a rank "
+            "that runs out of batches first would otherwise drop the gradients it holds unreduced"
+        )
 
 
 def _flag(name: str, value: object) -> bool:
@@ -835,14 +955,18 @@ def _device_type(compute_setup: ComputeSetup, env: Environment, nprocs: int, ask
         if asked is not None:
             raise gpus.none_seen(asked)
         if compute_setup is ComputeSetup.GPU:
-            raise RuntimeError(f"compute_setup='gpu' but CUDA is not available here ({gpus.where()}, "
-                               f"{gpus.visible_devices()}); use 'auto' or 'cpu'")
+            raise RuntimeError(
+                f"compute_setup='gpu' but CUDA is not available here ({gpus.where()}, "
+                f"{gpus.visible_devices()}); use 'auto' or 'cpu'"
+            )
         return DeviceType.CPU
     if env.is_launched:
         gpus.choose(env.local_rank, env.local_world_size, visible, gpus.node_gpus())
     elif nprocs > visible:  # a plain launch's ranks all see the GPUs this process sees
-        raise RuntimeError(f"{nprocs} GPU ranks on this node but only {visible} visible GPU(s) "
-                           f"({gpus.visible_devices()}); lower nprocs or use compute_setup='cpu'")
+        raise RuntimeError(
+            f"{nprocs} GPU ranks on this node but only {visible} visible GPU(s) "
+            f"({gpus.visible_devices()}); lower nprocs or use compute_setup='cpu'"
+        )
     return DeviceType.CUDA
 
 
@@ -852,10 +976,20 @@ def on_node(config: Config, env: Environment) -> Config:
     if config.device_type is not None:
         return config
     asked_gpus = config.cluster.gpus_per_node if config.cluster is not None else None
-    asked = f"the job asked for {asked_gpus} GPU(s) per node (SlurmCluster(gpus_per_node={asked_gpus}))" \
-        if asked_gpus else None
-    devices = _devices(ComputeSetup(config.compute_setup), config.backend, config.dtype, config.mixed_precision,
-                       env, config.nprocs, asked)
+    asked = (
+        f"the job asked for {asked_gpus} GPU(s) per node (SlurmCluster(gpus_per_node={asked_gpus}))"
+        if asked_gpus
+        else None
+    )
+    devices = _devices(
+        ComputeSetup(config.compute_setup),
+        config.backend,
+        config.dtype,
+        config.mixed_precision,
+        env,
+        config.nprocs,
+        asked,
+    )
     _check_sharding(config.strategy, devices.mixed_precision, devices.backend)
     return dataclasses.replace(config, **devices._asdict(), log_device_type=_log_device(config.log_setup, devices))
 
@@ -867,8 +1001,15 @@ class _Devices(NamedTuple):
     mixed_precision: MixedPrecision
 
 
-def _devices(compute_setup: ComputeSetup, backend: object, dtype: object, mixed_precision: object, env: Environment,
-             nprocs: int, asked: str | None = None) -> _Devices:
+def _devices(
+    compute_setup: ComputeSetup,
+    backend: object,
+    dtype: object,
+    mixed_precision: object,
+    env: Environment,
+    nprocs: int,
+    asked: str | None = None,
+) -> _Devices:
     """The device type, backend and precision, decided together here."""
     device_type = _device_type(compute_setup, env, nprocs, asked)
     backend = _backend(backend, device_type)
@@ -914,22 +1055,30 @@ def _mixed_precision(value: object) -> object:
     if exported is None:
         return MixedPrecision.NO.value
     if exported.lower() not in tuple(MixedPrecision):
-        raise ValueError(f"{MIXED_PRECISION_VARIABLE}={exported!r} (read for mixed_precision=None) must be one of "
-                         f"{', '.join(repr(m.value) for m in MixedPrecision)}")
+        raise ValueError(
+            f"{MIXED_PRECISION_VARIABLE}={exported!r} (read for mixed_precision=None) must be one of "
+            f"{', '.join(repr(m.value) for m in MixedPrecision)}"
+        )
     return exported.lower()
 
 
-def _precision(dtype: object, mixed_precision: object,
-               device_type: DeviceType | None) -> tuple[torch.dtype | None, MixedPrecision]:
+def _precision(
+    dtype: object, mixed_precision: object, device_type: DeviceType | None
+) -> tuple[torch.dtype | None, MixedPrecision]:
     """The models' dtype and the mixed precision, checked together (on a device decided on the nodes: None)."""
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype (e.g. torch.float64) or None; got {dtype!r}")
     if dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
-        raise ValueError(f"dtype must be a floating-point or complex torch.dtype (it casts models and inputs); got {dtype}")
+        raise ValueError(
+            f"dtype must be a floating-point or complex torch.dtype (it casts models and inputs); got {dtype}"
+        )
     mixed = _choice("mixed_precision", mixed_precision, MixedPrecision)
     if mixed is MixedPrecision.FP16 and device_type is DeviceType.CPU:  # as Accelerate, said out loud
-        warnings.warn("mixed_precision='fp16' without GPU compute trains in float32 (no autocast, no gradient "
-                      "scaler; Accelerate does the same): use 'bf16' for half precision on CPU", stacklevel=5)
+        warnings.warn(
+            "mixed_precision='fp16' without GPU compute trains in float32 (no autocast, no gradient "
+            "scaler; Accelerate does the same): use 'bf16' for half precision on CPU",
+            stacklevel=5,
+        )
         mixed = MixedPrecision.NO
     if mixed is not MixedPrecision.NO and dtype is not None and dtype != torch.float32:
         raise ValueError(
@@ -946,8 +1095,10 @@ def _check_sharding(strategy: Strategy, mixed_precision: MixedPrecision, backend
     if backend not in (Backend.GLOO, Backend.NCCL):
         raise ValueError(f"strategy='fsdp' runs on backend 'gloo' (CPU) or 'nccl' (GPU); got backend={backend.value!r}")
     if mixed_precision is MixedPrecision.FP16:
-        raise ValueError("strategy='fsdp' supports mixed_precision 'no' or 'bf16' (FSDP2's MixedPrecisionPolicy); "
-                         "fp16 needs a sharded gradient scaler qaccel does not provide")
+        raise ValueError(
+            "strategy='fsdp' supports mixed_precision 'no' or 'bf16' (FSDP2's MixedPrecisionPolicy); "
+            "fp16 needs a sharded gradient scaler qaccel does not provide"
+        )
 
 
 def _debug_choice(debug: object) -> bool:
@@ -971,7 +1122,8 @@ def _sharding_choices(strategy: Strategy, modules: Sequence[type | str] | None, 
     if strategy is not Strategy.FSDP:
         if modules is not None or min_params != FSDP_MIN_PARAMS:
             raise ValueError(
-                f"fsdp_modules and fsdp_min_params apply to strategy='fsdp' only; got strategy={strategy.value!r}")
+                f"fsdp_modules and fsdp_min_params apply to strategy='fsdp' only; got strategy={strategy.value!r}"
+            )
         return ()
     if modules is None:
         return ()

@@ -8,8 +8,9 @@ import mmap
 import os
 import secrets
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,7 +46,7 @@ def checksum(path: str | os.PathLike) -> int:
             words = np.frombuffer(mapped, dtype="<u8", count=size // 8)
             total = int(words.sum(dtype=np.uint64))
             del words  # the mapping cannot close while an array looks into it
-            return (total + int.from_bytes(mapped[size - size % 8:], "little")) % 2**64
+            return (total + int.from_bytes(mapped[size - size % 8 :], "little")) % 2**64
 
 
 def sums(path: str | os.PathLike) -> Sums:
@@ -60,8 +61,11 @@ def release(path: str | os.PathLike) -> None:
     if not RELEASE or not hasattr(os, "posix_fadvise"):
         return
     path = os.fspath(path)
-    files = ([os.path.join(base, name) for base, _, names in os.walk(path) for name in names]
-             if os.path.isdir(path) else [path])
+    files = (
+        [os.path.join(base, name) for base, _, names in os.walk(path) for name in names]
+        if os.path.isdir(path)
+        else [path]
+    )
     for file in files:
         try:
             fd = os.open(file, os.O_RDONLY)

@@ -15,7 +15,8 @@ import os
 import pickle
 import pwd
 import stat
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -30,8 +31,9 @@ class Untrusted(Exception):
         self.path = path
 
 
-def load(path: str | os.PathLike, allow_pickle: bool | None, *args: Any, safe: Iterable[Any] = (),
-         **kwargs: Any) -> Any:
+def load(
+    path: str | os.PathLike, allow_pickle: bool | None, *args: Any, safe: Iterable[Any] = (), **kwargs: Any
+) -> Any:
     """``torch.load(path, *args, **kwargs)`` with weights_only and the ``safe`` types; in full, only where
     ``allow_pickle`` allows it (see the module's doc)."""
     try:
@@ -54,9 +56,12 @@ def check(path: str | os.PathLike, needs: str, allow_pickle: bool | None) -> Non
         why = "allow_pickle=False"
     elif (why := who_else_can_write(path)) is None:
         return
-    raise Untrusted(path, f"{path} ({_owner_and_mode(path)}) needs full unpickling to be read ({needs}), which runs "
-                          f"whatever code its author put in it, and {why}: qaccel reads it only with {ALLOW}, if you "
-                          "trust everyone who can write there")
+    raise Untrusted(
+        path,
+        f"{path} ({_owner_and_mode(path)}) needs full unpickling to be read ({needs}), which runs "
+        f"whatever code its author put in it, and {why}: qaccel reads it only with {ALLOW}, if you "
+        "trust everyone who can write there",
+    )
 
 
 def who_else_can_write(path: str | os.PathLike) -> str | None:

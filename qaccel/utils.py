@@ -15,26 +15,67 @@ import torch.distributed as dist
 
 from qaccel.comm import collectives
 from qaccel.comm.session import RankContext
+from qaccel.handlers import (
+    AutocastKwargs,
+    DDPCommunicationHookType,
+    DistributedDataParallelKwargs,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    KwargsHandler,
+    ProfileKwargs,
+    TorchDynamoPlugin,
+)
 from qaccel.launch import in_place
-from qaccel.handlers import (AutocastKwargs, DDPCommunicationHookType, DistributedDataParallelKwargs,
-                             GradScalerKwargs, InitProcessGroupKwargs, KwargsHandler, ProfileKwargs,
-                             TorchDynamoPlugin)
 from qaccel.nested import map_leaves
-from qaccel.options import (Backend, DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin,
-                            ProjectConfiguration)
-from qaccel.train import seeding
+from qaccel.options import (
+    Backend,
+    DataLoaderConfiguration,
+    DistributedType,
+    GradientAccumulationPlugin,
+    ProjectConfiguration,
+)
 from qaccel.train import batch_size as _batch_size
+from qaccel.train import seeding
 from qaccel.train.batch_size import release_memory as _release
 
-__all__ = ["AutocastKwargs", "DDPCommunicationHookType", "DataLoaderConfiguration", "DistributedDataParallelKwargs",
-           "DistributedType", "GradScalerKwargs", "GradientAccumulationPlugin", "InitProcessGroupKwargs",
-           "KwargsHandler", "ProfileKwargs", "ProjectConfiguration", "TorchDynamoPlugin",
-           "broadcast", "broadcast_object_list", "find_executable_batch_size", "gather", "gather_object",
-           "pad_across_processes", "reduce", "release_memory", "send_to_device", "set_seed", "wait_for_everyone",
-           "is_bf16_available", "is_cuda_available", "is_datasets_available", "is_mlflow_available",
-           "is_mps_available", "is_npu_available", "is_schedulefree_available", "is_tensorboard_available",
-           "is_timm_available", "is_torch_version", "is_transformers_available", "is_wandb_available",
-           "is_xpu_available"]
+__all__ = [
+    "AutocastKwargs",
+    "DDPCommunicationHookType",
+    "DataLoaderConfiguration",
+    "DistributedDataParallelKwargs",
+    "DistributedType",
+    "GradScalerKwargs",
+    "GradientAccumulationPlugin",
+    "InitProcessGroupKwargs",
+    "KwargsHandler",
+    "ProfileKwargs",
+    "ProjectConfiguration",
+    "TorchDynamoPlugin",
+    "broadcast",
+    "broadcast_object_list",
+    "find_executable_batch_size",
+    "gather",
+    "gather_object",
+    "is_bf16_available",
+    "is_cuda_available",
+    "is_datasets_available",
+    "is_mlflow_available",
+    "is_mps_available",
+    "is_npu_available",
+    "is_schedulefree_available",
+    "is_tensorboard_available",
+    "is_timm_available",
+    "is_torch_version",
+    "is_transformers_available",
+    "is_wandb_available",
+    "is_xpu_available",
+    "pad_across_processes",
+    "reduce",
+    "release_memory",
+    "send_to_device",
+    "set_seed",
+    "wait_for_everyone",
+]
 
 
 def _ranks(name: str) -> RankContext:
@@ -44,8 +85,10 @@ def _ranks(name: str) -> RankContext:
     if running is not None:
         return running
     if dist.is_available() and dist.is_initialized():
-        raise RuntimeError(f"qaccel.utils.{name}() acts on the ranks of a distribute() call or of an Accelerator "
-                           "that joined its launcher's ranks; call it there (or torch.distributed's own here)")
+        raise RuntimeError(
+            f"qaccel.utils.{name}() acts on the ranks of a distribute() call or of an Accelerator "
+            "that joined its launcher's ranks; call it there (or torch.distributed's own here)"
+        )
     return RankContext(0, 0, 0, 1, 1, torch.device("cpu"), Backend.GLOO)
 
 
@@ -73,7 +116,7 @@ def gather(tensor: Any) -> Any:
     return collectives.gather(tensor, _ranks("gather"))
 
 
-def gather_object(object: Any) -> list[Any]:  # noqa: A002 - Accelerate's name
+def gather_object(object: Any) -> list[Any]:
     """The ranks' lists concatenated in rank order: ``gather_object([x])`` is every rank's ``x``."""
     return [item for part in collectives.gather_object(object, _ranks("gather_object")) for item in part]
 
@@ -90,15 +133,21 @@ def reduce(tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
     return reduced if scale == 1.0 else map_leaves(reduced, lambda leaf: leaf * scale)
 
 
-def send_to_device(tensor: Any, device: torch.device | str, non_blocking: bool = False,
-                   skip_keys: list[str] | str | None = None) -> Any:
+def send_to_device(
+    tensor: Any, device: torch.device | str, non_blocking: bool = False, skip_keys: list[str] | str | None = None
+) -> Any:
     """Every tensor of a nested structure moved to ``device``; in a dict, the values under ``skip_keys`` stay."""
     skip = {skip_keys} if isinstance(skip_keys, str) else set(skip_keys or ())
     if isinstance(tensor, dict) and skip:
-        return type(tensor)({key: value if key in skip else send_to_device(value, device, non_blocking)
-                             for key, value in tensor.items()})
-    return map_leaves(tensor, lambda leaf: leaf.to(device, non_blocking=non_blocking)
-                      if isinstance(leaf, torch.Tensor) else leaf)
+        return type(tensor)(
+            {
+                key: value if key in skip else send_to_device(value, device, non_blocking)
+                for key, value in tensor.items()
+            }
+        )
+    return map_leaves(
+        tensor, lambda leaf: leaf.to(device, non_blocking=non_blocking) if isinstance(leaf, torch.Tensor) else leaf
+    )
 
 
 def wait_for_everyone() -> None:
@@ -106,14 +155,18 @@ def wait_for_everyone() -> None:
     collectives.wait_for_everyone(_ranks("wait_for_everyone"))
 
 
-def find_executable_batch_size(function: Any = None, starting_batch_size: int = 128,
-                               reduce_batch_size_fn: Any = None) -> Any:
+def find_executable_batch_size(
+    function: Any = None, starting_batch_size: int = 128, reduce_batch_size_fn: Any = None
+) -> Any:
     """Call ``function(batch_size, ...)`` from ``starting_batch_size`` down until no rank runs out of memory (see
     qaccel.train.batch_size); under torchrun or srun the ranks of this process's Accelerator are joined first, so
     that they agree on every size even when the function prepares everything itself."""
     if function is None:
-        return functools.partial(find_executable_batch_size, starting_batch_size=starting_batch_size,
-                                 reduce_batch_size_fn=reduce_batch_size_fn)
+        return functools.partial(
+            find_executable_batch_size,
+            starting_batch_size=starting_batch_size,
+            reduce_batch_size_fn=reduce_batch_size_fn,
+        )
     searching = _batch_size.find_executable_batch_size(function, starting_batch_size, reduce_batch_size_fn)
 
     @functools.wraps(function)
@@ -132,6 +185,7 @@ def release_memory(*objects: Any) -> list[None]:
 
 
 # ---- what is installed, and which devices: Accelerate's is_*_available, which examples branch on ----
+
 
 def _installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
@@ -169,8 +223,14 @@ def is_bf16_available(ignore_tpu: bool = False) -> bool:
 
 def is_torch_version(operation: str, version: str) -> bool:
     """Compare torch's version: ``is_torch_version(">=", "2.4")``."""
-    compare = {"<": operator.lt, "<=": operator.le, "==": operator.eq, "!=": operator.ne, ">=": operator.ge,
-               ">": operator.gt}
+    compare = {
+        "<": operator.lt,
+        "<=": operator.le,
+        "==": operator.eq,
+        "!=": operator.ne,
+        ">=": operator.ge,
+        ">": operator.gt,
+    }
     if operation not in compare:
         raise ValueError(f"operation must be one of {', '.join(compare)}; got {operation!r}")
     release = torch.torch_version.TorchVersion(torch.__version__.split("+")[0])  # torch's own version type

@@ -14,8 +14,8 @@ import pytest
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
 
-from support import component, other_user  # noqa: E402 - after the path is set
-from support.slurm_cluster import LocalSlurm  # noqa: E402
+from support import component, other_user
+from support.slurm_cluster import LocalSlurm
 
 # A shell starts a background job (`cmd &`) with SIGINT ignored, and an ignored signal stays ignored across fork and
 # exec: every script the tests start would inherit it, and the Ctrl-C tests would wait for a KeyboardInterrupt that
@@ -26,9 +26,13 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     except ValueError:  # not the main thread: nothing to do from here
         pass
 
-_COMPONENTS = {"slurm": component.slurm_missing, "two_hosts": component.two_hosts_missing,
-               "small_disk": component.small_disk_missing, "mpi": component.mpi_missing,
-               "other_user": other_user.missing}
+_COMPONENTS = {
+    "slurm": component.slurm_missing,
+    "two_hosts": component.two_hosts_missing,
+    "small_disk": component.small_disk_missing,
+    "mpi": component.mpi_missing,
+    "other_user": other_user.missing,
+}
 _WHY_NOT = pytest.StashKey[dict]()
 
 
@@ -109,8 +113,7 @@ def slurm_cluster():
     try:
         cluster = LocalSlurm(nodes=2).start()
     except Exception as e:  # noqa: BLE001 - any reason is a failure, with its message
-        pytest.fail(f"cannot start a local SLURM cluster: {type(e).__name__}: {e}",
-                    pytrace=False)
+        pytest.fail(f"cannot start a local SLURM cluster: {type(e).__name__}: {e}", pytrace=False)
     try:
         yield cluster
     finally:

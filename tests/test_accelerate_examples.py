@@ -56,9 +56,21 @@ MAIN = [
     ("profiler", ["--cpu"], {}),  # prints a table of the epoch's timings: only its metrics are compared
     ("ddp_comm_hook", ["--cpu", "--ddp_comm_hook", "fp16"], {}),
 ]
-IDS = ["nlp", "cv", "checkpointing-epoch", "resume-epoch_0", "checkpointing-steps", "resume-step_4",
-       "gradient_accumulation", "memory", "multi_process_metrics", "early_stopping", "fsdp", "profiler",
-       "ddp_comm_hook"]
+IDS = [
+    "nlp",
+    "cv",
+    "checkpointing-epoch",
+    "resume-epoch_0",
+    "checkpointing-steps",
+    "resume-step_4",
+    "gradient_accumulation",
+    "memory",
+    "multi_process_metrics",
+    "early_stopping",
+    "fsdp",
+    "profiler",
+    "ddp_comm_hook",
+]
 ON_ACCELERATE = [0, 1, 2, 6, 7, 8, 9, 11, 12]  # its resumes are its own business; fsdp does not run there
 NO_DROPOUT = {"STANDINS_NO_DROPOUT": "1"}
 DIAGNOSTIC = [
@@ -83,7 +95,7 @@ def _compared(run: dict) -> list[str]:
 
 def _accelerates(text: str) -> str:
     """The port with Accelerate's imports back: each changed import line keeps the original after ``# was:``."""
-    return re.sub(r"^from (?:qaccel|standins)\S* import .*# (?:.*; )?was: (.*)$", r"\1", text, flags=re.M)
+    return re.sub(r"^from (?:qaccel|standins)\S* import .*# (?:.*; )?was: (.*)$", r"\1", text, flags=re.MULTILINE)
 
 
 def _files(folder: Path, accelerate: bool, diagnostic: bool = False) -> Path:
@@ -94,17 +106,19 @@ def _files(folder: Path, accelerate: bool, diagnostic: bool = False) -> Path:
         if port.name in ("run.py", "standins.py"):
             continue
         text = port.read_text()
-        if diagnostic:
-            if not accelerate:
-                text = text.replace("accelerator = Accelerator(",
-                                    "accelerator = Accelerator(step_scheduler_with_optimizer=True, ")
+        if diagnostic and not accelerate:
+            text = text.replace(
+                "accelerator = Accelerator(", "accelerator = Accelerator(step_scheduler_with_optimizer=True, "
+            )
         (folder / port.name).write_text(_accelerates(text) if accelerate else text)
     return folder
 
 
 def _plan(runs, files: Path, pets: Path, out: Path) -> Path:
-    plan = [{"file": str(files / f"{stem}.py"), "args": [a.format(pets=pets) for a in args], "env": env}
-            for stem, args, env in runs]
+    plan = [
+        {"file": str(files / f"{stem}.py"), "args": [a.format(pets=pets) for a in args], "env": env}
+        for stem, args, env in runs
+    ]
     path = out / "plan.json"
     path.write_text(json.dumps(plan))
     return path
@@ -165,8 +179,7 @@ def main_runs(tmp_path_factory):
         runs["accelerate"] = None
         if importlib.util.find_spec("accelerate") is not None:
             files = _files(base / "accelerate_files", accelerate=True)
-            runs["accelerate"] = _launch("torchrun", [MAIN[i] for i in ON_ACCELERATE], files, pets,
-                                         base / "accelerate")
+            runs["accelerate"] = _launch("torchrun", [MAIN[i] for i in ON_ACCELERATE], files, pets, base / "accelerate")
         return runs
 
     return once_per_session(tmp_path_factory, "accelerate-examples-main", compute)
@@ -181,9 +194,12 @@ def diagnostic_runs(tmp_path_factory):
     def compute():
         base = tmp_path_factory.mktemp("diagnostic")
         pets = _pets(tmp_path_factory)
-        return {name: _launch("torchrun", DIAGNOSTIC, _files(base / f"{name}_files", name == "accelerate", True),
-                              pets, base / name)
-                for name in ("qaccel", "accelerate")}
+        return {
+            name: _launch(
+                "torchrun", DIAGNOSTIC, _files(base / f"{name}_files", name == "accelerate", True), pets, base / name
+            )
+            for name in ("qaccel", "accelerate")
+        }
 
     return once_per_session(tmp_path_factory, "accelerate-examples-diagnostic", compute)
 
@@ -250,14 +266,21 @@ def test_with_dropout_or_random_crops_an_example_trains_bitwise_as_under_acceler
 
 
 ALONE = [
-    pytest.param("automatic_gradient_accumulation", ["--cpu"], {"STANDINS_DEVICE_BATCH": "32"},
-                 id="automatic_gradient_accumulation"),
+    pytest.param(
+        "automatic_gradient_accumulation",
+        ["--cpu"],
+        {"STANDINS_DEVICE_BATCH": "32"},
+        id="automatic_gradient_accumulation",
+    ),
     pytest.param("schedule_free", ["--cpu"], {}, id="schedule_free"),
     # log_with="all": TensorBoard, MLflow (a file store, which MLflow 3 opens only with MLFLOW_ALLOW_FILE_STORE:
     # mlflow-skinny has no SQLite), W&B (offline)
-    pytest.param("tracking", ["--cpu", "--with_tracking", "--project_dir", "logs"],
-                 {"WANDB_MODE": "offline", "MLFLOW_TRACKING_URI": "file:./mlruns", "MLFLOW_ALLOW_FILE_STORE": "true"},
-                 id="tracking"),
+    pytest.param(
+        "tracking",
+        ["--cpu", "--with_tracking", "--project_dir", "logs"],
+        {"WANDB_MODE": "offline", "MLFLOW_TRACKING_URI": "file:./mlruns", "MLFLOW_ALLOW_FILE_STORE": "true"},
+        id="tracking",
+    ),
 ]
 
 
@@ -277,6 +300,7 @@ def test_an_example_runs_under_torchrun_and_the_notebook_launcher_as_under_accel
     assert [line for line in notebook["lines"] if line.startswith("epoch ")] == epochs
     assert notebook["weights"] == torchrun["weights"] and len(set(torchrun["weights"])) == 1
     component.installed("accelerate")
-    theirs = _launch("torchrun", runs, _files(tmp_path / "accelerate_files", accelerate=True), tmp_path,
-                     tmp_path / "accelerate")[0]
+    theirs = _launch(
+        "torchrun", runs, _files(tmp_path / "accelerate_files", accelerate=True), tmp_path, tmp_path / "accelerate"
+    )[0]
     assert [line for line in theirs["lines"] if line.startswith("epoch ")] == epochs

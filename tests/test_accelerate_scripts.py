@@ -24,17 +24,23 @@ def _result(proc, out):
 
 
 def test_torchrun_runs_the_script_unchanged_and_python_through_distribute_to_the_same_model(tmp_path):
-    torchrun = _result(run_torchrun(SCRIPT, str(tmp_path / "torchrun"), cwd=tmp_path, timeout=200),
-                       tmp_path / "torchrun")
-    plain = _result(run_script(SCRIPT, str(tmp_path / "plain"), "--distribute", cwd=tmp_path, timeout=200),
-                    tmp_path / "plain")
+    torchrun = _result(
+        run_torchrun(SCRIPT, str(tmp_path / "torchrun"), cwd=tmp_path, timeout=200), tmp_path / "torchrun"
+    )
+    plain = _result(
+        run_script(SCRIPT, str(tmp_path / "plain"), "--distribute", cwd=tmp_path, timeout=200), tmp_path / "plain"
+    )
     assert plain == torchrun, "the same data order and the same DDP training under both"
 
 
 @pytest.mark.slurm
 def test_srun_runs_the_script_unchanged(tmp_path, slurm_cluster):
-    proc = slurm_cluster.srun(["-N1", "-n2", "python", str(SCRIPT), str(tmp_path / "srun")], timeout=200,
-                              env=slurm_env(slurm_cluster), cwd=tmp_path)
+    proc = slurm_cluster.srun(
+        ["-N1", "-n2", "python", str(SCRIPT), str(tmp_path / "srun")],
+        timeout=200,
+        env=slurm_env(slurm_cluster),
+        cwd=tmp_path,
+    )
     _result(proc, tmp_path / "srun")
 
 
@@ -56,8 +62,10 @@ def test_accelerates_own_training_check_passes_under_torchrun_and_distribute(tmp
     """A loader shuffled by a generator the script re-seeds after prepare() trains 2 ranks to the model one process
     trains: the order follows the generator as Accelerate's does (or, with use_seedable_sampler, its seeds)."""
     every = ["no batch split", "batch split", "bf16"]
-    for proc in (run_torchrun(script_file("accelerate_training_check.py"), cwd=tmp_path, timeout=150),
-                 run_script(script_file("accelerate_training_check.py"), cwd=tmp_path, timeout=150)):
+    for proc in (
+        run_torchrun(script_file("accelerate_training_check.py"), cwd=tmp_path, timeout=150),
+        run_script(script_file("accelerate_training_check.py"), cwd=tmp_path, timeout=150),
+    ):
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
         [result] = result_lines(proc.stdout)
         assert result == {"use_seedable_sampler=False": every, "use_seedable_sampler=True": every}
@@ -73,24 +81,45 @@ def test_a_rank_raising_outside_distribute_ends_the_torchrun_job_with_its_error(
 # Accelerate's test_script.py and test_ops.py (tests/scripts/accelerate_test_script.py): the checks that pass on 2 CPU
 # ranks, under torchrun and through distribute() alike.
 TEST_SCRIPT_PASSED = [
-    "init_state_check", "process_execution_check", "test_split_between_processes_list",
-    "test_split_between_processes_nested_dict", "test_split_between_processes_tensor",
-    "test_split_between_processes_evenly", "rng_sync_check", "dl_preparation_check", "central_dl_preparation_check",
-    "custom_sampler_check", "check_seedable_sampler", "check_seedable_sampler_with_data_seed",
-    *(f"training_check(use_seedable_sampler={seedable}): {block}" for seedable in (False, True)
-      for block in ("baseline on both processes", "no batch split", "batch split", "bf16", "fp16")),
-    "test_trigger", "test_ops.test_gather", "test_ops.test_gather_object", "test_ops.test_gather_non_contiguous",
-    "test_ops.test_broadcast", "test_ops.test_pad_across_processes", "test_ops.test_reduce_sum",
-    "test_ops.test_reduce_mean", "test_ops.test_reduce_max", "test_ops.test_op_checker: pad_across_processes",
+    "init_state_check",
+    "process_execution_check",
+    "test_split_between_processes_list",
+    "test_split_between_processes_nested_dict",
+    "test_split_between_processes_tensor",
+    "test_split_between_processes_evenly",
+    "rng_sync_check",
+    "dl_preparation_check",
+    "central_dl_preparation_check",
+    "custom_sampler_check",
+    "check_seedable_sampler",
+    "check_seedable_sampler_with_data_seed",
+    *(
+        f"training_check(use_seedable_sampler={seedable}): {block}"
+        for seedable in (False, True)
+        for block in ("baseline on both processes", "no batch split", "batch split", "bf16", "fp16")
+    ),
+    "test_trigger",
+    "test_ops.test_gather",
+    "test_ops.test_gather_object",
+    "test_ops.test_gather_non_contiguous",
+    "test_ops.test_broadcast",
+    "test_ops.test_pad_across_processes",
+    "test_ops.test_reduce_sum",
+    "test_ops.test_reduce_mean",
+    "test_ops.test_reduce_max",
+    "test_ops.test_op_checker: pad_across_processes",
     "test_ops.test_op_checker: reduce",
 ]
 # Skipped inside the script, each printing why: GPU/XLA-only blocks, the datasets check (datasets is not a test
 # dependency), Accelerate internals, and a difference the guide states (debug mode checks only broadcast's source).
 TEST_SCRIPT_SKIPPED = [
-    "test_split_between_processes_dataset", "check_seedable_sampler_in_batch_sampler_shard",
+    "test_split_between_processes_dataset",
+    "check_seedable_sampler_in_batch_sampler_shard",
     "training_check(use_seedable_sampler=False): keep fp32 wrapper",
-    "training_check(use_seedable_sampler=True): keep fp32 wrapper", "test_reinstantiated_state",
-    "test_ops.test_op_checker: broadcast", "test_ops.test_copy_tensor_to_devices",
+    "training_check(use_seedable_sampler=True): keep fp32 wrapper",
+    "test_reinstantiated_state",
+    "test_ops.test_op_checker: broadcast",
+    "test_ops.test_copy_tensor_to_devices",
 ]
 
 

@@ -8,11 +8,11 @@ import warnings
 
 import pytest
 import torch
+from support import component
 
 import qaccel.errors
 import qaccel.options
 from qaccel import Accelerator
-from support import component
 
 
 @pytest.mark.parametrize(
@@ -66,8 +66,15 @@ def test_more_gpu_ranks_than_gpus_raises(monkeypatch):
 
 
 def test_good_arguments_resolve():
-    acc = Accelerator(nprocs=2, compute_setup="cpu", log_setup="auto", dtype=torch.float64, timeout=datetime.timedelta(seconds=5))
-    assert (acc.backend, acc.dtype, acc.device, acc.log_device) == ("gloo", torch.float64, torch.device("cpu"), torch.device("cpu"))
+    acc = Accelerator(
+        nprocs=2, compute_setup="cpu", log_setup="auto", dtype=torch.float64, timeout=datetime.timedelta(seconds=5)
+    )
+    assert (acc.backend, acc.dtype, acc.device, acc.log_device) == (
+        "gloo",
+        torch.float64,
+        torch.device("cpu"),
+        torch.device("cpu"),
+    )
     assert acc._config.timeout == 5.0
 
 

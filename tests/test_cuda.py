@@ -13,11 +13,11 @@ import sys
 
 import pytest
 import torch
+from support import component
+from support.procs import REPO, free_port, run_script, script_env, script_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from qaccel import Accelerator, Preempted, TrainConfig, Trainer
-from support import component
-from support.procs import REPO, free_port, run_script, script_env, script_file
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -52,11 +52,19 @@ def test_ranks_that_each_see_one_gpu_take_it_and_reduce_cuda_tensors_over_gloo(t
     from support.procs import result_lines
 
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(script_file("gpu_ranks.py"))], cwd=tmp_path, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env=script_env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                                             CUDA_VISIBLE_DEVICES="0"))
-             for rank in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script_file("gpu_ranks.py"))],
+            cwd=tmp_path,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=script_env(
+                RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, CUDA_VISIBLE_DEVICES="0"
+            ),
+        )
+        for rank in (0, 1)
+    ]
     outs = [proc.communicate(timeout=150) for proc in procs]
     assert [proc.returncode for proc in procs] == [0, 0], outs
     results = sorted((r for out, _ in outs for r in result_lines(out)), key=lambda r: r["rank"])
@@ -152,8 +160,11 @@ def test_device_placement_false_leaves_the_model_and_batches_on_the_cpu():
 def test_grad_scaler_kwargs_make_the_fp16_scaler():
     from qaccel.utils import GradScalerKwargs
 
-    acc = Accelerator(compute_setup="gpu", mixed_precision="fp16",
-                      kwargs_handlers=[GradScalerKwargs(init_scale=1024.0, growth_interval=1)])
+    acc = Accelerator(
+        compute_setup="gpu",
+        mixed_precision="fp16",
+        kwargs_handlers=[GradScalerKwargs(init_scale=1024.0, growth_interval=1)],
+    )
     model = _mlp()
     model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert acc.scaler.get_scale() == 1024.0
@@ -181,7 +192,7 @@ def test_compiled_bf16_training_on_the_gpu_matches_eager():
 
 
 def test_fp16_clip_grad_norm_unscales_first():
-    acc, model, optimizer, x = _fp16_setup()
+    acc, model, _optimizer, x = _fp16_setup()
     reference = _mlp().to(acc.device)
     with torch.autocast("cuda", dtype=torch.float16):
         reference(x).float().pow(2).mean().backward()
@@ -215,8 +226,9 @@ def test_fp16_save_and_load_state_restore_scaler_and_cuda_rng(tmp_path):
 def test_nccl_group_made_by_the_user_is_reused_for_every_collective(tmp_path):
     """A one-rank NCCL group: init with set_device, barrier with device_ids, packed all-reduce on the GPU."""
     script = script_file("cuda_user_nccl_group.py")
-    proc = run_script(script, env=script_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())), cwd=tmp_path,
-                      timeout=120)
+    proc = run_script(
+        script, env=script_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())), cwd=tmp_path, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert "OUT nccl True" in proc.stdout
 
@@ -229,11 +241,14 @@ def test_cpu_ranks_launched_from_a_caller_that_initialised_cuda_can_use_cuda(tmp
     assert "OUT [2.0, 3.0]" in proc.stdout
 
 
-@pytest.mark.parametrize("example, args", [
-    ("quickstart.py", ["--epochs", "3"]),
-    ("regression.py", ["--epochs", "3", "--bf16", "--accumulate", "2"]),
-    ("classify_cnn.py", ["--epochs", "1", "--bf16", "--out", "model.pt"]),
-])
+@pytest.mark.parametrize(
+    "example, args",
+    [
+        ("quickstart.py", ["--epochs", "3"]),
+        ("regression.py", ["--epochs", "3", "--bf16", "--accumulate", "2"]),
+        ("classify_cnn.py", ["--epochs", "1", "--bf16", "--out", "model.pt"]),
+    ],
+)
 def test_examples_run_on_the_gpu(example, args, tmp_path):
     proc = run_script(REPO / "examples" / example, "--nprocs", "1", *args, timeout=150, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -301,7 +316,8 @@ def _saved_then_changed(acc, folder, background):
 def test_a_background_save_on_the_gpu_writes_the_state_at_the_call(strategy, tmp_path):
     acc = Accelerator(compute_setup="gpu", strategy=strategy)
     (blocking, devices, _), (background, _, memory) = (
-        acc.distribute(_saved_then_changed)(acc, str(tmp_path / way), way == "bg") for way in ("blocking", "bg"))
+        acc.distribute(_saved_then_changed)(acc, str(tmp_path / way), way == "bg") for way in ("blocking", "bg")
+    )
     assert devices == {"cuda:0"}
     assert memory == {"reused": True, "pinned": True}, "pinned staging memory, copied into again by the next save"
     assert blocking.keys() == background.keys() and all(torch.equal(blocking[k], background[k]) for k in blocking)
@@ -315,7 +331,10 @@ def _fsdp_steps(acc, ckpt):
     model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer = acc.prepare(model, optimizer)
-    seen = {"devices": {str(p.device) for p in model.parameters()}, "types": {type(p).__name__ for p in model.parameters()}}
+    seen = {
+        "devices": {str(p.device) for p in model.parameters()},
+        "types": {type(p).__name__ for p in model.parameters()},
+    }
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g)
     for _ in range(5):
@@ -367,8 +386,9 @@ def _stopped_on_the_gpu(acc, ckpt, signal_at):
     torch.manual_seed(0)
     model = _mlp()
     g = torch.Generator().manual_seed(1)
-    loader = DataLoader(TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g)),
-                        batch_size=4, shuffle=True)
+    loader = DataLoader(
+        TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g)), batch_size=4, shuffle=True
+    )
     model, optimizer, loader = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loader)
     acc.resume(ckpt)
     for _ in range(loader.epoch, 3):
@@ -380,7 +400,9 @@ def _stopped_on_the_gpu(acc, ckpt, signal_at):
                 os.kill(os.getpid(), signal.SIGTERM)
     if signal_at == 0:
         os.kill(os.getpid(), signal.SIGTERM)
-    return {k: v.detach().cpu().clone() for k, v in acc.get_state_dict(model).items()}, str(next(model.parameters()).device)
+    return {k: v.detach().cpu().clone() for k, v in acc.get_state_dict(model).items()}, str(
+        next(model.parameters()).device
+    )
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -402,9 +424,13 @@ def test_a_trainer_fit_on_the_gpu_gives_the_model_and_optimizer_back_where_they_
     model = _mlp()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     x = torch.randn(32, 4)
-    trainer = Trainer(model, optimizer, TrainConfig(max_iter=1, log_folder=tmp_path, tracking_tool="csv",
-                                                    verbose=False), "mse",
-                      DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8))
+    trainer = Trainer(
+        model,
+        optimizer,
+        TrainConfig(max_iter=1, log_folder=tmp_path, tracking_tool="csv", verbose=False),
+        "mse",
+        DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8),
+    )
     seen = []
     trainer.on_train_start = lambda: seen.append(next(trainer.model.parameters()).device.type)
     trainer.fit()

@@ -29,7 +29,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from support.component import unavailable
 
 pytestmark = pytest.mark.timeout(240)
@@ -38,7 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
 MAIN_GUARD = 'if __name__ == "__main__":'
 # A fenced python block, also one indented inside a list item: its closing fence has the opening one's indent.
-FENCE = re.compile(r"^(?P<indent>[ \t]*)```python[^\n]*\n(?P<code>.*?)^(?P=indent)```[ \t]*$", re.S | re.M)
+FENCE = re.compile(r"^(?P<indent>[ \t]*)```python[^\n]*\n(?P<code>.*?)^(?P=indent)```[ \t]*$", re.DOTALL | re.MULTILINE)
 DOCS_PACKAGES = ("mkdocs", "mkdocs-material", "mkdocstrings", "mkdocstrings-python")
 FRAGMENT = "<!-- fragment -->"  # the line right before a block's fence that marks it as a fragment
 INCLUDE = "--8<--"  # pymdownx.snippets: the block shows a file of the repository
@@ -53,16 +52,15 @@ def _blocks() -> list[tuple[str, str, bool]]:
         text = page.read_text()
         for match in FENCE.finditer(text):
             line = text.count("\n", 0, match.start()) + 1
-            before = text[:match.start()].rstrip("\n").rpartition("\n")[2].strip()
-            found.append((f"{page.relative_to(DOCS)}:{line}", textwrap.dedent(match.group("code")),
-                          before == FRAGMENT))
+            before = text[: match.start()].rstrip("\n").rpartition("\n")[2].strip()
+            found.append((f"{page.relative_to(DOCS)}:{line}", textwrap.dedent(match.group("code")), before == FRAGMENT))
     return found
 
 
 def _readme_quick_start() -> str:
     """The block tests/test_readme.py runs under python, torchrun and srun."""
     readme = (REPO / "README.md").read_text()
-    return re.search(r"```python\n(.*?)```", readme[readme.index("## Quick start"):], re.S).group(1)
+    return re.search(r"```python\n(.*?)```", readme[readme.index("## Quick start") :], re.DOTALL).group(1)
 
 
 MARKED = _blocks()
@@ -115,8 +113,11 @@ def _unknown_names(code: str) -> list[str]:
                 if callee is not qaccel.Accelerator:
                     continue
                 allowed |= set(ACCELERATE_ARGUMENTS)
-            unknown += [f"{ast.unparse(node.func)}({k.arg}=...): no such argument"
-                        for k in node.keywords if k.arg is not None and k.arg not in allowed]
+            unknown += [
+                f"{ast.unparse(node.func)}({k.arg}=...): no such argument"
+                for k in node.keywords
+                if k.arg is not None and k.arg not in allowed
+            ]
     return unknown
 
 
@@ -134,12 +135,30 @@ def test_the_site_builds_strictly(tmp_path):
         except importlib.metadata.PackageNotFoundError:
             missing.append(package)
     if missing:
-        unavailable(f"building the documentation needs {', '.join(missing)} "
-                    "(pip install -e '.[docs]'); the site's build is not checked")
+        unavailable(
+            f"building the documentation needs {', '.join(missing)} "
+            "(pip install -e '.[docs]'); the site's build is not checked"
+        )
     site = tmp_path / "site"
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
-                           str(REPO / "mkdocs.yml"), "--site-dir", str(site)],
-                          capture_output=True, text=True, timeout=200, env=_env(), cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--config-file",
+            str(REPO / "mkdocs.yml"),
+            "--site-dir",
+            str(site),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=_env(),
+        cwd=tmp_path,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     options = (site / "options" / "index.html").read_text()
     assert "<!-- options-table -->" not in options and options.count("<tr>") > 10  # the generated table
@@ -150,7 +169,7 @@ def test_the_site_builds_strictly(tmp_path):
 def test_the_getting_started_quick_start_is_the_readmes():
     """So the README's test runs it; a page whose quick start differed would be run here as a script of its own."""
     page = (DOCS / "getting-started.md").read_text()
-    code = re.search(r"```python\n(.*?)```", page[page.index("## Quick start"):], re.S).group(1)
+    code = re.search(r"```python\n(.*?)```", page[page.index("## Quick start") :], re.DOTALL).group(1)
     assert code == _readme_quick_start()
 
 
@@ -175,23 +194,41 @@ def test_every_python_block_is_a_script_a_fragment_or_a_file_of_the_repository()
         elif fragment and MAIN_GUARD in code:
             wrong.append(f"docs/{name}: marked {FRAGMENT}, but it has {MAIN_GUARD!r} and runs as a script")
         elif not fragment and MAIN_GUARD not in code:
-            wrong.append(f"docs/{name}: neither a complete script (with {MAIN_GUARD!r}) nor marked as a fragment "
-                         f"(a line {FRAGMENT} right before its fence)")
+            wrong.append(
+                f"docs/{name}: neither a complete script (with {MAIN_GUARD!r}) nor marked as a fragment "
+                f"(a line {FRAGMENT} right before its fence)"
+            )
     assert not wrong, "\n".join(wrong)
 
 
 def test_the_python_blocks_name_only_what_qaccel_has():
-    unknown = [f"docs/{name}: {problem}" for name, code in BLOCKS if not code.strip().startswith(INCLUDE)
-               for problem in _unknown_names(code)]
+    unknown = [
+        f"docs/{name}: {problem}"
+        for name, code in BLOCKS
+        if not code.strip().startswith(INCLUDE)
+        for problem in _unknown_names(code)
+    ]
     assert not unknown, "\n".join(unknown)
 
 
 def test_the_name_check_finds_what_qaccel_does_not_have():
     """The check itself: a fragment naming what is not there is caught, one naming what is there passes."""
-    assert _unknown_names("acc.prepare(model)\nqaccel.Preempted\nfrom qaccel import Trainer\n"
-                          "Accelerator(nprocs=2, cpu=True)\nqaccel.SlurmCluster(nodes=2)") == []
-    assert len(_unknown_names("accelerator.unscale_gradients()\nqaccel.Nothing\nfrom qaccel import nothing\n"
-                              "Accelerator(deepspeed_plugin=None)\nTrainConfig(epochs=3)")) == 5
+    assert (
+        _unknown_names(
+            "acc.prepare(model)\nqaccel.Preempted\nfrom qaccel import Trainer\n"
+            "Accelerator(nprocs=2, cpu=True)\nqaccel.SlurmCluster(nodes=2)"
+        )
+        == []
+    )
+    assert (
+        len(
+            _unknown_names(
+                "accelerator.unscale_gradients()\nqaccel.Nothing\nfrom qaccel import nothing\n"
+                "Accelerator(deepspeed_plugin=None)\nTrainConfig(epochs=3)"
+            )
+        )
+        == 5
+    )
 
 
 def test_what_the_accelerate_page_says_qaccel_lacks_it_lacks():
@@ -201,8 +238,12 @@ def test_what_the_accelerate_page_says_qaccel_lacks_it_lacks():
 
     page = (DOCS / "guides" / "accelerate.md").read_text()
     table = page.split("## What qaccel does not have", 1)[1].split("\n## ", 1)[0]
-    names = [name for row in table.splitlines() if row.startswith("| `")
-             for name in re.findall(r"`(\w+)`", row.split("|")[1])]
+    names = [
+        name
+        for row in table.splitlines()
+        if row.startswith("| `")
+        for name in re.findall(r"`(\w+)`", row.split("|")[1])
+    ]
     assert len(names) > 30
     assert [name for name in names if hasattr(qaccel.Accelerator, name)] == []
 
@@ -211,9 +252,14 @@ def test_every_file_of_the_repository_the_pages_name_exists():
     """The pages name tests, examples, sbatch scripts and benchmarks by their paths: none may be left behind by a
     move or a rename (mkdocs checks links between pages, not these)."""
     named = re.compile(r"(?<![\w/.])(?:tests|examples|slurm|benchmarks|docs)/[\w/.-]+\.(?:py|sbatch|md)\b")
-    missing = sorted({f"{page.relative_to(REPO)}: {path}"
-                      for page in [REPO / "README.md", *DOCS.rglob("*.md")]
-                      for path in named.findall(page.read_text()) if not (REPO / path).is_file()})
+    missing = sorted(
+        {
+            f"{page.relative_to(REPO)}: {path}"
+            for page in [REPO / "README.md", *DOCS.rglob("*.md")]
+            for path in named.findall(page.read_text())
+            if not (REPO / path).is_file()
+        }
+    )
     assert not missing, "\n".join(missing)
 
 
@@ -221,14 +267,24 @@ def test_every_file_of_the_repository_the_pages_name_exists():
 def test_complete_script_runs(name, code, tmp_path):
     script = tmp_path / "snippet.py"
     script.write_text(code)
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=200, env=_env(),
-                          cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=_env(),
+        cwd=tmp_path,
+        check=False,
+    )
     assert proc.returncode == 0, f"docs/{name} exited with {proc.returncode}:\n{proc.stdout}{proc.stderr}"
 
 
 # An error message quoted on a page: a line (in a text block, or in backquotes) that starts with an exception's name.
-QUOTED_ERROR = re.compile(r"(?:^|`)(?:qaccel\.errors\.)?(?P<type>[A-Z]\w*(?:Error|Exception)): "
-                          r"(?:\[Errno \d+\] )?(?P<text>[^`\n]+)", re.M)
+QUOTED_ERROR = re.compile(
+    r"(?:^|`)(?:qaccel\.errors\.)?(?P<type>[A-Z]\w*(?:Error|Exception)): "
+    r"(?:\[Errno \d+\] )?(?P<text>[^`\n]+)",
+    re.MULTILINE,
+)
 # Messages of torch's, which the pages quote to say what qaccel adds to them: not qaccel's text.
 FOREIGN = ("[../", "[enforce fail")
 MIN_FIXED = 20  # characters of fixed text a quote must match in one of qaccel's messages

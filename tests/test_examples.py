@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from support import component
 from support.procs import REPO, script_env, slurm_env, torchrun_cmd
 
@@ -36,7 +35,7 @@ def _needs(example):
 
 
 def _run(cmd, tmp_path):
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=script_env(), cwd=tmp_path)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=script_env(), cwd=tmp_path, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
@@ -61,8 +60,15 @@ def test_quickstart(tmp_path):
 def test_quickstart_under_torchrun_follows_torchrun_and_warns_once_of_a_world_mismatch(tmp_path):
     """One torchrun run serves both checks (each run costs a torchrun and two ranks): the result is printed once by
     a 2-rank world, and asking for --nprocs 4 is warned about once per job, not once per rank."""
-    proc = subprocess.run([*_torchrun(tmp_path), str(REPO / "examples/quickstart.py"), "--epochs", "10", "--nprocs", "4"],
-                          capture_output=True, text=True, timeout=200, env=script_env(), cwd=tmp_path)
+    proc = subprocess.run(
+        [*_torchrun(tmp_path), str(REPO / "examples/quickstart.py"), "--epochs", "10", "--nprocs", "4"],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=script_env(),
+        cwd=tmp_path,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("final mean loss") == 1 and "(2 ranks)" in proc.stdout, proc.stdout
     assert proc.stderr.count("Accelerator(nprocs=4) but torchrun started 2 ranks; following torchrun") == 1, proc.stderr
@@ -73,8 +79,10 @@ def test_regression_bf16_with_gradient_accumulation_under_torchrun(tmp_path):
     under python, the straight run of test_regression_resumes_where_it_stopped_and_matches_a_straight_run, and in
     place under srun, test_examples_print_once_under_srun; bf16 and accumulation on ranks qaccel starts:
     tests/train/test_training.py."""
-    out = _run([*_torchrun(tmp_path), str(REPO / "examples/regression.py"), "--bf16", "--accumulate", "2",
-                "--epochs", "4"], tmp_path)
+    out = _run(
+        [*_torchrun(tmp_path), str(REPO / "examples/regression.py"), "--bf16", "--accumulate", "2", "--epochs", "4"],
+        tmp_path,
+    )
     assert out.count("validation loss") == 1 and "2 rank(s)" in out and "float32 with bf16" in out, out
     _loss_went_down(out)
 
@@ -96,8 +104,15 @@ def test_regression_resumes_where_it_stopped_and_matches_a_straight_run(tmp_path
 
 
 def test_regression_refuses_float64_with_bf16(tmp_path):
-    proc = subprocess.run([*REGRESSION, "--dtype", "float64", "--bf16"], capture_output=True, text=True,
-                          timeout=60, env=script_env(), cwd=tmp_path)
+    proc = subprocess.run(
+        [*REGRESSION, "--dtype", "float64", "--bf16"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=script_env(),
+        cwd=tmp_path,
+        check=False,
+    )
     assert proc.returncode == 2 and "error: --bf16" in proc.stderr and "float64" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
 
@@ -119,13 +134,13 @@ def _trained_digits(out, epochs, first=1):
     and TensorBoard files with train_loss at every epoch and val_loss at every epoch and before training (step 0),
     each step once. Returns the run's folder."""
     for phase in ("train", "val"):
-        printed = [int(n) for n in re.findall(rf"^epoch (\d+): {phase}_accuracy ", out, re.M)]
+        printed = [int(n) for n in re.findall(rf"^epoch (\d+): {phase}_accuracy ", out, re.MULTILINE)]
         assert printed == list(range(first, epochs)), out
     assert out.count("validation accuracy") == 1, out
-    accuracy = re.search(r"^validation accuracy ([\d.]+)% after epoch (\d+)$", out, re.M)
+    accuracy = re.search(r"^validation accuracy ([\d.]+)% after epoch (\d+)$", out, re.MULTILINE)
     assert accuracy and float(accuracy.group(1)) >= 90 and int(accuracy.group(2)) == epochs - 1, out
     assert out.count("run folder: ") == 1, out
-    folder = Path(re.search(r"^run folder: (.+) \(curves\.png", out, re.M).group(1))
+    folder = Path(re.search(r"^run folder: (.+) \(curves\.png", out, re.MULTILINE).group(1))
     assert (folder / "curves.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     assert any((folder / "checkpoints").iterdir())
     steps = _tensorboard_steps(folder / "tracking")
@@ -169,8 +184,11 @@ ONCE = {  # each example's arguments, the lines that must appear exactly once ho
     "regression.py": (["--epochs", "4"], ["validation loss"], _loss_went_down),
     "classify_cnn.py": (["--epochs", "1"], ["test accuracy", "saved "], _classified),
     "long_run.py": (["--epochs", "1"], ["final loss"], lambda out: None),
-    "digits_trainer.py": (["--epochs", "5"], ["validation accuracy", "run folder: "],
-                          lambda out: _trained_digits(out, 5)),
+    "digits_trainer.py": (
+        ["--epochs", "5"],
+        ["validation accuracy", "run folder: "],
+        lambda out: _trained_digits(out, 5),
+    ),
 }
 # quickstart.py under srun: cluster/test_slurm_scripts.py::test_one_node_template_runs_the_quickstart_example_without_arguments
 # runs it with slurm/one_node.sbatch (srun, a task per rank) and checks "final mean loss" is printed once.
@@ -183,8 +201,16 @@ def _once(out, example):
 
 
 def test_classify_cnn_prints_once_under_torchrun_and_saves_to_out(tmp_path):
-    out = _run([*_torchrun(tmp_path), str(REPO / "examples/classify_cnn.py"), *ONCE["classify_cnn.py"][0],
-                "--out", str(tmp_path / "cnn")], tmp_path)
+    out = _run(
+        [
+            *_torchrun(tmp_path),
+            str(REPO / "examples/classify_cnn.py"),
+            *ONCE["classify_cnn.py"][0],
+            "--out",
+            str(tmp_path / "cnn"),
+        ],
+        tmp_path,
+    )
     _once(out, "classify_cnn.py")
     assert f"weights to {tmp_path / 'cnn' / 'model.pt'}" in out and (tmp_path / "cnn" / "model.pt").exists()
     assert not (tmp_path / "classify_cnn").exists()
@@ -194,8 +220,11 @@ def test_classify_cnn_prints_once_under_torchrun_and_saves_to_out(tmp_path):
 @pytest.mark.parametrize("example", sorted(ONCE))
 def test_examples_print_once_under_srun(slurm_cluster, tmp_path, example):
     _needs(example)
-    proc = slurm_cluster.srun(["-N1", "-n2", "--chdir", str(tmp_path), "python", str(REPO / "examples" / example),
-                               *ONCE[example][0]], timeout=200, env=slurm_env(slurm_cluster))
+    proc = slurm_cluster.srun(
+        ["-N1", "-n2", "--chdir", str(tmp_path), "python", str(REPO / "examples" / example), *ONCE[example][0]],
+        timeout=200,
+        env=slurm_env(slurm_cluster),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     _once(proc.stdout, example)
 
@@ -209,4 +238,6 @@ def test_long_run_continues_where_it_stopped(launcher, tmp_path):
     again = _run([*cmd, "--epochs", "2"], tmp_path)
     assert again.count("resumed from ") == 1 and "checkpoint_00000064 at epoch 1, step 64" in again
     assert sorted(p.name for p in (tmp_path / "long_run_checkpoints").iterdir()) == [
-        "checkpoint_00000120", "checkpoint_00000128"]
+        "checkpoint_00000120",
+        "checkpoint_00000128",
+    ]

@@ -13,8 +13,14 @@ import torch
 from support import component
 
 from qaccel import Accelerator, handlers
-from qaccel.utils import (AutocastKwargs, DDPCommunicationHookType, DistributedDataParallelKwargs, GradScalerKwargs,
-                          InitProcessGroupKwargs, ProfileKwargs)
+from qaccel.utils import (
+    AutocastKwargs,
+    DDPCommunicationHookType,
+    DistributedDataParallelKwargs,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    ProfileKwargs,
+)
 
 CLASSES = (DistributedDataParallelKwargs, InitProcessGroupKwargs, GradScalerKwargs, AutocastKwargs, ProfileKwargs)
 
@@ -33,12 +39,18 @@ def test_the_classes_have_accelerates_fields_and_defaults():
 
 def test_accelerates_objects_resolve_as_qaccels():
     accelerate_utils = component.module("accelerate.utils")
-    theirs = [accelerate_utils.DistributedDataParallelKwargs(find_unused_parameters=True, bucket_cap_mb=1,
-                                                             comm_hook=accelerate_utils.DDPCommunicationHookType.FP16),
-              accelerate_utils.InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=800)),
-              accelerate_utils.AutocastKwargs(cache_enabled=False)]
-    ours = [DistributedDataParallelKwargs(find_unused_parameters=True, bucket_cap_mb=1, comm_hook="fp16"),
-            InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=800)), AutocastKwargs(cache_enabled=False)]
+    theirs = [
+        accelerate_utils.DistributedDataParallelKwargs(
+            find_unused_parameters=True, bucket_cap_mb=1, comm_hook=accelerate_utils.DDPCommunicationHookType.FP16
+        ),
+        accelerate_utils.InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=800)),
+        accelerate_utils.AutocastKwargs(cache_enabled=False),
+    ]
+    ours = [
+        DistributedDataParallelKwargs(find_unused_parameters=True, bucket_cap_mb=1, comm_hook="fp16"),
+        InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=800)),
+        AutocastKwargs(cache_enabled=False),
+    ]
     from_theirs, from_ours = Accelerator(kwargs_handlers=theirs)._config, Accelerator(kwargs_handlers=ours)._config
     assert from_theirs.handlers == from_ours.handlers
     assert from_ours.handlers.ddp == {"find_unused_parameters": True, "bucket_cap_mb": 1}
@@ -50,25 +62,45 @@ def test_accelerates_objects_resolve_as_qaccels():
 def test_init_process_group_kwargs_set_the_timeout_and_backend_options():
     config = Accelerator(compute_setup="cpu", kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])._config
     assert config.backend == "gloo" and config.timeout == 1800.0, "Accelerate's timeout for a backend other than nccl"
-    assert Accelerator(timeout=800, kwargs_handlers=[
-        InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=800))])._config.timeout == 800.0
-    with pytest.raises(ValueError, match=r"InitProcessGroupKwargs\(timeout=datetime.timedelta\(seconds=800\)\) "
-                                         r"contradicts timeout=60"):
+    assert (
+        Accelerator(
+            timeout=800, kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=800))]
+        )._config.timeout
+        == 800.0
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"InitProcessGroupKwargs\(timeout=datetime.timedelta\(seconds=800\)\) "
+        r"contradicts timeout=60",
+    ):
         Accelerator(timeout=60, kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=800))])
     with pytest.raises(ValueError, match="init_method=.... is not in qaccel: the ranks meet through qaccel's store"):
         Accelerator(kwargs_handlers=[InitProcessGroupKwargs(init_method="tcp://10.0.0.1:29500")])
 
 
-@pytest.mark.parametrize("given, error, match", [
-    ([AutocastKwargs(), AutocastKwargs(enabled=False)], ValueError, "two AutocastKwargss; pass one"),
-    (AutocastKwargs(), TypeError, "kwargs_handlers must be a list of handlers"),
-    ([{"find_unused_parameters": True}], TypeError, "kwargs_handlers takes DistributedDataParallelKwargs, "),
-    ([DistributedDataParallelKwargs(comm_hook="int8")], ValueError,
-     "comm_hook must be one of 'no', 'fp16', 'bf16', 'power_sgd', 'batched_power_sgd'; got 'int8'"),
-    ([DistributedDataParallelKwargs(comm_wrapper="power_sgd")], ValueError,
-     "comm_wrapper must be one of 'no', 'fp16', 'bf16'; got 'power_sgd'"),
-    ([ProfileKwargs(activities=["tpu"])], ValueError, "ProfileKwargs.activities: 'tpu' is not one of 'cpu', 'cuda'"),
-])
+@pytest.mark.parametrize(
+    "given, error, match",
+    [
+        ([AutocastKwargs(), AutocastKwargs(enabled=False)], ValueError, "two AutocastKwargss; pass one"),
+        (AutocastKwargs(), TypeError, "kwargs_handlers must be a list of handlers"),
+        ([{"find_unused_parameters": True}], TypeError, "kwargs_handlers takes DistributedDataParallelKwargs, "),
+        (
+            [DistributedDataParallelKwargs(comm_hook="int8")],
+            ValueError,
+            "comm_hook must be one of 'no', 'fp16', 'bf16', 'power_sgd', 'batched_power_sgd'; got 'int8'",
+        ),
+        (
+            [DistributedDataParallelKwargs(comm_wrapper="power_sgd")],
+            ValueError,
+            "comm_wrapper must be one of 'no', 'fp16', 'bf16'; got 'power_sgd'",
+        ),
+        (
+            [ProfileKwargs(activities=["tpu"])],
+            ValueError,
+            "ProfileKwargs.activities: 'tpu' is not one of 'cpu', 'cuda'",
+        ),
+    ],
+)
 def test_a_mistake_fails_when_the_accelerator_is_made(given, error, match):
     with pytest.raises(error, match=match):
         Accelerator(kwargs_handlers=given)
@@ -86,7 +118,9 @@ def test_accelerates_fp8_recipes_and_ddp_settings_under_fsdp_are_refused_with_th
 
 def test_grad_scaler_kwargs_need_fp16_which_runs_on_gpus_only():
     with pytest.warns(UserWarning, match="mixed_precision='fp16' without GPU compute trains in float32"):
-        acc = Accelerator(compute_setup="cpu", mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=8.0)])
+        acc = Accelerator(
+            compute_setup="cpu", mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=8.0)]
+        )
     assert acc._config.handlers.scaler == {"init_scale": 8.0} and acc.scaler is None
     # the GPU side (the scaler made with these settings) is in tests/test_cuda.py
 
@@ -137,19 +171,30 @@ def _ddp_settings():
         return model
 
     found = {}
-    settings = DistributedDataParallelKwargs(find_unused_parameters=True, bucket_cap_mb=1, broadcast_buffers=False,
-                                             gradient_as_bucket_view=True)
+    settings = DistributedDataParallelKwargs(
+        find_unused_parameters=True, bucket_cap_mb=1, broadcast_buffers=False, gradient_as_bucket_view=True
+    )
     model = two_steps(Accelerator(compute_setup="cpu", kwargs_handlers=[settings]))
-    found["attributes"] = (model.find_unused_parameters, model.bucket_bytes_cap, model.broadcast_buffers,
-                           model.gradient_as_bucket_view)
+    found["attributes"] = (
+        model.find_unused_parameters,
+        model.bucket_bytes_cap,
+        model.broadcast_buffers,
+        model.gradient_as_bucket_view,
+    )
     try:
         two_steps(Accelerator(compute_setup="cpu"))
         found["default"] = "trained"
     except RuntimeError as exc:
         found["default"] = str(exc).splitlines()[0]
     for hook in ("fp16", "power_sgd"):
-        acc = Accelerator(compute_setup="cpu", kwargs_handlers=[DistributedDataParallelKwargs(
-            comm_hook=hook, comm_state_option={"matrix_approximation_rank": 1, "start_powerSGD_iter": 2})])
+        acc = Accelerator(
+            compute_setup="cpu",
+            kwargs_handlers=[
+                DistributedDataParallelKwargs(
+                    comm_hook=hook, comm_state_option={"matrix_approximation_rank": 1, "start_powerSGD_iter": 2}
+                )
+            ],
+        )
         torch.manual_seed(0)
         model = acc.prepare(torch.nn.Linear(4, 4))
         model(torch.randn(3, 4) * (dist.get_rank() + 1) / 3).sum().backward()
@@ -162,8 +207,9 @@ def _ddp_settings():
 def test_ddp_settings_and_communication_hooks_reach_the_wrapper_on_real_ranks(acc):
     for found in acc.distribute(_ddp_settings, all_results=True)():
         assert found["attributes"] == (True, 1024 * 1024, False, True)
-        assert "Expected to have finished reduction in the prior iteration" in found["default"], \
+        assert "Expected to have finished reduction in the prior iteration" in found["default"], (
             "without find_unused_parameters the unused branch fails: the setting is what makes it train"
+        )
         assert found["fp16"] == ("fp16_compress_hook", True), "gradients all-reduced in fp16"
         assert found["power_sgd"][0] == "powerSGD_hook"
 

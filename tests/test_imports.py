@@ -28,8 +28,13 @@ gc.callbacks.append(lambda phase, info: phase == "start" and importing_dynamo() 
 
 
 def _run(code: str) -> dict:
-    proc = subprocess.run([sys.executable, "-c", COUNT_COLLECTIONS + textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=100)
+    proc = subprocess.run(
+        [sys.executable, "-c", COUNT_COLLECTIONS + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.splitlines()[-1])
 

@@ -11,8 +11,16 @@ import qaccel
 PACKAGE = Path(qaccel.__file__).parent
 # lowest first; the package's own __init__ and __main__ re-export and may import anything
 LAYERS = [
-    {"qaccel.options", "qaccel.errors", "qaccel.environment", "qaccel.storage", "qaccel.unpickling", "qaccel.nested",
-     "qaccel.imports", "qaccel.handlers"},
+    {
+        "qaccel.options",
+        "qaccel.errors",
+        "qaccel.environment",
+        "qaccel.storage",
+        "qaccel.unpickling",
+        "qaccel.nested",
+        "qaccel.imports",
+        "qaccel.handlers",
+    },
     {"qaccel.comm"},
     {"qaccel.train"},
     {"qaccel.launch"},

@@ -75,14 +75,20 @@ def _where(ask_qaccel):
     from qaccel import Accelerator
 
     made = Accelerator() if ask_qaccel else None
-    return {"cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "use_cpu": os.environ.get("ACCELERATE_USE_CPU"),
-            "precision": os.environ.get("ACCELERATE_MIXED_PRECISION"), "cuda": torch.cuda.is_available(),
-            "qaccel": None if made is None else (made.world_size, str(made.device), made.mixed_precision.value)}
+    return {
+        "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "use_cpu": os.environ.get("ACCELERATE_USE_CPU"),
+        "precision": os.environ.get("ACCELERATE_MIXED_PRECISION"),
+        "cuda": torch.cuda.is_available(),
+        "qaccel": None if made is None else (made.world_size, str(made.device), made.mixed_precision.value),
+    }
 
 
 def test_the_launchers_tell_an_accelerator_made_in_the_function_their_settings_and_give_the_callers_back():
-    before = {name: os.environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", "ACCELERATE_USE_CPU",
-                                                      "ACCELERATE_MIXED_PRECISION")}
+    before = {
+        name: os.environ.get(name)
+        for name in ("CUDA_VISIBLE_DEVICES", "ACCELERATE_USE_CPU", "ACCELERATE_MIXED_PRECISION")
+    }
     ranks = notebook_launcher(_where, (True,), num_processes=2, mixed_precision="bf16")
     assert ranks["precision"] == "bf16", "ACCELERATE_MIXED_PRECISION, for Accelerate's Accelerator"
     world, _, precision = ranks["qaccel"]
@@ -97,6 +103,9 @@ def test_the_launchers_tell_an_accelerator_made_in_the_function_their_settings_a
 def test_what_notebook_launcher_cannot_do_is_refused_saying_what_to_do():
     with pytest.raises(ValueError, match=r"notebook_launcher\(\) needs num_processes=\.\.\."):
         notebook_launcher(_where, (False,))
-    with pytest.raises(ValueError, match=r"notebook_launcher\(num_nodes=2, node_rank=0\): qaccel starts ranks on this "
-                                         r"machine only; for several nodes run the script under torchrun"):
+    with pytest.raises(
+        ValueError,
+        match=r"notebook_launcher\(num_nodes=2, node_rank=0\): qaccel starts ranks on this "
+        r"machine only; for several nodes run the script under torchrun",
+    ):
         notebook_launcher(_where, (False,), num_processes=2, num_nodes=2)

@@ -17,15 +17,16 @@ def test_the_signature_is_the_declaration():
     """What IDEs and type checkers read (the written-out __init__) is what the declaration says, in order, with the
     same defaults, kinds and annotations; then Accelerate's translated arguments, then the refused rest."""
     *parameters, refused = list(inspect.signature(Accelerator.__init__).parameters.values())[1:]
-    assert refused.kind is inspect.Parameter.VAR_KEYWORD and refused.annotation == "Never", \
+    assert refused.kind is inspect.Parameter.VAR_KEYWORD and refused.annotation == "Never", (
         "other keywords: refused at run time naming the qaccel way, and by a type checker"
+    )
     names = [o.name for o in options.OPTIONS] + list(options.ACCELERATE_NAMES)
     assert [p.name for p in parameters] == names
     for parameter, option in zip(parameters, options.OPTIONS):
         assert (parameter.default, parameter.annotation) == (option.default, option.annotation), option.name
         kind = inspect.Parameter.KEYWORD_ONLY if option.keyword_only else inspect.Parameter.POSITIONAL_OR_KEYWORD
         assert parameter.kind is kind, option.name
-    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in parameters[len(options.OPTIONS):])
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in parameters[len(options.OPTIONS) :])
 
 
 def test_the_config_and_the_trainers_config_inherit_every_option_from_the_declaration():
@@ -70,8 +71,11 @@ def test_accelerates_cpu_is_understood_and_its_other_arguments_name_the_qaccel_w
     assert Accelerator(cpu=True).device.type == "cpu"
     with pytest.raises(ValueError, match="cpu=True contradicts compute_setup='gpu'"):
         Accelerator(cpu=True, compute_setup="gpu")
-    with pytest.raises(TypeError, match=r"Accelerator\(fsdp_plugin=...\) is Accelerate's; in qaccel: "
-                                        r"strategy='fsdp' with fsdp_modules"):
+    with pytest.raises(
+        TypeError,
+        match=r"Accelerator\(fsdp_plugin=...\) is Accelerate's; in qaccel: "
+        r"strategy='fsdp' with fsdp_modules",
+    ):
         Accelerator(fsdp_plugin=object())
     with pytest.raises(TypeError, match="unexpected argument 'nproc'; the options are nprocs, compute_setup"):
         Accelerator(nproc=2)
@@ -83,8 +87,9 @@ def test_accelerates_cpu_is_understood_and_its_other_arguments_name_the_qaccel_w
 def test_accelerates_dataloader_configuration_sets_the_loader_options_and_refuses_what_qaccel_lacks():
     from types import SimpleNamespace as DataLoaderConfiguration  # its fields, without installing Accelerate
 
-    config = DataLoaderConfiguration(split_batches=True, even_batches=True, dispatch_batches=False,
-                                     use_seedable_sampler=True, non_blocking=False)
+    config = DataLoaderConfiguration(
+        split_batches=True, even_batches=True, dispatch_batches=False, use_seedable_sampler=True, non_blocking=False
+    )
     assert Accelerator(cpu=True, dataloader_config=config)._config.split_batches is True
     assert Accelerator(cpu=True, dataloader_config=config)._config.use_seedable_sampler is True
     assert Accelerator(cpu=True, dataloader_config=None)._config.split_batches is False
@@ -100,8 +105,11 @@ def test_accelerates_dataloader_configuration_sets_the_loader_options_and_refuse
     changed.data_seed = 43  # a plain dataclass, as Accelerate's: scripts change a field before passing it
     assert Accelerator(cpu=True, dataloader_config=changed)._config.data_seed == 43
     assert Accelerator(cpu=True, dataloader_config=seeded)._config.data_seed == 3
-    with pytest.raises(ValueError, match=r"data_seed seeds the order of use_seedable_sampler=True .as in Accelerate, "
-                                         r"where it does nothing otherwise."):
+    with pytest.raises(
+        ValueError,
+        match=r"data_seed seeds the order of use_seedable_sampler=True .as in Accelerate, "
+        r"where it does nothing otherwise.",
+    ):
         Accelerator(dataloader_config=DataLoaderConfiguration(data_seed=3))
     with pytest.raises(ValueError, match=r"DataLoaderConfiguration\(use_stateful_dataloader=True\) is not in qaccel"):
         Accelerator(dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True))
@@ -113,13 +121,14 @@ def test_accelerates_dataloader_configuration_sets_the_loader_options_and_refuse
 def test_accelerates_accumulation_plugin_sets_the_accumulation_options():
     from qaccel import GradientAccumulationPlugin
 
-    acc = Accelerator(cpu=True, gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=4, sync_each_batch=True))
+    acc = Accelerator(
+        cpu=True, gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=4, sync_each_batch=True)
+    )
     assert (acc.gradient_accumulation_steps, acc._config.sync_each_batch) == (4, True)
     with pytest.raises(ValueError, match=r"num_steps=4\) contradicts gradient_accumulation_steps=2"):
         Accelerator(gradient_accumulation_steps=2, gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=4))
     with pytest.raises(ValueError, match="sync_with_dataloader=False. is not in qaccel"):
         Accelerator(gradient_accumulation_plugin=GradientAccumulationPlugin(sync_with_dataloader=False))
-
 
 
 def test_mixed_precision_unset_reads_what_accelerates_launchers_export(monkeypatch):
@@ -129,6 +138,9 @@ def test_mixed_precision_unset_reads_what_accelerates_launchers_export(monkeypat
     assert Accelerator(compute_setup="cpu").mixed_precision == "bf16", "as Accelerate reads it: any case"
     assert Accelerator(compute_setup="cpu", mixed_precision="no").mixed_precision == "no", "an argument wins"
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
-    with pytest.raises(ValueError, match=r"^ACCELERATE_MIXED_PRECISION='fp8' \(read for mixed_precision=None\) must "
-                                         r"be one of 'no', 'bf16', 'fp16'$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^ACCELERATE_MIXED_PRECISION='fp8' \(read for mixed_precision=None\) must "
+        r"be one of 'no', 'bf16', 'fp16'$",
+    ):
         Accelerator(compute_setup="cpu")

@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-GOOD = '''
+GOOD = """
 import torch
 from qaccel import Accelerator
 
@@ -30,7 +30,7 @@ if __name__ == "__main__":
     acc = Accelerator(2, "cpu", timeout=60, strategy="fsdp", mixed_precision="bf16", project_dir="runs")
     result: float = acc.distribute(train)(acc, 4)
     print(acc.world_size, acc.device, acc.is_main_process, result)
-'''
+"""
 
 BAD = {  # line: what pyright must say about it
     'Accelerator(nprocs="four")': 'cannot be assigned to parameter "nprocs" of type "int"',
@@ -48,11 +48,20 @@ def _pyright(tmp_path: Path, **scripts: str) -> list[tuple[str, int, str]]:
     for name, text in scripts.items():
         (tmp_path / f"{name}.py").write_text(textwrap.dedent(text))
     (tmp_path / "pyrightconfig.json").write_text(json.dumps({"extraPaths": [str(ROOT)]}))
-    run = subprocess.run([pyright, "--outputjson", "--pythonpath", sys.executable, *(f"{n}.py" for n in scripts)],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    run = subprocess.run(
+        [pyright, "--outputjson", "--pythonpath", sys.executable, *(f"{n}.py" for n in scripts)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     report = json.loads(run.stdout)
-    return [(Path(d["file"]).stem, d["range"]["start"]["line"] + 1, d["message"])
-            for d in report["generalDiagnostics"] if d["severity"] == "error"]
+    return [
+        (Path(d["file"]).stem, d["range"]["start"]["line"] + 1, d["message"])
+        for d in report["generalDiagnostics"]
+        if d["severity"] == "error"
+    ]
 
 
 def test_pyright_reports_a_users_mistakes_and_nothing_in_a_correct_script(tmp_path):

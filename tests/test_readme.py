@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from support.procs import REPO, run_script, run_torchrun, slurm_env
 
 pytestmark = pytest.mark.timeout(240)
@@ -15,8 +14,8 @@ pytestmark = pytest.mark.timeout(240)
 def _quick_start(tmp_path):
     """The first python block after the README's "## Quick start" heading, as a script file."""
     readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("## Quick start"):]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    section = readme[readme.index("## Quick start") :]
+    code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
     assert 'if __name__ == "__main__":' in code and "distribute(" in code
     script = tmp_path / "quick_start.py"
     script.write_text(code)
@@ -40,6 +39,7 @@ def test_quick_start_prints_once_under_torchrun(tmp_path):
 
 @pytest.mark.slurm
 def test_quick_start_prints_once_under_srun(slurm_cluster, tmp_path):
-    proc = slurm_cluster.srun(["-N1", "-n2", "python", str(_quick_start(tmp_path))], timeout=200,
-                              env=slurm_env(slurm_cluster))
+    proc = slurm_cluster.srun(
+        ["-N1", "-n2", "python", str(_quick_start(tmp_path))], timeout=200, env=slurm_env(slurm_cluster)
+    )
     _printed_once(proc)

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from qaccel import Accelerator, CheckpointError
-from qaccel.trainer import saveload
 from support import other_user
 from support.procs import marked_pids, result_lines, script_env, script_file, signal_when, torchrun_cmd
 from support.states import Counter
+
+from qaccel import Accelerator, CheckpointError
+from qaccel.trainer import saveload
 
 pytestmark = [pytest.mark.other_user, pytest.mark.timeout(180)]
 
@@ -47,8 +47,15 @@ def _attacked(cmd: list[str], tmp_path: Path, attack, env: dict | None = None):
         found["attack"] = attack(ready.split("READY ", 1)[1].split()[0])
         release.touch()
 
-    done = signal_when([*cmd, str(tmp_path / "ckpt"), str(release)], 0, "READY ", env=env or script_env(),
-                       cwd=tmp_path, timeout=180, send=attack_then_release)
+    done = signal_when(
+        [*cmd, str(tmp_path / "ckpt"), str(release)],
+        0,
+        "READY ",
+        env=env or script_env(),
+        cwd=tmp_path,
+        timeout=180,
+        send=attack_then_release,
+    )
     done.attack = found.get("attack")
     return done
 
@@ -125,7 +132,7 @@ def _listening(pids: list[int]) -> set[str]:
         for fd in Path(f"/proc/{pid}/fd").glob("*"):
             with contextlib.suppress(OSError):
                 if (target := os.readlink(fd)).startswith("socket:["):
-                    inodes.add(target[len("socket:["):-1])
+                    inodes.add(target[len("socket:[") : -1])
     found = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
@@ -151,8 +158,15 @@ def test_a_launch_listens_on_loopback_only_and_its_forkserver_socket_stays_priva
 def test_a_run_root_another_user_squatted_costs_nothing(tmp_path):
     shared = _open_to_all(tmp_path / "shared")
     squatted = other_user.run("squat", str(shared), str(os.getuid()))["made"]
-    done = subprocess.run([sys.executable, str(script_file("rank_sum.py")), "1"], capture_output=True, text=True,
-                          timeout=120, env=script_env(TMPDIR=str(shared)), cwd=tmp_path, check=False)
+    done = subprocess.run(
+        [sys.executable, str(script_file("rank_sum.py")), "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=script_env(TMPDIR=str(shared)),
+        cwd=tmp_path,
+        check=False,
+    )
     assert done.returncode == 0 and "sum 3" in done.stdout, done.stdout + done.stderr
     other = other_user.ids()[0]
     for path in squatted:  # left as the other user made them

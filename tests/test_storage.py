@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 
-from qaccel import storage
 from support import component
 from support.pagecache import cached_pages, droppable
+
+from qaccel import storage
 
 
 def test_release_drops_a_durable_files_pages_and_the_file_reads_back_the_same(tmp_path):

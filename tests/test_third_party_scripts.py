@@ -28,16 +28,18 @@ def _one_training(plain: list[dict], torchrun: list[dict], samples: int, epochs:
     calls = len(plain)
     assert calls == 2 and len(torchrun) == 2 * calls, (plain, torchrun)
     for call, result in enumerate(plain):
-        assert [r for r in torchrun if r["call"] == result["call"]] == [result, result], \
+        assert [r for r in torchrun if r["call"] == result["call"]] == [result, result], (
             f"call {call}: torchrun's processes trained what the plain launch trained"
+        )
         ranks = result["ranks"]
         assert [(r["rank"], r["world"]) for r in ranks] == [(0, 2), (1, 2)], "one world of 2, seen by the library"
         assert ranks[0]["weights"] == ranks[1]["weights"], "DDP kept the ranks' weights equal"
         per_epoch = samples // 2
         for epoch in range(epochs):
-            shards = [set(r["seen"][epoch * per_epoch:(epoch + 1) * per_epoch]) for r in ranks]
-            assert not shards[0] & shards[1] and shards[0] | shards[1] == set(range(samples)), \
+            shards = [set(r["seen"][epoch * per_epoch : (epoch + 1) * per_epoch]) for r in ranks]
+            assert not shards[0] & shards[1] and shards[0] | shards[1] == set(range(samples)), (
                 f"call {call}, epoch {epoch}: each rank trained on its own half of the data"
+            )
     assert plain[0]["ranks"][0]["weights"] == plain[1]["ranks"][0]["weights"], "both calls trained the same model"
 
 
@@ -65,5 +67,8 @@ def test_a_lightning_fabric_loop_and_lightnings_trainer_run_on_the_ranks(tmp_pat
     plain, torchrun = _runs("lightning_loops.py", tmp_path)
     _one_training(plain, torchrun, samples=32)
     assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == [
-        "fabric_epoch_0.ckpt", "fabric_epoch_1.ckpt", "trainer"]
+        "fabric_epoch_0.ckpt",
+        "fabric_epoch_1.ckpt",
+        "trainer",
+    ]
     assert [p.name for p in (tmp_path / "plain" / "trainer" / "checkpoints").iterdir()] == ["epoch=1-step=8.ckpt"]

@@ -12,11 +12,11 @@ import os
 
 import pytest
 import torch
+from support import component
 from torch.utils.data import DataLoader, TensorDataset
 
 from qaccel import Accelerator, TrainConfig, Trainer
 from qaccel.callbacks import Callback, EarlyStopping
-from support import component
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -33,15 +33,28 @@ def _model():
 
 
 def _config(tmp_path, **fields):
-    values = dict(max_iter=3, compute_setup="cpu", tracking_tool="csv", log_folder=tmp_path / "run", verbose=False)
+    values = {
+        "max_iter": 3,
+        "compute_setup": "cpu",
+        "tracking_tool": "csv",
+        "log_folder": tmp_path / "run",
+        "verbose": False,
+    }
     return TrainConfig(**{**values, **fields})
 
 
 def _trainer(config, batch_size=8, **kwargs):
     model = _model()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
-    return Trainer(model, optimizer, config, "mse", DataLoader(_data(), batch_size=batch_size),
-                   DataLoader(_data(32), batch_size=batch_size), **kwargs)
+    return Trainer(
+        model,
+        optimizer,
+        config,
+        "mse",
+        DataLoader(_data(), batch_size=batch_size),
+        DataLoader(_data(32), batch_size=batch_size),
+        **kwargs,
+    )
 
 
 def _params(model):
@@ -85,8 +98,9 @@ def test_two_ranks_return_what_they_trained_equal_to_one_process_and_to_the_loop
 
     acc = Accelerator(nprocs=2, compute_setup="cpu")
     hand = _model()
-    state = acc.distribute(_by_hand)(acc, hand, torch.optim.Adam(hand.parameters(), lr=0.05),
-                                     DataLoader(_data(), batch_size=8), 4)  # epochs 0 .. max_iter
+    state = acc.distribute(_by_hand)(
+        acc, hand, torch.optim.Adam(hand.parameters(), lr=0.05), DataLoader(_data(), batch_size=8), 4
+    )  # epochs 0 .. max_iter
     hand.load_state_dict(state)
     torch.testing.assert_close(_params(model), _params(hand), atol=1e-6, rtol=0)
 
@@ -118,8 +132,15 @@ def test_a_second_fit_continues_the_folders_checkpoints_and_ends_where_one_long_
     which it leaves as it was; a fit
     from scratch would end with the same parameters (seeded, no shuffling), so what it trained is what tells."""
     noted = tmp_path / "batches"
-    fields = dict(nprocs=2, checkpoint_every=1, write_every=1, rank_prefix=True, callbacks=[  # ranks' lines: to capfd
-        Callback("train_batch_end", 1, functools.partial(_note_batch, noted))])
+    fields = {
+        "nprocs": 2,
+        "checkpoint_every": 1,
+        "write_every": 1,
+        "rank_prefix": True,
+        "callbacks": [  # ranks' lines: to capfd
+            Callback("train_batch_end", 1, functools.partial(_note_batch, noted))
+        ],
+    }
     first = _trainer(_config(tmp_path, max_iter=2, **fields))
     first.fit()
     assert _noted(noted) == [(0, epoch, batch) for epoch in (0, 1, 2) for batch in range(4 * epoch + 1, 4 * epoch + 5)]
@@ -128,24 +149,30 @@ def test_a_second_fit_continues_the_folders_checkpoints_and_ends_where_one_long_
     capfd.readouterr()
     more = _trainer(_config(tmp_path, max_iter=4, **fields))
     more.fit()
-    assert f"qaccel: resumed {first.log_folder / 'checkpoints' / 'checkpoint_00000012'} after epoch 2 (training " \
+    assert (
+        f"qaccel: resumed {first.log_folder / 'checkpoints' / 'checkpoint_00000012'} after epoch 2 (training "
         "epochs 3-4 next)" in capfd.readouterr().err
-    assert _noted(noted) == [(0, epoch, batch) for epoch in (3, 4) for batch in range(4 * epoch + 1, 4 * epoch + 5)], \
+    )
+    assert _noted(noted) == [(0, epoch, batch) for epoch in (3, 4) for batch in range(4 * epoch + 1, 4 * epoch + 5)], (
         "the second fit trained epochs 3 and 4 only"
-    assert {name: kept[name] for name in kept} == {name: _untouched(more.log_folder / "checkpoints")[name]
-                                                   for name in kept}, "the first fit's checkpoints untouched"
-    straight = _trainer(_config(tmp_path, nprocs=2, max_iter=4, checkpoint_every=1, write_every=1,
-                                log_folder=tmp_path / "straight"))
+    )
+    assert {name: kept[name] for name in kept} == {
+        name: _untouched(more.log_folder / "checkpoints")[name] for name in kept
+    }, "the first fit's checkpoints untouched"
+    straight = _trainer(
+        _config(tmp_path, nprocs=2, max_iter=4, checkpoint_every=1, write_every=1, log_folder=tmp_path / "straight")
+    )
     straight.fit()
     assert torch.equal(_params(more.model), _params(straight.model)), "bitwise the same as one fit of 4 epochs"
     assert [int(r["step"]) for r in _tracked(more.log_folder)] == [1, 2, 3, 4], "each epoch tracked once"
     assert [h["step"] for h in more.history] == [0, 1, 2, 3, 4]
     assert sorted(p.name for p in (more.log_folder / "checkpoints").iterdir()) == [
-        f"checkpoint_{steps:08d}" for steps in (4, 8, 12, 16, 20)], "after each epoch, 0 to 4"
+        f"checkpoint_{steps:08d}" for steps in (4, 8, 12, 16, 20)
+    ], "after each epoch, 0 to 4"
 
 
 def test_checkpoints_written_in_the_background_resume_as_the_blocking_ones(tmp_path):
-    fields = dict(nprocs=2, checkpoint_every=1, checkpoint_in_background=True)
+    fields = {"nprocs": 2, "checkpoint_every": 1, "checkpoint_in_background": True}
     _trainer(_config(tmp_path, max_iter=2, **fields)).fit()
     more = _trainer(_config(tmp_path, max_iter=4, **fields))
     more.fit()  # from the first fit's last checkpoint, written in the background
@@ -153,7 +180,8 @@ def test_checkpoints_written_in_the_background_resume_as_the_blocking_ones(tmp_p
     straight.fit()
     assert torch.equal(_params(more.model), _params(straight.model)), "bitwise the same as one blocking fit"
     assert sorted(p.name for p in (more.log_folder / "checkpoints").iterdir()) == [
-        f"checkpoint_{steps:08d}" for steps in (4, 8, 12, 16, 20)], "every one complete, nothing half-written"
+        f"checkpoint_{steps:08d}" for steps in (4, 8, 12, 16, 20)
+    ], "every one complete, nothing half-written"
 
 
 def test_early_stopping_stops_every_rank_after_the_same_epoch(tmp_path):
@@ -215,33 +243,43 @@ def test_test_with_split_batches_counts_the_real_part_of_a_partly_padded_batch(t
     assert metrics["test_loss"] == pytest.approx(expected, rel=1e-6)
 
 
-@pytest.mark.parametrize("fields, exc, message", [
-    ({"max_iter": -1}, ValueError, "TrainConfig.max_iter must be an int >= 0; got -1"),
-    ({"val_every": -1}, ValueError, "TrainConfig.val_every must be an int >= 0; got -1"),
-    ({"tracking_tool": "comet_ml"}, ValueError,
-     "TrainConfig.tracking_tool must be one of 'tensorboard', 'mlflow', 'wandb', 'csv'"),
-    ({"log_with": "comet_ml"}, ValueError, "TrainConfig.log_with must be one of 'tensorboard', 'wandb', 'mlflow'"),
-    ({"lr_scheduler_step": "step"}, ValueError, "TrainConfig.lr_scheduler_step must be one of 'epoch', 'batch'"),
-    ({"callbacks": [print]}, TypeError, "TrainConfig.callbacks must be a list of qaccel.callbacks.Callback"),
-    ({"nprocs": 0}, ValueError, "TrainConfig.nprocs must be a positive int; got 0"),
-    ({"keep_checkpoints": 0}, ValueError, "TrainConfig.keep_checkpoints must be an int >= 1; got 0"),
-    ({"strategy": "zero"}, ValueError, "TrainConfig.strategy must be one of 'ddp', 'fsdp'; got 'zero'"),
-    ({"timeout": datetime.timedelta(0)}, ValueError, "TrainConfig.timeout must be a positive number"),
-])
+@pytest.mark.parametrize(
+    "fields, exc, message",
+    [
+        ({"max_iter": -1}, ValueError, "TrainConfig.max_iter must be an int >= 0; got -1"),
+        ({"val_every": -1}, ValueError, "TrainConfig.val_every must be an int >= 0; got -1"),
+        (
+            {"tracking_tool": "comet_ml"},
+            ValueError,
+            "TrainConfig.tracking_tool must be one of 'tensorboard', 'mlflow', 'wandb', 'csv'",
+        ),
+        ({"log_with": "comet_ml"}, ValueError, "TrainConfig.log_with must be one of 'tensorboard', 'wandb', 'mlflow'"),
+        ({"lr_scheduler_step": "step"}, ValueError, "TrainConfig.lr_scheduler_step must be one of 'epoch', 'batch'"),
+        ({"callbacks": [print]}, TypeError, "TrainConfig.callbacks must be a list of qaccel.callbacks.Callback"),
+        ({"nprocs": 0}, ValueError, "TrainConfig.nprocs must be a positive int; got 0"),
+        ({"keep_checkpoints": 0}, ValueError, "TrainConfig.keep_checkpoints must be an int >= 1; got 0"),
+        ({"strategy": "zero"}, ValueError, "TrainConfig.strategy must be one of 'ddp', 'fsdp'; got 'zero'"),
+        ({"timeout": datetime.timedelta(0)}, ValueError, "TrainConfig.timeout must be a positive number"),
+    ],
+)
 def test_bad_config_values_fail_at_construction_naming_the_field(fields, exc, message):
     with pytest.raises(exc, match=message.replace("(", r"\(").replace(")", r"\)")):
         TrainConfig(**fields)
 
 
 def test_checkpoint_best_only_without_validation_warns_that_nothing_will_be_saved():
-    with pytest.warns(UserWarning, match="checkpoint_best_only keeps the best validation, and val_every=0 validates "
-                                         "never: no checkpoint will be saved") as caught:
+    with pytest.warns(
+        UserWarning,
+        match="checkpoint_best_only keeps the best validation, and val_every=0 validates "
+        "never: no checkpoint will be saved",
+    ) as caught:
         TrainConfig(checkpoint_best_only=True)
     assert caught[0].filename == __file__, "it points at the line that made the config"
 
 
 def test_the_config_holds_every_accelerator_option_with_its_default():
     from qaccel import options
+
     config = TrainConfig()
     for option in options.OPTIONS:
         assert getattr(config, option.name) == option.default, option.name
@@ -249,8 +287,9 @@ def test_the_config_holds_every_accelerator_option_with_its_default():
 
 def test_bad_trainer_arguments_fail_at_construction(tmp_path):
     with pytest.raises(ValueError, match="loss_fn must be one of 'mse', 'cross_entropy'"):
-        _trainer(_config(tmp_path)).__class__(_model(), torch.optim.SGD(_model().parameters(), lr=1),
-                                              _config(tmp_path), "l1")
+        _trainer(_config(tmp_path)).__class__(
+            _model(), torch.optim.SGD(_model().parameters(), lr=1), _config(tmp_path), "l1"
+        )
     with pytest.raises(TypeError, match="Trainer\\(config=...\\) takes a qaccel.TrainConfig"):
         Trainer(_model(), torch.optim.SGD(_model().parameters(), lr=1), {"max_iter": 1})
 
@@ -261,8 +300,9 @@ def test_mlflow_continues_the_same_run_after_a_second_fit(tmp_path, monkeypatch)
     from mlflow.tracking import MlflowClient
 
     for epochs in (2, 4):
-        trainer = _trainer(_config(tmp_path, nprocs=2, max_iter=epochs, checkpoint_every=1, write_every=1,
-                                   tracking_tool="mlflow"))
+        trainer = _trainer(
+            _config(tmp_path, nprocs=2, max_iter=epochs, checkpoint_every=1, write_every=1, tracking_tool="mlflow")
+        )
         trainer.fit()
     store = trainer.log_folder / "tracking" / "mlruns"
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
@@ -272,7 +312,8 @@ def test_mlflow_continues_the_same_run_after_a_second_fit(tmp_path, monkeypatch)
     history = client.get_metric_history(runs[0].info.run_id, "train_loss")
     assert sorted(m.step for m in history) == [1, 2, 3, 4], "epoch 0 is not written, as in qadence"
     assert [m.value for m in sorted(history, key=lambda m: m.step)] == pytest.approx(
-        [h["train_loss"] for h in trainer.history if h["step"]], rel=1e-6)
+        [h["train_loss"] for h in trainer.history if h["step"]], rel=1e-6
+    )
 
 
 def test_the_curves_are_drawn_and_plots_logged(tmp_path):
@@ -298,8 +339,9 @@ def test_a_scheduler_stepped_per_batch_steps_once_per_optimizer_update(tmp_path,
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     config = _config(tmp_path, nprocs=2, max_iter=1, lr_scheduler_step="batch", gradient_accumulation_steps=accumulate)
     Trainer(model, optimizer, config, "mse", DataLoader(_data(), batch_size=8), lr_scheduler=scheduler).fit()
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** updates), \
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**updates), (
         "epochs 0 and 1, each of 64 samples, 16 a round: 4 rounds"
+    )
     assert scheduler.last_epoch == updates
 
 
@@ -333,18 +375,20 @@ def test_a_restarted_fit_continues_its_checkpoint_and_tracker_to_the_uninterrupt
     """Attempt 0 fails at epoch 3's first batch; attempt 1 resumes from the checkpoint after epoch 2 and trains
     epochs 3 and 4 only (one from scratch would end with the same parameters: what it trained is what tells)."""
     noted = tmp_path / "batches"
-    fields = dict(nprocs=2, max_iter=4, checkpoint_every=1, write_every=1)
+    fields = {"nprocs": 2, "max_iter": 4, "checkpoint_every": 1, "write_every": 1}
     failing = Callback("train_batch_end", 1, _fail_once_in_epoch_3)
     note = Callback("train_batch_end", 1, functools.partial(_note_batch, noted))
     restarted = _trainer(_config(tmp_path, max_restarts=1, rank_prefix=True, callbacks=[note, failing], **fields))
     restarted.fit()
     err = capfd.readouterr().err
     assert "restarting all 2 ranks (restart 1 of 1)" in err
-    assert f"qaccel: resumed {restarted.log_folder / 'checkpoints' / 'checkpoint_00000012'} after epoch 2 (training " \
+    assert (
+        f"qaccel: resumed {restarted.log_folder / 'checkpoints' / 'checkpoint_00000012'} after epoch 2 (training "
         "epochs 3-4 next)" in err
+    )
     assert [entry for entry in _noted(noted) if entry[0] == 1] == [
-        (1, epoch, batch) for epoch in (3, 4) for batch in range(4 * epoch + 1, 4 * epoch + 5)], \
-        "the second attempt trained epochs 3 and 4 only"
+        (1, epoch, batch) for epoch in (3, 4) for batch in range(4 * epoch + 1, 4 * epoch + 5)
+    ], "the second attempt trained epochs 3 and 4 only"
     straight = _trainer(_config(tmp_path, log_folder=tmp_path / "straight", **fields))
     straight.fit()
     assert torch.equal(_params(restarted.model), _params(straight.model))
@@ -378,13 +422,16 @@ def test_per_batch_writes_go_on_the_batch_axis_and_called_every_counts_batches(t
     trainer.fit()  # 64 samples, 8 per batch, 2 ranks: 4 batches an epoch, epochs 0 to 2
     with open(trainer.log_folder / "tracking" / "batches.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert [int(row["step"]) for row in rows] == [step for batch in range(1, 13)
-                                                  for step in [batch] * (2 if batch % 3 == 0 else 1)], \
-        "each batch, and every third twice"
+    assert [int(row["step"]) for row in rows] == [
+        step for batch in range(1, 13) for step in [batch] * (2 if batch % 3 == 0 else 1)
+    ], "each batch, and every third twice"
     grads = [row for row in rows if row["0.weight_max"]]
-    assert len(grads) == 12 and all(float(row["0.weight_max"]) > float(row["0.weight_min"]) for row in grads), \
+    assert len(grads) == 12 and all(float(row["0.weight_max"]) > float(row["0.weight_min"]) for row in grads), (
         "each step's gradients, under qadence's names"
-    assert {name for name in rows[0] if name.startswith("0.weight")} == {f"0.weight_{s}" for s in ("mean", "std", "max", "min")}
+    )
+    assert {name for name in rows[0] if name.startswith("0.weight")} == {
+        f"0.weight_{s}" for s in ("mean", "std", "max", "min")
+    }
     losses = [(int(row["step"]), float(row["train_loss"])) for row in rows if row["train_loss"]]
     assert [step for step, _ in losses] == [3, 6, 9, 12] and all(loss > 0 for _, loss in losses)
     epochs = _tracked(trainer.log_folder)

@@ -79,9 +79,10 @@ def test_an_uninterrupted_fit_tracks_every_epoch_once(reference):
     result, scalars = reference
     assert [step for step, _ in scalars["train_loss"]] == [1, 2, 3], "epoch 0's is not written, as in qadence"
     assert [step for step, _ in scalars["val_loss"]] == [0, 1, 2, 3]
-    assert [step for step, _ in scalars["batches"]] == list(range(1, 25)), \
+    assert [step for step, _ in scalars["batches"]] == list(range(1, 25)), (
         "96 samples, 8 a batch, 2 ranks: 6 an epoch, epochs 0 to 3"
-    assert result["lr"] == pytest.approx(0.01 * 0.9 ** 4), "the scheduler stepped once per epoch, and came back"
+    )
+    assert result["lr"] == pytest.approx(0.01 * 0.9**4), "the scheduler stepped once per epoch, and came back"
 
 
 def test_sigterm_saves_and_a_rerun_ends_bitwise_where_the_uninterrupted_fit_ends(reference, tmp_path):
@@ -90,8 +91,14 @@ def test_sigterm_saves_and_a_rerun_ends_bitwise_where_the_uninterrupted_fit_ends
     assert first.returncode == 128 + signal.SIGTERM, first.stdout + first.stderr
     assert first.stderr.count("qaccel: stopped by SIGTERM after saving state to") == 1, first.stderr
     assert "epoch 3 done" not in first.stderr, "stopped mid-run"
-    second = run_script(SCRIPT, str(tmp_path / "run"), EPOCHS, cwd=tmp_path, timeout=200,
-                        env=script_env(BATCH_LOG=str(tmp_path / "batches")))
+    second = run_script(
+        SCRIPT,
+        str(tmp_path / "run"),
+        EPOCHS,
+        cwd=tmp_path,
+        timeout=200,
+        env=script_env(BATCH_LOG=str(tmp_path / "batches")),
+    )
     _took_the_rest(second.stderr, tmp_path / "run", tmp_path / "batches")
     result, scalars = reference
     assert _result(second) == result
@@ -106,12 +113,15 @@ def _mlflow_history(folder):
 
     client = MlflowClient(tracking_uri=(folder / "tracking" / "mlruns").absolute().as_uri())
     [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
-    return {name: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, name))
-            for name in run.data.metrics}
+    return {
+        name: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, name))
+        for name in run.data.metrics
+    }
 
 
-def test_sigterm_and_a_rerun_with_mlflow_continue_one_run_with_every_epoch_and_batch_once(reference, tmp_path,
-                                                                                        monkeypatch):
+def test_sigterm_and_a_rerun_with_mlflow_continue_one_run_with_every_epoch_and_batch_once(
+    reference, tmp_path, monkeypatch
+):
     component.module("mlflow")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # for this process's client, which reads the store back
     env = script_env(TRACKING="mlflow", MLFLOW_DISABLE_TELEMETRY="true")
@@ -119,14 +129,23 @@ def test_sigterm_and_a_rerun_with_mlflow_continue_one_run_with_every_epoch_and_b
     first = signal_when(cmd, signal.SIGTERM, "epoch 1 done", env=env, cwd=tmp_path, timeout=200)
     assert first.returncode == 128 + signal.SIGTERM, first.stdout + first.stderr
     assert "epoch 3 done" not in first.stderr, "stopped mid-run"
-    second = run_script(SCRIPT, str(tmp_path / "run"), EPOCHS, cwd=tmp_path, timeout=200,
-                        env={**env, "BATCH_LOG": str(tmp_path / "batches")})
+    second = run_script(
+        SCRIPT,
+        str(tmp_path / "run"),
+        EPOCHS,
+        cwd=tmp_path,
+        timeout=200,
+        env={**env, "BATCH_LOG": str(tmp_path / "batches")},
+    )
     _took_the_rest(second.stderr, tmp_path / "run", tmp_path / "batches")
     result, scalars = reference
     assert _result(second) == result
     history = _mlflow_history(tmp_path / "run")
-    for name, tensorboard in [("train_loss", scalars["train_loss"]), ("val_loss", scalars["val_loss"]),
-                              ("batch/train_loss", scalars["batches"])]:
+    for name, tensorboard in [
+        ("train_loss", scalars["train_loss"]),
+        ("val_loss", scalars["val_loss"]),
+        ("batch/train_loss", scalars["batches"]),
+    ]:
         assert [step for step, _ in history[name]] == [step for step, _ in tensorboard], f"{name}: each step once"
         assert [v for _, v in history[name]] == pytest.approx([v for _, v in tensorboard], rel=1e-6), name
 
@@ -136,12 +155,22 @@ def test_under_torchrun_each_rank_fits_in_place_to_the_same_result(reference, tm
     assert _result(proc) == reference[0]
 
 
-def test_torchrun_max_restarts_restarts_a_failed_fit_which_continues_its_checkpoint_to_the_same_result(reference,
-                                                                                                    tmp_path):
+def test_torchrun_max_restarts_restarts_a_failed_fit_which_continues_its_checkpoint_to_the_same_result(
+    reference, tmp_path
+):
     """Rank 1 raises in epoch 2 of the first attempt; torchrun restarts both ranks, which continue the checkpoint of
     epoch 1 and end where the uninterrupted fit ends, with each epoch and batch tracked once."""
-    proc = run_torchrun(SCRIPT, str(tmp_path / "run"), EPOCHS, "0", "9", cwd=tmp_path, timeout=200,
-                        torchrun_args=("--max-restarts", "1"), env=script_env(BATCH_LOG=str(tmp_path / "batches")))
+    proc = run_torchrun(
+        SCRIPT,
+        str(tmp_path / "run"),
+        EPOCHS,
+        "0",
+        "9",
+        cwd=tmp_path,
+        timeout=200,
+        torchrun_args=("--max-restarts", "1"),
+        env=script_env(BATCH_LOG=str(tmp_path / "batches")),
+    )
     assert "failing on purpose at batch 9" in proc.stderr, proc.stderr
     _took_the_rest(proc.stderr, tmp_path / "run", tmp_path / "batches", start=1)
     result, scalars = reference
@@ -157,8 +186,14 @@ def test_ctrl_c_saves_every_rank_and_a_rerun_ends_bitwise_where_the_uninterrupte
     assert "qaccel: Ctrl-C: every rank finishes what it is doing, saves its state and stops" in first.stderr
     assert first.stderr.count("KeyboardInterrupt") == 1 and "the ranks saved their state to" in first.stderr
     assert "epoch 3 done" not in first.stderr, "stopped mid-run"
-    second = run_script(SCRIPT, str(tmp_path / "run"), EPOCHS, cwd=tmp_path, timeout=200,
-                        env=script_env(BATCH_LOG=str(tmp_path / "batches")))
+    second = run_script(
+        SCRIPT,
+        str(tmp_path / "run"),
+        EPOCHS,
+        cwd=tmp_path,
+        timeout=200,
+        env=script_env(BATCH_LOG=str(tmp_path / "batches")),
+    )
     _took_the_rest(second.stderr, tmp_path / "run", tmp_path / "batches")
     assert _result(second) == reference[0]
     assert _scalars(tmp_path / "run", "train_loss") == reference[1]["train_loss"]
@@ -166,53 +201,77 @@ def test_ctrl_c_saves_every_rank_and_a_rerun_ends_bitwise_where_the_uninterrupte
 
 def test_ctrl_c_to_torchrun_saves_every_rank_and_a_rerun_ends_bitwise(reference, tmp_path):
     """torchrun passes Ctrl-C's SIGINT on to its workers; resume() armed it, so they save and stop together."""
-    cmd = [*torchrun_cmd(tmp_path / "logs", "--standalone", "--nproc_per_node", "2"), str(SCRIPT),
-           str(tmp_path / "run"), EPOCHS, "0.1"]
+    cmd = [
+        *torchrun_cmd(tmp_path / "logs", "--standalone", "--nproc_per_node", "2"),
+        str(SCRIPT),
+        str(tmp_path / "run"),
+        EPOCHS,
+        "0.1",
+    ]
     first = signal_when(cmd, signal.SIGINT, "epoch 1 done", env=script_env(), cwd=tmp_path, timeout=200)
     assert first.returncode != 0
     assert first.stderr.count("qaccel: stopped by SIGINT after saving state to") == 1, first.stderr
     assert "epoch 3 done" not in first.stderr, "stopped mid-run"
-    second = run_torchrun(SCRIPT, str(tmp_path / "run"), EPOCHS, cwd=tmp_path, timeout=200,
-                          env=script_env(BATCH_LOG=str(tmp_path / "batches")))
+    second = run_torchrun(
+        SCRIPT,
+        str(tmp_path / "run"),
+        EPOCHS,
+        cwd=tmp_path,
+        timeout=200,
+        env=script_env(BATCH_LOG=str(tmp_path / "batches")),
+    )
     _took_the_rest(second.stderr, tmp_path / "run", tmp_path / "batches")
     assert _result(second) == reference[0]
 
 
 @pytest.mark.slurm
-def test_ctrl_c_to_srun_with_disable_status_saves_every_rank_and_a_rerun_ends_bitwise(reference, tmp_path,
-                                                                                     slurm_cluster):
+def test_ctrl_c_to_srun_with_disable_status_saves_every_rank_and_a_rerun_ends_bitwise(
+    reference, tmp_path, slurm_cluster
+):
     """With ``srun -X`` (--disable-status) one Ctrl-C reaches every task as SIGINT, and the step runs on: resume()
     armed it, so the ranks save after the same step and stop; the same srun again ends where the uninterrupted fit
     ends. (Without -X, srun's two Ctrl-C send SIGINT and kill the step at once: nothing can save then.)"""
     srun = ["srun", "-X", "-N1", "-n2", sys.executable, str(SCRIPT), str(tmp_path / "run"), EPOCHS]
-    first = signal_when([*srun, "0.1"], signal.SIGINT, "epoch 1 done", env=slurm_env(slurm_cluster), cwd=tmp_path,
-                        timeout=150)
+    first = signal_when(
+        [*srun, "0.1"], signal.SIGINT, "epoch 1 done", env=slurm_env(slurm_cluster), cwd=tmp_path, timeout=150
+    )
     assert first.returncode != 0, first.stderr
     assert first.stderr.count("qaccel: stopped by SIGINT after saving state to") == 1, first.stderr
     assert "epoch 3 done" not in first.stderr, "stopped mid-run"
-    second = slurm_cluster.srun(srun[1:], timeout=150, env={**slurm_env(slurm_cluster),
-                                                            "BATCH_LOG": str(tmp_path / "batches")}, cwd=tmp_path)
+    second = slurm_cluster.srun(
+        srun[1:], timeout=150, env={**slurm_env(slurm_cluster), "BATCH_LOG": str(tmp_path / "batches")}, cwd=tmp_path
+    )
     _took_the_rest(second.stderr, tmp_path / "run", tmp_path / "batches")
     assert _result(second) == reference[0]
 
 
 @pytest.mark.slurm
-def test_a_slurm_warning_requeues_and_the_requeued_job_finds_its_run_folder_and_ends_bitwise(reference, tmp_path,
-                                                                                           slurm_cluster):
+def test_a_slurm_warning_requeues_and_the_requeued_job_finds_its_run_folder_and_ends_bitwise(
+    reference, tmp_path, slurm_cluster
+):
     """slurm/requeue.sbatch running the Trainer script with qadence's default folders (a new subfolder of the root
     per run): USR1 mid-run saves and requeues; the requeued job finds its own subfolder (named after the job),
     continues its checkpoint and tracker, and ends where the uninterrupted fit ends."""
     env = {**slurm_env(slurm_cluster), "BATCH_LOG": str(tmp_path / "batches")}
     out = tmp_path / "job.out"
-    job = slurm_cluster.sbatch(REPO / "slurm" / "requeue.sbatch",
-                               ["--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1", f"--output={out}"],
-                               env=env, cwd=tmp_path, script_args=[str(SCRIPT), f"root={tmp_path / 'runs'}", EPOCHS,
-                                                                   "0.1"])
+    job = slurm_cluster.sbatch(
+        REPO / "slurm" / "requeue.sbatch",
+        ["--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1", f"--output={out}"],
+        env=env,
+        cwd=tmp_path,
+        script_args=[str(SCRIPT), f"root={tmp_path / 'runs'}", EPOCHS, "0.1"],
+    )
     wait_for_text(out, "epoch 1 done", timeout=120)
     assert slurm_cluster.run(["scancel", "--signal=USR1", "--batch", str(job)]).returncode == 0
-    wait_for(lambda: slurm_cluster.job_info(job).get("Restarts") == "1"
-             and slurm_cluster.job_info(job).get("JobState") == "PENDING", 60,
-             lambda: f"the requeued job to be pending; job output:\n{out.read_text()}", interval=0.2)
+    wait_for(
+        lambda: (
+            slurm_cluster.job_info(job).get("Restarts") == "1"
+            and slurm_cluster.job_info(job).get("JobState") == "PENDING"
+        ),
+        60,
+        lambda: f"the requeued job to be pending; job output:\n{out.read_text()}",
+        interval=0.2,
+    )
     time.sleep(2)  # a requeued start in the same second as the kill is refused (see test_real_script.py)
     slurm_cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
     slurm_cluster.wait_job(job, timeout=150)
@@ -222,9 +281,10 @@ def test_a_slurm_warning_requeues_and_the_requeued_job_finds_its_run_folder_and_
     [folder] = (tmp_path / "runs").iterdir()
     assert folder.name.endswith(f"_{job}"), "the job's own subfolder"
     _took_the_rest(text, folder, tmp_path / "batches", start=1)
-    assert [json.loads(line[len("RESULT "):]) for line in text.splitlines() if line.startswith("RESULT ")] \
-        == [reference[0]]
-    result, scalars = reference
+    assert [json.loads(line[len("RESULT ") :]) for line in text.splitlines() if line.startswith("RESULT ")] == [
+        reference[0]
+    ]
+    scalars = reference[1]
     assert _scalars(folder, "train_loss") == scalars["train_loss"]
     assert _scalars(folder, "train_loss", "batches") == scalars["batches"], "each batch once"
 

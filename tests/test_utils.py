@@ -21,9 +21,9 @@ def test_every_name_is_accelerates_with_its_signature():
 
 
 def _on_ranks():
-    from qaccel import utils
-
     import torch.distributed as dist
+
+    from qaccel import utils
 
     rank = dist.get_rank()
     utils.set_seed(7, device_specific=True)

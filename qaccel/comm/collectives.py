@@ -7,7 +7,8 @@ import functools
 import hashlib
 import numbers
 import sys
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,12 +22,15 @@ REDUCE_OPS = ("mean", "sum", "max", "min")
 _TORCH_OPS = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-def tracked(name: str, describe: Callable[..., str] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def tracked(
+    name: str, describe: Callable[..., str] | None = None
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Make a function a qaccel collective named ``name``: counted and explained on a timeout (hangs.py),
     and in debug mode checked first to be the same call on every rank, with ``describe(*args)`` the same.
 
     Only the outermost tracked call counts: gather_for_metrics is one collective, not three.
     """
+
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -39,12 +43,15 @@ def tracked(name: str, describe: Callable[..., str] | None = None) -> Callable[[
             if run.debug:
                 return watch.run(name, _agreed, run.ctx, name, describe, fn, args, kwargs)
             return watch.run(name, fn, *args, **kwargs)
+
         return call
+
     return wrap
 
 
-def _agreed(ctx: RankContext, name: str, describe: Callable[..., str] | None, fn: Callable[..., Any],
-            args: tuple, kwargs: dict) -> Any:
+def _agreed(
+    ctx: RankContext, name: str, describe: Callable[..., str] | None, fn: Callable[..., Any], args: tuple, kwargs: dict
+) -> Any:
     """Debug mode: compare this call with every rank's before making it; raise on every rank if they differ.
 
     One small all-reduce compares a digest of (name, shapes): MAX of (d, -d) gives max and -min, equal only when
@@ -59,8 +66,10 @@ def _agreed(ctx: RankContext, name: str, describe: Callable[..., str] | None, fn
         dist.all_gather_object(everyone, (name, call, hangs.call_site(sys._getframe())))
         what = "different collectives" if len({n for n, _, _ in everyone}) > 1 else f"{name} with different arguments"
         lines = [f"rank {r}: {c} at {site}" for r, (_, c, site) in enumerate(everyone)]
-        raise CollectiveMismatchError(f"[qaccel debug] the ranks called {what} (each must call the same collectives, "
-                                      "in the same order, with the same shapes):\n  " + "\n  ".join(lines))
+        raise CollectiveMismatchError(
+            f"[qaccel debug] the ranks called {what} (each must call the same collectives, "
+            "in the same order, with the same shapes):\n  " + "\n  ".join(lines)
+        )
     return fn(*args, **kwargs)
 
 
@@ -104,9 +113,7 @@ def is_distributed() -> bool:
 
 
 @tracked("all_reduce_dict()", _describe_dict)
-def all_reduce_dict(
-    values: Mapping[str, Any], op: str, ctx: RankContext, log_device: torch.device
-) -> dict[str, Any]:
+def all_reduce_dict(values: Mapping[str, Any], op: str, ctx: RankContext, log_device: torch.device) -> dict[str, Any]:
     """Reduce a dict of numbers/tensors over all ranks with one collective per dtype, not one per key.
 
     Python numbers come back as Python numbers (a mean is a float), tensors as tensors of the same shape
@@ -130,7 +137,11 @@ def all_reduce_dict(
                 f"all_reduce_dict: value of {key!r} is {type(value).__name__}; expected a tensor, int or float"
             )
     # Numbers travel packed, one tensor per kind, and come back with one tolist(): no tensor per key.
-    packs = [torch.tensor(list(group.values()), dtype=dtype) for group, dtype in ((floats, torch.float64), (ints, torch.int64)) if group]
+    packs = [
+        torch.tensor(list(group.values()), dtype=dtype)
+        for group, dtype in ((floats, torch.float64), (ints, torch.int64))
+        if group
+    ]
     reduced = iter(_reduce_flat(packs + list(tensors.values()), op, ctx) if packs or tensors else [])
     out: dict[str, Any] = {}
     if floats:
@@ -312,8 +323,10 @@ def _tensor_leaves(data: Any, caller: str) -> list[torch.Tensor]:
 
     def take(leaf: Any) -> Any:
         if not isinstance(leaf, torch.Tensor):
-            raise TypeError(f"{caller}() takes tensors (nested in dicts, lists or tuples); got a "
-                            f"{type(leaf).__name__}; use gather_object() for other objects")
+            raise TypeError(
+                f"{caller}() takes tensors (nested in dicts, lists or tuples); got a "
+                f"{type(leaf).__name__}; use gather_object() for other objects"
+            )
         leaves.append(leaf)
         return leaf
 

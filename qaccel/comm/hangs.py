@@ -14,6 +14,7 @@ thread is blocked, through a wakeup pipe a second thread reads.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import linecache
@@ -24,10 +25,11 @@ import sys
 import sysconfig
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from qaccel.comm.sealed import Sealed
@@ -37,7 +39,9 @@ CLOSE_WAIT_S = 2.0  # for the watcher to return from the store once woken
 STACK_DEPTH = 6  # frames of the user's code shown per rank
 _NEVER = datetime.timedelta(days=365)
 # qaccel (the whole package, wherever this module sits in it) and torch
-_OWN_DIRS = tuple(os.path.dirname(sys.modules[name].__file__) + os.sep for name in (__name__.partition(".")[0], "torch"))
+_OWN_DIRS = tuple(
+    os.path.dirname(sys.modules[name].__file__) + os.sep for name in (__name__.partition(".")[0], "torch")
+)
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
 
 
@@ -103,7 +107,9 @@ def user_stack(frames: list[tuple[FrameType, int]]) -> list[Frame]:
         if _is_library(frame.f_code.co_filename):
             continue
         entry = frames[i + 1][0] if i + 1 < len(frames) and _is_library(frames[i + 1][0].f_code.co_filename) else None
-        out.append(Frame(frame.f_code.co_filename, lineno, frame.f_code.co_qualname, _qualified(entry) if entry else ""))
+        out.append(
+            Frame(frame.f_code.co_filename, lineno, frame.f_code.co_qualname, _qualified(entry) if entry else "")
+        )
     return out
 
 
@@ -186,8 +192,9 @@ def is_timeout(exc: BaseException) -> bool:
 class Watch:
     """This rank's watcher for one session: answers requests through the store, and SIGUSR2."""
 
-    def __init__(self, rank: int, world_size: int, timeout: float, store: Sealed | None, to_log: bool,
-                 session_number: int) -> None:
+    def __init__(
+        self, rank: int, world_size: int, timeout: float, store: Sealed | None, to_log: bool, session_number: int
+    ) -> None:
         """``store``: qaccel's keys in the group's rendezvous store (None for a group made without one, e.g. MPI's:
         then this rank still says where it is, but cannot ask the others). ``session_number``: keeps sessions' keys
         apart. Requests and answers are sealed (sealed.py), answers also encrypted: they hold the user's source."""
@@ -212,10 +219,8 @@ class Watch:
             self.usr2 = None  # it points back here: no cycle is left for the collector
         if self.listener is None or self.store is None:
             return
-        try:
+        with contextlib.suppress(Exception):  # the store's server is gone, and with it the watcher's wait
             self.store.set(self._key("wake", self.rank), "end")
-        except Exception:  # noqa: BLE001 - the store's server is gone, and with it the watcher's wait
-            pass
         self.thread.join(CLOSE_WAIT_S)
 
     def run(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -250,8 +255,10 @@ class Watch:
             where = self.where_now()
             self.listener.set(self._key("report", self.rank), json.dumps(where.__dict__), secret=True)
             if self.to_log:
-                write_stderr(f"[qaccel] {request.decode()}; where rank {self.rank} of {self.world_size} is:\n"
-                              f"{where.summary()}\n{where.details()}\n")
+                write_stderr(
+                    f"[qaccel] {request.decode()}; where rank {self.rank} of {self.world_size} is:\n"
+                    f"{where.summary()}\n{where.details()}\n"
+                )
         except Exception:  # noqa: BLE001 - the session (or the store's server) ended under it
             return
 
@@ -333,8 +340,10 @@ class _Usr2:
                 return
             if signal.SIGUSR2 in data and signal.getsignal(signal.SIGUSR2) is _ignore:
                 where = self.watch.where_now()
-                write_stderr(f"[qaccel] SIGUSR2: rank {self.watch.rank} of {self.watch.world_size} is "
-                              f"{where.doing()}\n{where.details()}\n")
+                write_stderr(
+                    f"[qaccel] SIGUSR2: rank {self.watch.rank} of {self.watch.world_size} is "
+                    f"{where.doing()}\n{where.details()}\n"
+                )
 
     def close(self) -> None:
         if self.previous_fd == -2:

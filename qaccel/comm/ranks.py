@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -49,8 +50,9 @@ def split_between_processes(obj: Any, ctx: RankContext, apply_padding: bool) -> 
     if isinstance(obj, dict):
         lengths = {key: _length(value) for key, value in obj.items()}
         if len(set(lengths.values())) > 1:
-            raise ValueError(f"split_between_processes splits every value of a dict, so they need one length; "
-                             f"got {lengths}")
+            raise ValueError(
+                f"split_between_processes splits every value of a dict, so they need one length; got {lengths}"
+            )
     else:
         _length(obj)
     if not collectives.is_distributed():
@@ -62,8 +64,10 @@ def split_between_processes(obj: Any, ctx: RankContext, apply_padding: bool) -> 
 def _length(obj: Any) -> int:
     if not isinstance(obj, SPLITTABLE) and not hasattr(obj, "select"):
         allowed = ", ".join(t.__name__ for t in SPLITTABLE)
-        raise TypeError(f"split_between_processes() takes a {allowed}, a dict of those, or a dataset with select(); "
-                        f"got a {type(obj).__name__}")
+        raise TypeError(
+            f"split_between_processes() takes a {allowed}, a dict of those, or a dataset with select(); "
+            f"got a {type(obj).__name__}"
+        )
     return len(obj)
 
 

@@ -17,8 +17,10 @@ import time
 from qaccel.environment import node_name
 from qaccel.errors import RendezvousError
 
-_FIX = ("set MASTER_ADDR (and MASTER_PORT) to a name or address of rank 0's node that every node resolves, e.g. its "
-        "IP address: export MASTER_ADDR=$(hostname -I | cut -d' ' -f1) on rank 0's node")
+_FIX = (
+    "set MASTER_ADDR (and MASTER_PORT) to a name or address of rank 0's node that every node resolves, e.g. its "
+    "IP address: export MASTER_ADDR=$(hostname -I | cut -d' ' -f1) on rank 0's node"
+)
 
 
 SAY_AFTER_S = 10.0  # refused this long, a rank says so (rank 0 is late, or the address is not rank 0's machine)
@@ -35,13 +37,16 @@ def check(host: str, port: int, source: str, rank: int, hosts_store: bool, timeo
         addresses = {info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
     except (socket.gaierror, UnicodeError) as exc:
         reason = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
-        raise RendezvousError(f"rank {rank} on {here}: the rendezvous host {host!r} (port {port}, from {source}) does "
-                              f"not resolve here ({reason}); {_FIX}") from None
+        raise RendezvousError(
+            f"rank {rank} on {here}: the rendezvous host {host!r} (port {port}, from {source}) does "
+            f"not resolve here ({reason}); {_FIX}"
+        ) from None
     if hosts_store and not any(_is_here(address) for address in addresses):
         resolved = "" if addresses == {host} else f" ({', '.join(sorted(addresses))})"
         raise RendezvousError(
             f"rank {rank} on {here} hosts the rendezvous at {host}:{port} (from {source}), but {host}{resolved} is "
-            f"not an address of this machine: the other ranks would wait there for the whole timeout; {_FIX}")
+            f"not an address of this machine: the other ranks would wait there for the whole timeout; {_FIX}"
+        )
     if not hosts_store:
         _wait_for_answer(host, port, source, f"rank {rank} on {here}", timeout)
 
@@ -58,12 +63,16 @@ def _wait_for_answer(host: str, port: int, source: str, who: str, timeout: float
         except OSError as exc:
             reason = exc.strerror or type(exc).__name__
             if waited >= timeout:
-                raise RendezvousError(f"{who}: nothing answered at the rendezvous {host}:{port} (from {source}) for "
-                                      f"{timeout:.0f} s ({reason}): rank 0 never hosted it there; {_FIX}") from None
+                raise RendezvousError(
+                    f"{who}: nothing answered at the rendezvous {host}:{port} (from {source}) for "
+                    f"{timeout:.0f} s ({reason}): rank 0 never hosted it there; {_FIX}"
+                ) from None
             if not said and waited >= SAY_AFTER_S:
                 said = True
-                sys.stderr.write(f"qaccel: {who} has waited {waited:.0f} s for the rendezvous at {host}:{port} (from "
-                                 f"{source}; {reason}): rank 0 is not up yet, or {host} is not its machine\n")
+                sys.stderr.write(
+                    f"qaccel: {who} has waited {waited:.0f} s for the rendezvous at {host}:{port} (from "
+                    f"{source}; {reason}): rank 0 is not up yet, or {host} is not its machine\n"
+                )
                 sys.stderr.flush()
         time.sleep(RETRY_S)
 

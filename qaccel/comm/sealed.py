@@ -24,7 +24,8 @@ import hmac
 import secrets
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,16 +70,19 @@ class _Forgeries:
             self.count += 1
             first = self.count == 1
         if first:
-            write_stderr(f"qaccel: rank {self.rank} ignored a value of {name!r} in the rendezvous store "
-                         f"({self.where}) that was not written by this run: someone else who can reach the store "
-                         "wrote it. qaccel ignores and counts any more (see docs/security.md).\n")
+            write_stderr(
+                f"qaccel: rank {self.rank} ignored a value of {name!r} in the rendezvous store "
+                f"({self.where}) that was not written by this run: someone else who can reach the store "
+                "wrote it. qaccel ignores and counts any more (see docs/security.md).\n"
+            )
 
 
 class Sealed:
     """qaccel's keys under ``prefix`` in ``store``, sealed with ``key`` (see the module's doc)."""
 
-    def __init__(self, store: dist.Store, key: bytes, rank: int, prefix: str = "",
-                 forgeries: _Forgeries | None = None) -> None:
+    def __init__(
+        self, store: dist.Store, key: bytes, rank: int, prefix: str = "", forgeries: _Forgeries | None = None
+    ) -> None:
         self.store, self.prefix, self.rank = store, prefix, rank
         self._mac = hmac.new(key, b"qaccel seal", hashlib.sha256).digest()
         self._stream = hmac.new(key, b"qaccel stream", hashlib.sha256).digest()
@@ -163,8 +167,9 @@ class Sealed:
             return sealed[:-TAG_BYTES]
         return kept
 
-    def gather(self, names: list[str], timeout: float, stop: Callable[[], bool] | None = None,
-               secret: bool = False) -> dict[str, bytes]:
+    def gather(
+        self, names: list[str], timeout: float, stop: Callable[[], bool] | None = None, secret: bool = False
+    ) -> dict[str, bytes]:
         """The values of ``names`` this run wrote, once all of them are there; after ``timeout`` seconds, or once
         ``stop()`` says so, those that are there then. Values that fail the check are ignored (and waited past)."""
         full = [self.prefix + name for name in names]
@@ -198,4 +203,3 @@ def _describe(store: Any) -> str:
     if isinstance(inner, dist.TCPStore):
         return f"{inner.host}:{inner.port}"
     return type(inner).__name__
-

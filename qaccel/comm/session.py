@@ -11,9 +11,10 @@ import socket
 import sys
 import time
 import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,11 +23,11 @@ import torch.distributed as dist
 # import with a live group (torch.distributed.checkpoint imports it) holds that group in ten defaults for good,
 # and a group left with destroy_process_group() keeps its gloo connections open: peers waiting on this rank would
 # wait until their timeout instead of failing at once (the batch-size search relies on that).
-import torch.distributed.nn.functional  # noqa: F401
+import torch.distributed.nn.functional
 
+from qaccel import options
 from qaccel.comm import hangs, sealed
 from qaccel.environment import Environment, gpus
-from qaccel import options
 from qaccel.options import Backend, Config, DeviceType
 
 
@@ -138,7 +139,7 @@ def _close_all(closers: list[Callable[[bool], None]], finished: bool) -> None:
     for close in reversed(closers):
         try:
             close(finished)
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - every closer runs; the first failure is raised after them
             failure = failure or exc
     if failure is not None:
         raise failure
@@ -173,8 +174,12 @@ def _let_gloo_threads_settle() -> None:
     taken: the worker hangs before running any code (CPython gh-112275, fixed in 3.11.8). Releasing the GIL for a
     moment lets such a thread finish; no collective of this rank's main thread is in flight while it forks.
     """
-    if sys.version_info < (3, 11, 8) and dist.is_available() and dist.is_initialized() \
-            and dist.get_backend() == Backend.GLOO.value:
+    if (
+        sys.version_info < (3, 11, 8)
+        and dist.is_available()
+        and dist.is_initialized()
+        and dist.get_backend() == Backend.GLOO.value
+    ):
         time.sleep(FORK_SETTLE_S)
 
 
@@ -209,7 +214,9 @@ def plan(config: Config, env: Environment) -> RankContext:
     return rank_context(config, env.rank, env.local_rank, env.node_rank, world, local_world)
 
 
-def rank_context(config: Config, rank: int, local_rank: int, node_rank: int, world: int, local_world: int) -> RankContext:
+def rank_context(
+    config: Config, rank: int, local_rank: int, node_rank: int, world: int, local_world: int
+) -> RankContext:
     """Rank ``rank`` (``local_rank`` of ``local_world`` on node ``node_rank``) and its device: the GPU it sees, or the
     one its local rank picks (environment/gpus.py)."""
     device = torch.device("cpu")
@@ -267,8 +274,14 @@ def apply_thread_budget(local_world_size: int) -> None:
 
 @contextmanager
 def session(
-    ctx: RankContext, timeout: float, store: Callable[[int], dist.Store | None] | None = None, group_of_one: bool = False,
-    debug: bool = False, where_to_log: bool = False, process_ends: bool = False, key: bytes | None = None,
+    ctx: RankContext,
+    timeout: float,
+    store: Callable[[int], dist.Store | None] | None = None,
+    group_of_one: bool = False,
+    debug: bool = False,
+    where_to_log: bool = False,
+    process_ends: bool = False,
+    key: bytes | None = None,
 ) -> Iterator[RankContext]:
     """Run a block as rank ``ctx``: device, threads and process group set up, always torn down afterwards.
 
@@ -332,21 +345,34 @@ def _users_group_calls(ctx: RankContext) -> Iterator[None]:
     torch.distributed import init_process_group`` at a module's top) reach torch itself, which refuses a second
     default group."""
 
-    def init_process_group(backend: Any = None, init_method: Any = None, timeout: Any = None, world_size: int = -1,
-                           rank: int = -1, store: Any = None, group_name: str = "", pg_options: Any = None,
-                           device_id: Any = None) -> None:
+    def init_process_group(
+        backend: Any = None,
+        init_method: Any = None,
+        timeout: Any = None,
+        world_size: int = -1,
+        rank: int = -1,
+        store: Any = None,
+        group_name: str = "",
+        pg_options: Any = None,
+        device_id: Any = None,
+    ) -> None:
         if not dist.is_initialized():  # the session's group is gone: the call is the user's own
-            return _init_group(backend, init_method, timeout, world_size, rank, store, group_name, pg_options,
-                               device_id)
+            return _init_group(
+                backend, init_method, timeout, world_size, rank, store, group_name, pg_options, device_id
+            )
         made = str(dist.get_backend())
         if backend is not None and not _backends(backend) <= _backends(made):
-            raise ValueError(f"init_process_group(backend={str(backend)!r}) inside distribute(): qaccel already made "
-                             f"this rank's group with backend {made!r} (choose it with Accelerator(backend=...)); leave "
-                             "init_process_group out, or let it ask for the same backend")
+            raise ValueError(
+                f"init_process_group(backend={str(backend)!r}) inside distribute(): qaccel already made "
+                f"this rank's group with backend {made!r} (choose it with Accelerator(backend=...)); leave "
+                "init_process_group out, or let it ask for the same backend"
+            )
         for name, value, actual in (("world_size", world_size, ctx.world_size), ("rank", rank, ctx.rank)):
             if value not in (-1, None) and value != actual:
-                raise ValueError(f"init_process_group({name}={value}) inside distribute(), whose rank is {ctx.rank} of "
-                                 f"{ctx.world_size}: the group qaccel made is that world")
+                raise ValueError(
+                    f"init_process_group({name}={value}) inside distribute(), whose rank is {ctx.rank} of "
+                    f"{ctx.world_size}: the group qaccel made is that world"
+                )
 
     def destroy_process_group(group: Any = None) -> None:
         if group is None or group is dist.GroupMember.WORLD:
@@ -394,8 +420,13 @@ def renew_group(run: Run, store: dist.Store) -> None:
     if run.ctx.backend is Backend.GLOO:  # the old group's failed works go before anything forks (see _quiesce)
         gc.collect()
         time.sleep(GLOO_DRAIN_S)
-    _init_group(run.ctx.backend, store=store, rank=run.ctx.rank, world_size=run.ctx.world_size,
-                timeout=datetime.timedelta(seconds=run.timeout))
+    _init_group(
+        run.ctx.backend,
+        store=store,
+        rank=run.ctx.rank,
+        world_size=run.ctx.world_size,
+        timeout=datetime.timedelta(seconds=run.timeout),
+    )
 
 
 def _sealed_store(ctx: RankContext, key: bytes | None) -> sealed.Sealed | None:

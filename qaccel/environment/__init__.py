@@ -18,15 +18,35 @@ from collections.abc import Mapping
 
 from qaccel.environment.env_variables import EnvVariables
 from qaccel.environment.initialized import InitializedGroup
-from qaccel.environment.layout import (STARTED_BY_QACCEL, Environment, Kind, derived_port, node_name, qaccel_run_id,
-                                       rank_variables)
+from qaccel.environment.layout import (
+    STARTED_BY_QACCEL,
+    Environment,
+    Kind,
+    derived_port,
+    node_name,
+    qaccel_run_id,
+    rank_variables,
+)
 from qaccel.environment.lsf import LsfJsrun
 from qaccel.environment.mpi import Mpi
 from qaccel.environment.slurm import SlurmStep, parse_nodelist, parse_tasks_per_node, slurm_job_state, slurm_port
 from qaccel.environment.torchrun import Torchrun
 
-__all__ = ["LAUNCHERS", "STARTED_BY_QACCEL", "Environment", "Kind", "derived_port", "detect", "node_name",
-           "parse_nodelist", "parse_tasks_per_node", "qaccel_run_id", "rank_variables", "slurm_job_state", "slurm_port"]
+__all__ = [
+    "LAUNCHERS",
+    "STARTED_BY_QACCEL",
+    "Environment",
+    "Kind",
+    "derived_port",
+    "detect",
+    "node_name",
+    "parse_nodelist",
+    "parse_tasks_per_node",
+    "qaccel_run_id",
+    "rank_variables",
+    "slurm_job_state",
+    "slurm_port",
+]
 
 
 def detect(environ: Mapping[str, str] | None = None) -> Environment:

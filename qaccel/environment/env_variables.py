@@ -29,7 +29,14 @@ class EnvVariables:
         local_world_size = _first_int(env, ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")) or 1
         node_rank = _first_int(env, ("GROUP_RANK", "NODE_RANK"))
         node_rank = rank // local_world_size if node_rank is None else node_rank
-        return Environment(kind=self.kind, rank=rank, local_rank=_int(env, "LOCAL_RANK", rank % local_world_size),
-                           node_rank=node_rank, world_size=world_size, local_world_size=local_world_size,
-                           num_nodes=_ceil_div(world_size, local_world_size), master_addr=env["MASTER_ADDR"],
-                           master_port=_int(env, "MASTER_PORT", 0))
+        return Environment(
+            kind=self.kind,
+            rank=rank,
+            local_rank=_int(env, "LOCAL_RANK", rank % local_world_size),
+            node_rank=node_rank,
+            world_size=world_size,
+            local_world_size=local_world_size,
+            num_nodes=_ceil_div(world_size, local_world_size),
+            master_addr=env["MASTER_ADDR"],
+            master_port=_int(env, "MASTER_PORT", 0),
+        )

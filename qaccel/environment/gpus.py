@@ -21,10 +21,12 @@ from qaccel.environment.layout import node_name
 # what a launcher says it gave a task: SLURM's gres/gpu plugin sets these (CUDA_VISIBLE_DEVICES too), as a job asks
 ALLOCATED = ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS", "SLURM_GPUS_ON_NODE")
 NODE_GPUS = "SLURM_GPUS_ON_NODE"  # the job's GPUs on this node, however they are bound to its tasks
-FIXES = ("every rank sees its node's GPUs: sbatch --gpus-per-node=G with --ntasks-per-node=G; or one GPU per rank: "
-         "srun --gpus-per-task=1 (or --gpu-bind=single:1), mpirun through a wrapper that sets "
-         "CUDA_VISIBLE_DEVICES=$OMPI_COMM_WORLD_LOCAL_RANK (MPICH: mpiexec -gpus-per-proc 1), a Kubernetes pod per "
-         "GPU (nvidia.com/gpu: 1)")
+FIXES = (
+    "every rank sees its node's GPUs: sbatch --gpus-per-node=G with --ntasks-per-node=G; or one GPU per rank: "
+    "srun --gpus-per-task=1 (or --gpu-bind=single:1), mpirun through a wrapper that sets "
+    "CUDA_VISIBLE_DEVICES=$OMPI_COMM_WORLD_LOCAL_RANK (MPICH: mpiexec -gpus-per-proc 1), a Kubernetes pod per "
+    "GPU (nvidia.com/gpu: 1)"
+)
 
 
 class Binding(enum.StrEnum):
@@ -47,10 +49,14 @@ class GpuChoice:
 
     def why(self) -> str:
         if self.binding is Binding.OWN:
-            bound = f", one of its node's {self.local_world} ranks: the launcher bound it" if self.local_world > 1 else ""
+            bound = (
+                f", one of its node's {self.local_world} ranks: the launcher bound it" if self.local_world > 1 else ""
+            )
             return f"sees 1 GPU ({visible_devices()}){bound}"
-        return (f"sees {self.visible} GPUs ({visible_devices()}), its node runs {self.local_world} rank(s): "
-                "the local rank picks")
+        return (
+            f"sees {self.visible} GPUs ({visible_devices()}), its node runs {self.local_world} rank(s): "
+            "the local rank picks"
+        )
 
 
 class GpuLayoutError(RuntimeError):
@@ -68,10 +74,12 @@ def choose(local_rank: int, local_world: int, visible: int, node_gpus: int | Non
     if visible == 1:
         raise GpuLayoutError(
             f"{where()}: the {local_world} ranks on this node share {node_gpus} GPU(s) ({NODE_GPUS}={node_gpus}; "
-            f"local rank {local_rank} sees {visible_devices()}): ask for one GPU per rank; {FIXES}")
+            f"local rank {local_rank} sees {visible_devices()}): ask for one GPU per rank; {FIXES}"
+        )
     raise GpuLayoutError(
         f"{where()}: local rank {local_rank} of {local_world} ranks on this node sees {visible} GPUs "
-        f"({visible_devices()}): neither one GPU per rank nor at least one GPU per rank of the node; {FIXES}")
+        f"({visible_devices()}): neither one GPU per rank nor at least one GPU per rank of the node; {FIXES}"
+    )
 
 
 def node_gpus(environ: Mapping[str, str] | None = None) -> int | None:
@@ -92,12 +100,16 @@ def allocated(environ: Mapping[str, str] | None = None) -> str | None:
 
 def none_seen(asked: str) -> RuntimeError:
     """The error of a rank whose launcher gave it GPUs (``asked`` says how) that torch does not see."""
-    build = f"torch {torch.__version__} built with CUDA {torch.version.cuda}" if torch.version.cuda \
+    build = (
+        f"torch {torch.__version__} built with CUDA {torch.version.cuda}"
+        if torch.version.cuda
         else f"torch {torch.__version__} built without CUDA (a CPU wheel)"
+    )
     return RuntimeError(
         f"{where()}: {asked}, but torch sees no GPU here ({visible_devices()}; {build}); install a CUDA build of "
         "torch on the nodes (SlurmCluster(setup=[...]) can activate its environment), or train on the CPU with "
-        "compute_setup='cpu'")
+        "compute_setup='cpu'"
+    )
 
 
 def visible_devices(environ: Mapping[str, str] | None = None) -> str:

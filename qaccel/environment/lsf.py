@@ -27,10 +27,19 @@ class LsfJsrun:
         job = env.get("LSB_JOBID")
         master_port = _optional_int(env, "MASTER_PORT") or (derived_port(job) if job else None)
         if master_addr is None or master_port is None:
-            raise ValueError("a jsrun rank needs LSB_MCPU_HOSTS and LSB_JOBID (set by LSF) or MASTER_ADDR and "
-                             "MASTER_PORT to find rank 0")
-        return Environment(kind=self.kind, rank=rank, local_rank=_int(env, "JSM_NAMESPACE_LOCAL_RANK", rank),
-                           node_rank=rank // max(local_world_size, 1), world_size=world_size,
-                           local_world_size=local_world_size, num_nodes=_ceil_div(world_size, local_world_size),
-                           master_addr=master_addr, master_port=master_port,
-                           address_from="MASTER_ADDR" if env.get("MASTER_ADDR") else "LSB_MCPU_HOSTS")
+            raise ValueError(
+                "a jsrun rank needs LSB_MCPU_HOSTS and LSB_JOBID (set by LSF) or MASTER_ADDR and "
+                "MASTER_PORT to find rank 0"
+            )
+        return Environment(
+            kind=self.kind,
+            rank=rank,
+            local_rank=_int(env, "JSM_NAMESPACE_LOCAL_RANK", rank),
+            node_rank=rank // max(local_world_size, 1),
+            world_size=world_size,
+            local_world_size=local_world_size,
+            num_nodes=_ceil_div(world_size, local_world_size),
+            master_addr=master_addr,
+            master_port=master_port,
+            address_from="MASTER_ADDR" if env.get("MASTER_ADDR") else "LSB_MCPU_HOSTS",
+        )

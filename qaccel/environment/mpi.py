@@ -49,21 +49,33 @@ class Mpi:
                 f"({rank_key}, {local_rank_key}, {local_size_key}" + (f", {self.NODES}={told}" if told else "") + "): "
                 "qaccel finds a rank's node only when ranks fill the nodes in order, as many on each; place them so, "
                 f"e.g. mpirun --map-by slot -npernode {local_world_size} (Open MPI), or -ppn {local_world_size} "
-                "(MPICH, Intel MPI)")
+                "(MPICH, Intel MPI)"
+            )
         master_addr = env.get("MASTER_ADDR") or ("127.0.0.1" if num_nodes == 1 else None)
         if master_addr is None:
-            raise ValueError(f"an MPI job of {world_size} ranks on {num_nodes} nodes ({size_key}, {local_size_key}) "
-                             "needs the rendezvous address of rank 0's node: pass MASTER_ADDR (and MASTER_PORT) to "
-                             "every rank, e.g. mpirun -x MASTER_ADDR=<rank 0's host> -x MASTER_PORT=29500")
+            raise ValueError(
+                f"an MPI job of {world_size} ranks on {num_nodes} nodes ({size_key}, {local_size_key}) "
+                "needs the rendezvous address of rank 0's node: pass MASTER_ADDR (and MASTER_PORT) to "
+                "every rank, e.g. mpirun -x MASTER_ADDR=<rank 0's host> -x MASTER_PORT=29500"
+            )
         master_port = _optional_int(env, "MASTER_PORT")
         if master_port is None:
             job = _first(env, self.JOB_IDS)
             if job is None and num_nodes > 1:
-                raise ValueError(f"an MPI job on {num_nodes} nodes needs MASTER_PORT: mpirun -x MASTER_PORT=<a free "
-                                 "port on rank 0's host>")
+                raise ValueError(
+                    f"an MPI job on {num_nodes} nodes needs MASTER_PORT: mpirun -x MASTER_PORT=<a free "
+                    "port on rank 0's host>"
+                )
             master_port = derived_port(job if job is not None else f"daemon {os.getppid()}")
-        return Environment(kind=self.kind, rank=rank, local_rank=local_rank,
-                           node_rank=rank // max(local_world_size, 1), world_size=world_size,
-                           local_world_size=local_world_size, num_nodes=num_nodes, master_addr=master_addr,
-                           master_port=master_port,
-                           address_from="MASTER_ADDR" if env.get("MASTER_ADDR") else "one node: loopback")
+        return Environment(
+            kind=self.kind,
+            rank=rank,
+            local_rank=local_rank,
+            node_rank=rank // max(local_world_size, 1),
+            world_size=world_size,
+            local_world_size=local_world_size,
+            num_nodes=num_nodes,
+            master_addr=master_addr,
+            master_port=master_port,
+            address_from="MASTER_ADDR" if env.get("MASTER_ADDR") else "one node: loopback",
+        )

@@ -175,8 +175,9 @@ def slurm_job_state(job_id: str) -> tuple[str | None, int]:
     """A SLURM job's state from scontrol (None once SLURM forgot the job, or without scontrol), and its requeues
     so far."""
     try:
-        shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
-                               timeout=60)
+        shown = subprocess.run(
+            ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=60, check=False
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None, 0
     state, restarts = re.search(r"\bJobState=(\S+)", shown.stdout), re.search(r"\bRestarts=(\d+)", shown.stdout)

@@ -36,8 +36,9 @@ import threading
 import time
 import traceback
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch.distributed as dist
 
@@ -71,8 +72,9 @@ class PlainLaunch(Launcher):
         return launch(fn, args, kwargs, self.config, all_results, self.hand_back.pickled)
 
 
-def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, all_results: bool,
-           plain: Callable[[Any], Any]) -> Any:
+def launch(
+    fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, all_results: bool, plain: Callable[[Any], Any]
+) -> Any:
     """Run ``fn(*args, **kwargs)`` on ``config.nprocs`` new ranks; return rank 0's result (or all, by rank), each
     object in it made ``plain`` in its rank (protocol.HandBack).
 
@@ -83,8 +85,9 @@ def launch(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, al
         return _launch(fn, args, kwargs, config, all_results, plain)
 
 
-def _launch(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, all_results: bool,
-            plain: Callable[[Any], Any]) -> Any:
+def _launch(
+    fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, all_results: bool, plain: Callable[[Any], Any]
+) -> Any:
     ctx = multiprocessing.get_context(config.start_method)
     environ = dict(os.environ)  # the forkserver's copy dates from its start; ranks get the caller's of now
     environ["TORCHELASTIC_MAX_RESTARTS"] = str(config.max_restarts)
@@ -116,14 +119,27 @@ def _launch(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, a
                 stop = received[0]
                 break
             print("".join(traceback.format_exception(failure)).rstrip(), file=sys.stderr)
-            print(f"qaccel: rank {rank} failed ({type(failure).__name__}); restarting all {config.nprocs} ranks "
-                  f"(restart {attempt + 1} of {config.max_restarts})", file=sys.stderr, flush=True)
+            print(
+                f"qaccel: rank {rank} failed ({type(failure).__name__}); restarting all {config.nprocs} ranks "
+                f"(restart {attempt + 1} of {config.max_restarts})",
+                file=sys.stderr,
+                flush=True,
+            )
             _clear_reports(run_dir)
     _die_of(stop)  # the ranks ended because the caller was told to stop: end the way it was told
 
 
-def _attempt(ctx: Any, procs: list, run_dir: str, config: Config, all_results: bool, plain: Callable[[Any], Any],
-             environ: dict[str, str], received: _Received, umask: int) -> list[RankFailure]:
+def _attempt(
+    ctx: Any,
+    procs: list,
+    run_dir: str,
+    config: Config,
+    all_results: bool,
+    plain: Callable[[Any], Any],
+    environ: dict[str, str],
+    received: _Received,
+    umask: int,
+) -> list[RankFailure]:
     """Start the ranks, wait for them, stop them; the failures seen (none: every rank returned).
 
     The ranks' group meets in a FileStore of the run directory, which no other user can open, with qaccel's keys
@@ -142,8 +158,19 @@ def _attempt(ctx: Any, procs: list, run_dir: str, config: Config, all_results: b
             streams = output.PrefixedOutput(rank) if config.rank_prefix else None
             if streams is not None:
                 outputs.append(streams)
-            spec = worker.RankSpec(run_dir, rank, config.nprocs, store.port, config, all_results or rank == 0, plain,
-                                   dict(environ), group_store, key, umask)
+            spec = worker.RankSpec(
+                run_dir,
+                rank,
+                config.nprocs,
+                store.port,
+                config,
+                all_results or rank == 0,
+                plain,
+                dict(environ),
+                group_store,
+                key,
+                umask,
+            )
             ends = streams.ends if streams is not None else None
             proc = ctx.Process(target=worker.rank_main, args=(spec, writer, ends), name=f"qaccel-rank-{rank}")
             _start_without_main(proc)
@@ -252,8 +279,12 @@ def _on_ctrl_c(procs: list, received: list[int]) -> Callable[[int, Any], None]:
         if received or not _can_stop_cleanly(procs):
             raise KeyboardInterrupt
         received.append(signal.SIGINT)
-        print("qaccel: Ctrl-C: every rank finishes what it is doing, saves its state and stops (Ctrl-C again stops "
-              "them at once)", file=sys.stderr, flush=True)
+        print(
+            "qaccel: Ctrl-C: every rank finishes what it is doing, saves its state and stops (Ctrl-C again stops "
+            "them at once)",
+            file=sys.stderr,
+            flush=True,
+        )
         _forward(procs, signal.SIGTERM)
 
     return interrupt
@@ -322,10 +353,13 @@ def _dumps_payload(fn: Callable[..., Any], args: tuple, kwargs: dict) -> bytes:
     settings = inherit.capture()
     try:
         return pickling.dumps((settings, fn, args, kwargs))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever stops pickling the settings: warned, the call goes alone
         payload = pickling.dumps_call(fn, args, kwargs)
-        warnings.warn(f"qaccel: the caller's top-level settings (logging, warnings filters, RNG states, ...) cannot "
-                      f"be sent to the ranks ({exc}); the ranks start with their own", stacklevel=4)
+        warnings.warn(
+            f"qaccel: the caller's top-level settings (logging, warnings filters, RNG states, ...) cannot "
+            f"be sent to the ranks ({exc}); the ranks start with their own",
+            stacklevel=4,
+        )
         return payload
 
 
@@ -343,7 +377,13 @@ def _loopback_store(timeout: float) -> dist.TCPStore:
     fd = sock.detach()
     try:
         return dist.TCPStore(
-            "127.0.0.1", port, None, True, datetime.timedelta(seconds=timeout), wait_for_workers=False, master_listen_fd=fd
+            "127.0.0.1",
+            port,
+            None,
+            True,
+            datetime.timedelta(seconds=timeout),
+            wait_for_workers=False,
+            master_listen_fd=fd,
         )
     except BaseException:
         # A Ctrl-C can land after the store took the socket over and closed it on its way out: then closing it
@@ -386,8 +426,9 @@ def _supervise(procs: list, readers: list, run_dir: str, wake: int | None = None
     deadline: float | None = None
     while sentinels:
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        ready_now = multiprocessing.connection.wait([*sentinels, *open_readers, *([wake] if wake is not None else [])],
-                                                    timeout)
+        ready_now = multiprocessing.connection.wait(
+            [*sentinels, *open_readers, *([wake] if wake is not None else [])], timeout
+        )
         if not ready_now:
             break  # the grace period is over: the symptoms are all there is
         if wake in ready_now:
@@ -464,8 +505,11 @@ def _failure_exception(run_dir: str, world_size: int, seen: list[RankFailure]) -
     """
     seen_ranks = {f.rank for f in seen}
     failures = [RankFailure(f.rank, _read_report(run_dir, f.rank), f.exitcode) for f in seen]
-    failures += [RankFailure(rank, report) for rank in range(world_size)
-                 if rank not in seen_ranks and (report := _read_report(run_dir, rank)) is not None]
+    failures += [
+        RankFailure(rank, report)
+        for rank in range(world_size)
+        if rank not in seen_ranks and (report := _read_report(run_dir, rank)) is not None
+    ]
     return cause_exception(failures, world_size, launched=True)
 
 

@@ -15,7 +15,8 @@ describe one process; unpickled in a rank they would make each rank train alone 
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 TRAINING_ARGUMENTS = ("transformers.training_args", "TrainingArguments")
 STATES = (("accelerate.state", "PartialState"), ("accelerate.state", "AcceleratorState"))
@@ -43,7 +44,8 @@ def reducer() -> Callable[[Any], Any] | None:
                 f"an Accelerate {type(obj).__name__} made in the caller (an accelerate Accelerator or a transformers "
                 "Trainer holds one) describes the caller's single process, not a rank: make the Accelerator, "
                 "PartialState or Trainer inside the function you distribute, as Accelerate's notebook_launcher "
-                "requires (TrainingArguments may stay outside: each rank sets it up again)")
+                "requires (TrainingArguments may stay outside: each rank sets it up again)"
+            )
         return NotImplemented
 
     return reduce

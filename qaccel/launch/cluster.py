@@ -13,8 +13,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from qaccel.environment import Environment, node_name, slurm_job_state
 from qaccel.errors import ErrorReport, Preempted, RankError
@@ -27,8 +28,17 @@ if TYPE_CHECKING:
 
 POLL_S = 0.5
 # a job in one of these has ended (scontrol's states; a requeued job goes back to PENDING)
-ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
-         "UNKNOWN")  # UNKNOWN: SLURM forgot the job, long ended
+ENDED = (
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "UNKNOWN",
+)  # UNKNOWN: SLURM forgot the job, long ended
 
 
 class ClusterJob(Launcher):
@@ -53,8 +63,9 @@ class _Rank:
     raising, so that the caller sees every rank's outcome and raises the cause's own exception. A stop after a
     signal (Preempted) is a SystemExit: submitit then writes no result, and the requeued job writes it."""
 
-    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config,
-                 plain: Callable[[Any], Any]) -> None:
+    def __init__(
+        self, fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, plain: Callable[[Any], Any]
+    ) -> None:
         # pickled here, not by submitit's cloudpickle: the task's tracebacks then name the caller's files and lines
         self.call, self.config, self.plain = pickling.dumps_call(fn, args, kwargs), config, plain
 
@@ -113,7 +124,7 @@ class SlurmJob:
 
     def cancel(self) -> None:
         """``scancel`` the job (every rank stops)."""
-        subprocess.run(["scancel", self.job_id], capture_output=True, timeout=60)
+        subprocess.run(["scancel", self.job_id], capture_output=True, timeout=60, check=False)
 
     def logs(self, rank: int = 0) -> str:
         """Rank ``rank``'s output so far (its stdout, then its stderr)."""
@@ -172,8 +183,9 @@ class SlurmJob:
                     stream.flush()
 
     def _tasks(self) -> list[Any]:
-        return [self._job.task(i) for i in range(self.cluster.world_size)] if self.cluster.world_size > 1 \
-            else [self._job]
+        return (
+            [self._job.task(i) for i in range(self.cluster.world_size)] if self.cluster.world_size > 1 else [self._job]
+        )
 
     def _all_results_written(self) -> bool:
         return all(task.paths.result_pickle.exists() for task in self._tasks())
@@ -187,19 +199,27 @@ class SlurmJob:
         for rank, task in enumerate(self._tasks()):
             if task.paths.result_pickle.exists():
                 outcomes[rank] = task.result()  # a failure of submitit's own (unpickling) raises here
-        failed = [failures.RankFailure(rank, outcomes[rank][1][0] if rank in outcomes else None)
-                  for rank in range(self.cluster.world_size) if outcomes.get(rank, ("raised",))[0] == "raised"]
+        failed = [
+            failures.RankFailure(rank, outcomes[rank][1][0] if rank in outcomes else None)
+            for rank in range(self.cluster.world_size)
+            if outcomes.get(rank, ("raised",))[0] == "raised"
+        ]
         if not failed:
             return [outcomes[rank][1] for rank in range(self.cluster.world_size)]
         cause = failures.root_cause(failed)
         if cause.report is None:  # died without a result: killed, os._exit, or a folder the nodes do not share
             log = self._tasks()[cause.rank].paths.stderr
-            raise RankError(f"rank {cause.rank} of SLURM job {self.job_id} ended ({state}) without a result in "
-                            f"{self.folder}: killed, os._exit(), or a folder the compute nodes do not share; its "
-                            f"log: {log}", cause.rank)
+            raise RankError(
+                f"rank {cause.rank} of SLURM job {self.job_id} ended ({state}) without a result in "
+                f"{self.folder}: killed, os._exit(), or a folder the compute nodes do not share; its "
+                f"log: {log}",
+                cause.rank,
+            )
         exc, rank = failures.cause_exception(failed, self.cluster.world_size, launched=True)
-        exc.add_note(f"[qaccel] rank {rank} ran on node {outcomes[rank][1][1]} in SLURM job {self.job_id} (its files: "
-                     f"{self.folder})")
+        exc.add_note(
+            f"[qaccel] rank {rank} ran on node {outcomes[rank][1][1]} in SLURM job {self.job_id} (its files: "
+            f"{self.folder})"
+        )
         raise exc
 
 
@@ -210,8 +230,15 @@ def _called(call: bytes) -> Any:
     return fn(*args, **kwargs)
 
 
-def submit(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, cluster: SlurmCluster,
-           plain: Callable[[Any], Any], show: bool = True) -> SlurmJob:
+def submit(
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    config: Config,
+    cluster: SlurmCluster,
+    plain: Callable[[Any], Any],
+    show: bool = True,
+) -> SlurmJob:
     """Submit ``fn(*args, **kwargs)`` as one SLURM job of ``cluster.world_size`` tasks, each a rank; each task's
     result is made ``plain`` (protocol.HandBack.in_place)."""
     import submitit
@@ -220,14 +247,25 @@ def submit(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, cl
     executor = submitit.SlurmExecutor(folder=Path(cluster.folder).absolute() / "%j", max_num_timeout=0)
     sbatch = {"signal": "USR1@180", "requeue": True, **cluster.sbatch}
     executor.update_parameters(
-        nodes=cluster.nodes, ntasks_per_node=cluster.tasks_per_node, time=minutes(cluster.time),
-        setup=list(cluster.setup), additional_parameters=sbatch,
-        **{name: value for name in ("partition", "account", "gpus_per_node", "cpus_per_task")
-           if (value := getattr(cluster, name)) is not None})
+        nodes=cluster.nodes,
+        ntasks_per_node=cluster.tasks_per_node,
+        time=minutes(cluster.time),
+        setup=list(cluster.setup),
+        additional_parameters=sbatch,
+        **{
+            name: value
+            for name in ("partition", "account", "gpus_per_node", "cpus_per_task")
+            if (value := getattr(cluster, name)) is not None
+        },
+    )
     job = executor.submit(task)
     if show:
-        print(f"qaccel: submitted SLURM job {job.job_id} ({cluster.nodes} node(s) x {cluster.tasks_per_node} "
-              f"task(s)); its files are in {job.paths.folder}", file=sys.stderr, flush=True)
+        print(
+            f"qaccel: submitted SLURM job {job.job_id} ({cluster.nodes} node(s) x {cluster.tasks_per_node} "
+            f"task(s)); its files are in {job.paths.folder}",
+            file=sys.stderr,
+            flush=True,
+        )
     return SlurmJob(job, cluster, show)
 
 

@@ -12,7 +12,8 @@ import os
 import sys
 import time
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -59,8 +60,15 @@ def join_latest() -> RankContext | None:
     return launcher.join() if launcher is not None else None
 
 
-def run(fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, env: Environment, all_results: bool,
-        plain: Callable[[Any], Any]) -> Any:
+def run(
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    config: Config,
+    env: Environment,
+    all_results: bool,
+    plain: Callable[[Any], Any],
+) -> Any:
     """``fn(*args, **kwargs)`` here, as this process's rank; its result (or every rank's, by rank), made ``plain``
     (protocol.HandBack) before the session's end frees what it prepared."""
     running = session.current_run()
@@ -91,8 +99,14 @@ def _this_rank(config: Config, env: Environment) -> tuple[RankContext, Callable[
         if not needs_store:
             return None
         hosts_store = ctx.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-        rendezvous.check(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.address_from, ctx.rank,
-                         hosts_store, config.timeout)
+        rendezvous.check(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            env.address_from,
+            ctx.rank,
+            hosts_store,
+            config.timeout,
+        )
         return session.env_store(ctx, config.timeout, session_number)
 
     return ctx, store
@@ -158,6 +172,7 @@ def _export_rank_variables(env: Environment) -> None:
     """Give a launcher's rank (an srun task, an mpirun process, ...) the variables torch's env:// rendezvous and user
     code expect (user-set MASTER_* win: detect() read them)."""
     if env.master_addr is None or env.master_port is None:
-        raise RuntimeError(f"{env.kind} rank detected but no node list / job id to derive MASTER_ADDR/MASTER_PORT "
-                           "from: set both")
+        raise RuntimeError(
+            f"{env.kind} rank detected but no node list / job id to derive MASTER_ADDR/MASTER_PORT from: set both"
+        )
     os.environ.update(rank_variables(env))

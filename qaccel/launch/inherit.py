@@ -85,7 +85,10 @@ def capture() -> Inherited:
         logging_disable=logging.root.manager.disable,
         warning_filters=[_travelling_filter(entry) for entry in warnings.filters],
         default_dtype=torch.get_default_dtype(),
-        deterministic=(torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()),
+        deterministic=(
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        ),
         matmul_precision=torch.get_float32_matmul_precision(),
         anomaly=(torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
         cudnn=(torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic),
@@ -105,7 +108,10 @@ def apply(inherited: Inherited) -> None:
     if torch.get_default_dtype() != inherited.default_dtype:
         torch.set_default_dtype(inherited.default_dtype)
     mode, warn_only = inherited.deterministic
-    if (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) != (mode, warn_only):
+    if (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) != (
+        mode,
+        warn_only,
+    ):
         torch.use_deterministic_algorithms(mode, warn_only=warn_only)
     if torch.get_float32_matmul_precision() != inherited.matmul_precision:
         torch.set_float32_matmul_precision(inherited.matmul_precision)
@@ -177,8 +183,11 @@ def _category(module: str, qualname: str) -> type:
             found = getattr(found, part, None)
         if isinstance(found, type):
             return found
-    return _NamedCategory(qualname.rsplit(".", 1)[-1], (Warning,),
-                          {"names": (module, qualname), "__module__": module, "__qualname__": qualname})
+    return _NamedCategory(
+        qualname.rsplit(".", 1)[-1],
+        (Warning,),
+        {"names": (module, qualname), "__module__": module, "__qualname__": qualname},
+    )
 
 
 class _NamedCategory(type):
@@ -188,8 +197,10 @@ class _NamedCategory(type):
     names: tuple[str, str]
 
     def __subclasscheck__(cls, subclass: type) -> bool:
-        return any((getattr(base, "__module__", None), getattr(base, "__qualname__", None)) == cls.names
-                   for base in getattr(subclass, "__mro__", ()))
+        return any(
+            (getattr(base, "__module__", None), getattr(base, "__qualname__", None)) == cls.names
+            for base in getattr(subclass, "__mro__", ())
+        )
 
 
 # ---- logging ----
@@ -200,8 +211,10 @@ def _configured_loggers() -> list[tuple[str, logging.Logger]]:
     found = [("", logging.root)]
     kernel_app = _kernel_app_logger()
     for name, logger in list(logging.root.manager.loggerDict.items()):
-        if isinstance(logger, logging.Logger) and logger is not kernel_app and (
-            logger.level != logging.NOTSET or logger.handlers or not logger.propagate or logger.disabled
+        if (
+            isinstance(logger, logging.Logger)
+            and logger is not kernel_app
+            and (logger.level != logging.NOTSET or logger.handlers or not logger.propagate or logger.disabled)
         ):
             found.append((name, logger))
     return found
@@ -240,8 +253,14 @@ def _logger_setup(name: str, logger: logging.Logger, uncopied: list[str]) -> Log
             uncopied.append(f"the {type(handler).__name__} of logger {name or 'root'!r} ({exc})")
             copies = None
             break
-    return LoggerSetup(name, _signature(logger), logger.level, logger.propagate, logger.disabled,
-                       None if copies is None else tuple(copies))
+    return LoggerSetup(
+        name,
+        _signature(logger),
+        logger.level,
+        logger.propagate,
+        logger.disabled,
+        None if copies is None else tuple(copies),
+    )
 
 
 def _copy_of(handler: logging.Handler) -> bytes:
@@ -280,7 +299,7 @@ def _apply_logger(setup: LoggerSetup) -> None:
 
 
 def _std_name(stream: Any) -> str | None:
-    """"stdout" or "stderr" when ``stream`` is that standard stream (compared by identity), else None."""
+    """ "stdout" or "stderr" when ``stream`` is that standard stream (compared by identity), else None."""
     for name in ("stdout", "stderr"):
         if stream is not None and (stream is getattr(sys, name) or stream is getattr(sys, f"__{name}__")):
             return name

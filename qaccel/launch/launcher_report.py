@@ -68,9 +68,11 @@ def hold_symptom(exc: BaseException, rank: int, world_size: int, hold_s: float =
     the rank that raised exits first (the launcher usually stops this one during the wait); True if held."""
     if world_size < 2 or not isinstance(exc, Exception) or not is_symptom(exc):
         return False
-    line = (f"[qaccel] rank {rank} of {world_size} lost contact with another rank ({type(exc).__name__}: "
-            f"{_gist(str(exc))}); the cause is most likely in that rank's log. This rank leaves in {hold_s:g} s, "
-            "unless the launcher stops it first.\n")
+    line = (
+        f"[qaccel] rank {rank} of {world_size} lost contact with another rank ({type(exc).__name__}: "
+        f"{_gist(str(exc))}); the cause is most likely in that rank's log. This rank leaves in {hold_s:g} s, "
+        "unless the launcher stops it first.\n"
+    )
     try:
         sys.stdout.flush()
         sys.stderr.flush()

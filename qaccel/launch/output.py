@@ -9,6 +9,7 @@ prefix, and a terminal still shows them in place.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
@@ -35,8 +36,9 @@ class PrefixedOutput:
         for dest in (1, 2):
             read_fd, write_fd = os.pipe()
             ends.append(Connection(write_fd, readable=False))  # pickled with fd passing, as multiprocessing's pipes
-            thread = threading.Thread(target=_copy_lines, args=(read_fd, dest, prefix), daemon=True,
-                                      name=f"qaccel-rank-{rank}-output-{dest}")
+            thread = threading.Thread(
+                target=_copy_lines, args=(read_fd, dest, prefix), daemon=True, name=f"qaccel-rank-{rank}-output-{dest}"
+            )
             thread.start()
             self._threads.append(thread)
         self.ends: tuple[Connection, Connection] = (ends[0], ends[1])
@@ -78,7 +80,7 @@ def _split(data: bytes) -> tuple[list[bytes], bytes]:
     """The complete lines of ``data``, each with its ending, and the unfinished rest."""
     lines, start = [], 0
     for end in _LINE_END.finditer(data):
-        lines.append(data[start:end.end()])
+        lines.append(data[start : end.end()])
         start = end.end()
     return lines, data[start:]
 
@@ -89,7 +91,7 @@ def _write(fd: int, data: bytes) -> None:
     with _WRITE_LOCK:
         try:
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
         except OSError:
             pass
 
@@ -111,10 +113,8 @@ def flush_std_streams() -> None:
     on its output, nor leave any of it unwritten."""
     streams = (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
     for stream in {id(stream): stream for stream in streams if stream is not None}.values():  # a tee may not hash
-        try:
+        with contextlib.suppress(Exception):
             stream.flush()
-        except Exception:  # noqa: BLE001
-            pass
 
 
 def whole_lines() -> None:
@@ -128,7 +128,12 @@ def whole_lines() -> None:
         stream.flush()
         if isinstance(getattr(stream, "buffer", None), io.RawIOBase) and stream is getattr(sys, f"__{name}__"):
             # sys.__stdout__ keeps the unbuffered stream (and its fd) alive; the new one shares the fd
-            setattr(sys, name, open(stream.fileno(), "w", buffering=1, encoding=stream.encoding,
-                                    errors=stream.errors, closefd=False))
+            setattr(
+                sys,
+                name,
+                open(  # noqa: SIM115 - the new sys stream, open for the process's life
+                    stream.fileno(), "w", buffering=1, encoding=stream.encoding, errors=stream.errors, closefd=False
+                ),
+            )
         else:
             stream.reconfigure(line_buffering=True)

@@ -8,7 +8,8 @@ import inspect
 import io
 import marshal
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import cloudpickle
 
@@ -21,8 +22,9 @@ class _FileNamesKept(cloudpickle.Pickler):
     travels as marshal writes it, which the ranks read back whole: they run the same Python, as cloudpickle's code
     by value needs anyway."""
 
-    dispatch_table = collections.ChainMap({types.CodeType: lambda code: (marshal.loads, (marshal.dumps(code),))},
-                                          cloudpickle.Pickler.dispatch_table)
+    dispatch_table: ClassVar[collections.ChainMap] = collections.ChainMap(
+        {types.CodeType: lambda code: (marshal.loads, (marshal.dumps(code),))}, cloudpickle.Pickler.dispatch_table
+    )
 
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file)

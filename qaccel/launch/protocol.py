@@ -3,7 +3,8 @@ what every launcher answers alike."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from qaccel.comm import session
 from qaccel.comm.session import RankContext

@@ -48,8 +48,10 @@ def run_directory() -> Iterator[str]:
         root, fresh = runs_root(), False
     except RootsTaken as taken:
         root, fresh = tempfile.mkdtemp(prefix=f"qaccel-runs-{os.getuid()}-"), True
-        warnings.warn(f"qaccel: {taken}; each launch makes a fresh private folder for itself instead, removed when it "
-                      "ends", stacklevel=3)  # the same text each time: Python's filter shows it once
+        warnings.warn(
+            f"qaccel: {taken}; each launch makes a fresh private folder for itself instead, removed when it ends",
+            stacklevel=3,
+        )  # the same text each time: Python's filter shows it once
     if not fresh:
         remove_stale(root)
     staging = tempfile.mkdtemp(dir=root, prefix=STAGING)
@@ -58,7 +60,7 @@ def run_directory() -> Iterator[str]:
         # locked before it takes its run-* name: a directory with that name always has a live holder or none
         lock = os.open(os.path.join(staging, LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         fcntl.flock(lock, fcntl.LOCK_EX)
-        final = os.path.join(root, RUN + os.path.basename(staging)[len(STAGING):])  # mkdtemp's suffix: unique
+        final = os.path.join(root, RUN + os.path.basename(staging)[len(STAGING) :])  # mkdtemp's suffix: unique
         os.rename(staging, final)
         path = final
         yield path
@@ -88,8 +90,10 @@ def runs_root(tmp: str | None = None) -> str:
         if why is None:
             return path
         refused.append(f"{path} {why}")
-    raise RootsTaken("every folder qaccel may keep its run directories in is taken by something it did not make, "
-                     "which it leaves alone: " + "; ".join(refused))
+    raise RootsTaken(
+        "every folder qaccel may keep its run directories in is taken by something it did not make, "
+        "which it leaves alone: " + "; ".join(refused)
+    )
 
 
 def _create_root(tmp: str, path: str) -> None:
@@ -183,4 +187,3 @@ def _remove_if_dead(path: str, lockless_is_dead: bool) -> bool:
     finally:
         if lock is not None:
             os.close(lock)
-

@@ -4,7 +4,8 @@ set up and torn down around it, and a failure handed to the launcher's side exac
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Protocol, TypeVar
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 import torch.distributed as dist
 
@@ -27,16 +28,35 @@ class FailureReport(Protocol):
         the closing barrier, a peer's loss seen there)."""
 
 
-def rank_session(ctx: RankContext, config: Config, store: Callable[[int], dist.Store | None],
-                 key: bytes | None = None, **options: bool) -> contextlib.AbstractContextManager[RankContext]:
+def rank_session(
+    ctx: RankContext,
+    config: Config,
+    store: Callable[[int], dist.Store | None],
+    key: bytes | None = None,
+    **options: bool,
+) -> contextlib.AbstractContextManager[RankContext]:
     """The session of rank ``ctx`` as ``config`` sets it up (FSDP's group of one, debug); ``key``: what seals qaccel's
     keys in the store (None: rank 0's); ``options``: more of ``session.session``'s switches."""
-    return session.session(ctx, config.timeout, store=store, group_of_one=config.strategy is Strategy.FSDP,
-                           debug=config.debug, key=key, **options)
+    return session.session(
+        ctx,
+        config.timeout,
+        store=store,
+        group_of_one=config.strategy is Strategy.FSDP,
+        debug=config.debug,
+        key=key,
+        **options,
+    )
 
 
-def run_as_rank(ctx: RankContext, config: Config, body: Callable[[], R], report: FailureReport,
-                store: Callable[[int], dist.Store | None], key: bytes | None = None, **options: bool) -> R:
+def run_as_rank(
+    ctx: RankContext,
+    config: Config,
+    body: Callable[[], R],
+    report: FailureReport,
+    store: Callable[[int], dist.Store | None],
+    key: bytes | None = None,
+    **options: bool,
+) -> R:
     """``body()`` in a session of rank ``ctx``; ``store(session_number)`` opens the rendezvous store (inside, so that
     its failure is reported too); ``key`` and ``options``: see rank_session."""
     early = 0  # id() of the exception reported early: not the exception, whose traceback holds this frame

@@ -64,7 +64,8 @@ import tempfile
 import threading
 import time
 import traceback
-from typing import Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 
@@ -129,11 +130,18 @@ def serving(start_method: StartMethod, nprocs: int) -> Iterator[None]:
     quick = preloading = None
     try:
         with _sigint_held(), server._lock:  # a Ctrl-C held back here is raised at its end: quick is then set
-            if (first and start_method is StartMethod.FORKSERVER and _preloading is not None
-                    and _preloading.pid == server._forkserver_pid and not _preloading.has_all
-                    and not _preloading.done()
-                    and nprocs <= len(os.sched_getaffinity(0)) and not _importing() and fork_is_safe()
-                    and _preloading.dies_with_caller(LEFT_CALLER_WAIT_S)):
+            if (
+                first
+                and start_method is StartMethod.FORKSERVER
+                and _preloading is not None
+                and _preloading.pid == server._forkserver_pid
+                and not _preloading.has_all
+                and not _preloading.done()
+                and nprocs <= len(os.sched_getaffinity(0))
+                and not _importing()
+                and fork_is_safe()
+                and _preloading.dies_with_caller(LEFT_CALLER_WAIT_S)
+            ):
                 preloading = _preloading
                 quick = _start(fork=True, quick=True)
                 preloading.pause()
@@ -336,15 +344,23 @@ def _start(fork: bool, quick: bool = False) -> _Handle:
 
 def _spawn(listener_fd: int, alive_r: int, ready_w: int) -> int:
     """A fresh interpreter running _serve, its garbage collector off from the first import (see _preload)."""
-    code = (f"import gc; gc.disable(); import sys; sys.path[:] = {sys.path!r}; "
-            f"from qaccel.launch.server import _serve; _serve({listener_fd}, {alive_r}, {ready_w})")
+    code = (
+        f"import gc; gc.disable(); import sys; sys.path[:] = {sys.path!r}; "
+        f"from qaccel.launch.server import _serve; _serve({listener_fd}, {alive_r}, {ready_w})"
+    )
     exe = multiprocessing.spawn.get_executable()
     args = [exe, *multiprocessing.util._args_from_interpreter_flags(), "-c", code]
     return multiprocessing.util.spawnv_passfds(exe, args, [listener_fd, alive_r, ready_w])
 
 
-def _serve(listener_fd: int, alive_r: int, ready_w: int | None, alive_w: int | None = None, caller: int = 0,
-           preload: list[str] = PRELOAD) -> None:
+def _serve(
+    listener_fd: int,
+    alive_r: int,
+    ready_w: int | None,
+    alive_w: int | None = None,
+    caller: int = 0,
+    preload: list[str] = PRELOAD,
+) -> None:
     """The server's whole life: never returns into the caller's code, never runs its exit handlers."""
     code = 0
     try:

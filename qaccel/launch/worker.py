@@ -31,9 +31,10 @@ import os
 import pickle
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import cloudpickle
 import torch.distributed as dist
@@ -87,8 +88,12 @@ def _torchrun_extras(spec: RankSpec) -> dict[str, str]:
     (qaccel's, at MASTER_PORT) and NCCL's error handling, each unless the caller set it; and the marker of a qaccel
     rank (environment.STARTED_BY_QACCEL). The thread count follows in rank_main."""
     extras = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
-    return {**extras, **spec.environ, "TORCHELASTIC_RUN_ID": qaccel_run_id(os.path.basename(spec.run_dir)),
-            STARTED_BY_QACCEL: str(os.getppid())}
+    return {
+        **extras,
+        **spec.environ,
+        "TORCHELASTIC_RUN_ID": qaccel_run_id(os.path.basename(spec.run_dir)),
+        STARTED_BY_QACCEL: str(os.getppid()),
+    }
 
 
 def _watch_caller(lifeline: multiprocessing.connection.Connection) -> None:
@@ -104,15 +109,25 @@ def _watch_caller(lifeline: multiprocessing.connection.Connection) -> None:
     os.killpg(0, signal.SIGKILL)  # this rank's group: the rank and what it started
 
 
-def rank_main(spec: RankSpec, caller: multiprocessing.connection.Connection,
-               streams: tuple[multiprocessing.connection.Connection, ...] | None = None) -> None:
+def rank_main(
+    spec: RankSpec,
+    caller: multiprocessing.connection.Connection,
+    streams: tuple[multiprocessing.connection.Connection, ...] | None = None,
+) -> None:
     """Entry point of a rank process: set up the rank, run fn, record its result or its exception. ``streams``:
     the caller's pipes for its stdout and stderr (rank_prefix)."""
     if streams is not None:
         output.redirect(streams)
     config = spec.config
-    layout = Environment(Kind.PLAIN, rank=spec.rank, local_rank=spec.rank, world_size=spec.world_size,
-                         local_world_size=spec.world_size, master_addr="127.0.0.1", master_port=spec.port)
+    layout = Environment(
+        Kind.PLAIN,
+        rank=spec.rank,
+        local_rank=spec.rank,
+        world_size=spec.world_size,
+        local_world_size=spec.world_size,
+        master_addr="127.0.0.1",
+        master_port=spec.port,
+    )
     become_worker({**spec.environ, **rank_variables(layout), **_torchrun_extras(spec)}, spec.umask)
     threads, _ = session.thread_budget(spec.world_size)
     if threads is not None:  # torchrun exports 1; qaccel's budget, for what the rank starts and reads it
@@ -139,12 +154,13 @@ def rank_main(spec: RankSpec, caller: multiprocessing.connection.Connection,
         inherit.adopt_script(settings, fn, args, kwargs)
         result = fn(*args, **kwargs)
         if spec.keep_result:
-            storage.write_bytes(_dumps_result(result, spec.rank, spec.plain), Path(spec.run_dir, f"result-{spec.rank}"),
-                                durable=False)
+            storage.write_bytes(
+                _dumps_result(result, spec.rank, spec.plain), Path(spec.run_dir, f"result-{spec.rank}"), durable=False
+            )
 
     try:
         run_as_rank(ctx, config, body, _CallerReport(spec, caller), store, key=spec.key, process_ends=True)
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - run_as_rank has reported it to the caller already
         raise SystemExit(1) from None
 
 

@@ -24,7 +24,8 @@ import functools
 import os
 import sys
 import threading
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -88,8 +89,10 @@ class Flight:
         if self.thread is not None:
             self.thread.join()
         if self.error is not None:
-            self.error.add_note(f"[qaccel] raised by the background save of {self.target} (save_state at step "
-                                f"{self.step}); the checkpoint before it stands")
+            self.error.add_note(
+                f"[qaccel] raised by the background save of {self.target} (save_state at step "
+                f"{self.step}); the checkpoint before it stands"
+            )
             raise self.error
         return self.target
 
@@ -180,11 +183,12 @@ def _pieces(into: torch.Tensor, source: torch.Tensor) -> list[tuple[torch.Tensor
     if count <= step or not (into.is_contiguous() and source.is_contiguous()):
         return [(into, source)]
     flat_into, flat_source = into.view(-1), source.view(-1)
-    return [(flat_into[i:i + step], flat_source[i:i + step]) for i in range(0, count, step)]
+    return [(flat_into[i : i + step], flat_source[i : i + step]) for i in range(0, count, step)]
 
 
-def _staged(tensor: torch.Tensor, kept: torch.Tensor | None, pin: bool,
-            copies: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+def _staged(
+    tensor: torch.Tensor, kept: torch.Tensor | None, pin: bool, copies: list[tuple[torch.Tensor, torch.Tensor]]
+) -> torch.Tensor:
     """Where ``tensor`` is staged: ``kept`` when it fits, else new CPU memory; the copy into it added to ``copies``
     (a DTensor's first copy made here)."""
     plain = type(tensor) is torch.Tensor and tensor.layout is torch.strided and not tensor.is_quantized
@@ -206,8 +210,12 @@ def _fits(tensor: torch.Tensor, kept: torch.Tensor, plain: bool) -> bool:
     if plain:
         return True
     placements = getattr(tensor, "placements", None)
-    return placements is not None and placements == kept.placements and tensor.device_mesh == kept.device_mesh and \
-        tensor.to_local().shape == kept.to_local().shape
+    return (
+        placements is not None
+        and placements == kept.placements
+        and tensor.device_mesh == kept.device_mesh
+        and tensor.to_local().shape == kept.to_local().shape
+    )
 
 
 def stage(registry: Registry, state: Any, device: torch.device) -> Any:

@@ -19,7 +19,8 @@ import inspect
 import itertools
 import threading
 import traceback
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -51,12 +52,17 @@ def should_reduce_batch_size(exception: BaseException) -> bool:
     """Whether ``exception`` says an allocation failed, so that a smaller batch may fit."""
     if isinstance(exception, torch.OutOfMemoryError):
         return True
-    return (isinstance(exception, RuntimeError) and len(exception.args) == 1 and isinstance(exception.args[0], str)
-            and any(message in exception.args[0] for message in OOM_MESSAGES))
+    return (
+        isinstance(exception, RuntimeError)
+        and len(exception.args) == 1
+        and isinstance(exception.args[0], str)
+        and any(message in exception.args[0] for message in OOM_MESSAGES)
+    )
 
 
 def find_executable_batch_size(
-    function: Callable[..., Any] | None = None, starting_batch_size: int = 128,
+    function: Callable[..., Any] | None = None,
+    starting_batch_size: int = 128,
     reduce_batch_size_fn: Callable[[], int] | None = None,
 ) -> Any:
     """Call ``function(batch_size, *args, **kwargs)`` from ``starting_batch_size`` down, each retry at 0.9 × the
@@ -68,8 +74,11 @@ def find_executable_batch_size(
     search. The size reached is kept for the next call, as Accelerate's is.
     """
     if function is None:
-        return functools.partial(find_executable_batch_size, starting_batch_size=starting_batch_size,
-                                 reduce_batch_size_fn=reduce_batch_size_fn)
+        return functools.partial(
+            find_executable_batch_size,
+            starting_batch_size=starting_batch_size,
+            reduce_batch_size_fn=reduce_batch_size_fn,
+        )
     if isinstance(starting_batch_size, bool) or not isinstance(starting_batch_size, int) or starting_batch_size < 1:
         raise ValueError(f"starting_batch_size must be a positive int; got {starting_batch_size!r}")
     batch_size = starting_batch_size
@@ -83,8 +92,10 @@ def find_executable_batch_size(
     def decorator(*args: Any, **kwargs: Any) -> Any:
         nonlocal batch_size
         if len(inspect.signature(function).parameters) < len(args) + 1:
-            raise TypeError(f"find_executable_batch_size passes the batch size to {function.__name__}() as its "
-                            f"first argument: call it without that argument, e.g. {function.__name__}(*other_args)")
+            raise TypeError(
+                f"find_executable_batch_size passes the batch size to {function.__name__}() as its "
+                f"first argument: call it without that argument, e.g. {function.__name__}(*other_args)"
+            )
         agreement = Agreement.begin()
         for attempt in itertools.count():
             if batch_size < 1:
@@ -93,7 +104,7 @@ def find_executable_batch_size(
             try:
                 with agreement.watch(attempt) if agreement is not None else contextlib.nullcontext():
                     result, error = function(batch_size, *args, **kwargs), None
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - _outcome decides: a retry when out of memory, else raised
                 result, error = None, exc
             outcome = _outcome(error)
             if outcome is Outcome.OUT_OF_MEMORY:  # the attempt's frames hold its model, batches and group
@@ -169,8 +180,10 @@ class Agreement:
         outcomes = self.store.gather(keys, self.run.timeout)
         if len(outcomes) < len(keys):
             missing = [rank for rank, key in enumerate(keys) if key not in outcomes]
-            raise RuntimeError(f"find_executable_batch_size: rank(s) {missing} did not finish the attempt at batch "
-                               f"size {batch_size} within {self.run.timeout:g} s")
+            raise RuntimeError(
+                f"find_executable_batch_size: rank(s) {missing} did not finish the attempt at batch "
+                f"size {batch_size} within {self.run.timeout:g} s"
+            )
         everyone = {Outcome(outcome.decode()) for outcome in outcomes.values()}
         return Outcome.OUT_OF_MEMORY if Outcome.OUT_OF_MEMORY in everyone else mine
 
@@ -185,8 +198,9 @@ class Agreement:
             self.store.set(f"{attempt}/next", str(size))
         chosen = self.store.gather([f"{attempt}/next"], self.run.timeout)
         if not chosen:
-            raise RuntimeError(f"find_executable_batch_size: rank 0 gave no next batch size within "
-                               f"{self.run.timeout:g} s")
+            raise RuntimeError(
+                f"find_executable_batch_size: rank 0 gave no next batch size within {self.run.timeout:g} s"
+            )
         return int(chosen[f"{attempt}/next"].decode())
 
 

@@ -15,8 +15,9 @@ import re
 import secrets
 import shutil
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -103,7 +104,11 @@ class _Saving:
 
 
 def save_state(
-    directory: str | os.PathLike, registry: Registry, ctx: RankContext, keep: int | None = None, numbered: bool = False,
+    directory: str | os.PathLike,
+    registry: Registry,
+    ctx: RankContext,
+    keep: int | None = None,
+    numbered: bool = False,
     in_background: bool = False,
 ) -> str:
     """Checkpoint everything a resumed run needs, atomically: models, optimizers, schedulers, the fp16 scaler,
@@ -162,8 +167,16 @@ def _hand_on_pages(directory: str, target: str, numbered: bool, rank: int) -> No
             storage.release(shard)
 
 
-def _collect(directory: str, target: str, tmp: str, numbered: bool, keep: int | None, registry: Registry,
-             ctx: RankContext, copy: bool) -> _Saving:
+def _collect(
+    directory: str,
+    target: str,
+    tmp: str,
+    numbered: bool,
+    keep: int | None,
+    registry: Registry,
+    ctx: RankContext,
+    copy: bool,
+) -> _Saving:
     """What this save writes, read from the objects now (``copy``: copied aside, for a background save). A failure
     is raised on every rank: the ranks learn of it with the RNG states they send rank 0."""
     failure: Exception | None = None
@@ -181,10 +194,21 @@ def _collect(directory: str, target: str, tmp: str, numbered: bool, keep: int | 
     except Exception as exc:  # noqa: BLE001 - told to every rank, then raised on every rank
         failure = exc
     gathered = collectives.gather_object((rng, agreement.told(failure, ctx.rank)), ctx)
-    agreement.raise_first([told for _, told in gathered], failure, ctx.rank,
-                          _failed(ctx, "save_state()", "collecting the state"))
-    return _Saving(directory, target, tmp, numbered, keep, parts, [rng for rng, _ in gathered] if ctx.rank == 0 else [],
-                   marker, sharded, registry.staging if copy else None)
+    agreement.raise_first(
+        [told for _, told in gathered], failure, ctx.rank, _failed(ctx, "save_state()", "collecting the state")
+    )
+    return _Saving(
+        directory,
+        target,
+        tmp,
+        numbered,
+        keep,
+        parts,
+        [rng for rng, _ in gathered] if ctx.rank == 0 else [],
+        marker,
+        sharded,
+        registry.staging if copy else None,
+    )
 
 
 def _from_rank_0(make: Callable[[], T], ctx: RankContext, note: str) -> T:
@@ -234,8 +258,9 @@ def _write(saving: _Saving, ctx: RankContext, peers: background.Peers) -> None:
     if any(told is not None for _, told in gathered):
         if ctx.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        agreement.raise_first([told for _, told in gathered], failure, ctx.rank,
-                              _failed(ctx, "save_state()", "writing the shards"))
+        agreement.raise_first(
+            [told for _, told in gathered], failure, ctx.rank, _failed(ctx, "save_state()", "writing the shards")
+        )
     doing, after = "writing the checkpoint", "; the previous checkpoint stands"
     if ctx.rank == 0:
         try:
@@ -266,8 +291,11 @@ def _saving_failed(exc: BaseException, target: str, written: int | None) -> OSEr
     what = "the disk is full" if full.errno == errno.ENOSPC else "the disk quota is exceeded"
     file = full.filename or target
     partial = "" if written is None else f" (the partial checkpoint, {storage.mib(written)} written, is removed)"
-    return OSError(full.errno, f"save_state() could not write {target}: {what} while writing {file}{partial}; "
-                         f"{storage.space(target)} now; the previous checkpoint stands")
+    return OSError(
+        full.errno,
+        f"save_state() could not write {target}: {what} while writing {file}{partial}; "
+        f"{storage.space(target)} now; the previous checkpoint stands",
+    )
 
 
 def _new_tmp(target: str) -> str:
@@ -288,13 +316,21 @@ def _check_replaceable(target: str) -> None:
         return
     if os.path.islink(target) or not os.path.isdir(target):
         what = "a symbolic link" if os.path.islink(target) else "a file"
-        raise FileExistsError(errno.EEXIST, f"save_state() would replace {target}, which is {what}: give a folder, "
-                              "new or a checkpoint, or keep=K to keep numbered checkpoints inside a folder", target)
+        raise FileExistsError(
+            errno.EEXIST,
+            f"save_state() would replace {target}, which is {what}: give a folder, "
+            "new or a checkpoint, or keep=K to keep numbered checkpoints inside a folder",
+            target,
+        )
     names = sorted(os.listdir(target))
     if names and MARKER_FILE not in names:
-        raise FileExistsError(errno.EEXIST, f"save_state() replaces its folder whole, and {target} is not a qaccel "
-                              f"checkpoint (it holds {_held(names)}), so nothing was written: give a new or empty "
-                              "folder, or keep=K to keep numbered checkpoints inside this one", target)
+        raise FileExistsError(
+            errno.EEXIST,
+            f"save_state() replaces its folder whole, and {target} is not a qaccel "
+            f"checkpoint (it holds {_held(names)}), so nothing was written: give a new or empty "
+            "folder, or keep=K to keep numbered checkpoints inside this one",
+            target,
+        )
 
 
 def _held(names: list[str]) -> str:
@@ -309,8 +345,11 @@ def _optimizers(registry: Registry) -> list[torch.optim.Optimizer]:
 def _own_shard_sums(sharded: str, rank: int) -> dict[str, dict[str, int]]:
     """Sizes and checksums of the shard files this rank wrote (torch.distributed.checkpoint names them
     ``__<rank>_*``), taken while they are in the page cache; rank 0 sums whatever no rank claimed."""
-    return {f"{SHARDED_DIR}/{name}": storage.sums(os.path.join(sharded, name)).to_json()
-            for name in sorted(os.listdir(sharded)) if name.startswith(f"__{rank}_")}
+    return {
+        f"{SHARDED_DIR}/{name}": storage.sums(os.path.join(sharded, name)).to_json()
+        for name in sorted(os.listdir(sharded))
+        if name.startswith(f"__{rank}_")
+    }
 
 
 def _write_checkpoint(saving: _Saving, gathered: list[dict[str, dict[str, int]]]) -> None:
@@ -344,8 +383,12 @@ def _write_checkpoint(saving: _Saving, gathered: list[dict[str, dict[str, int]]]
 
 def _new_marker(registry: Registry, world_size: int) -> dict[str, Any]:
     """The marker's entries but the files, as the registry says now."""
-    marker: dict[str, Any] = {"format": FORMAT, "step": registry.updates, "world_size": world_size,
-                              "accumulation_steps": registry.accumulation_steps}
+    marker: dict[str, Any] = {
+        "format": FORMAT,
+        "step": registry.updates,
+        "world_size": world_size,
+        "accumulation_steps": registry.accumulation_steps,
+    }
     if registry.mesh is not None:
         marker["sharded"] = {"model": len(registry.models), "optimizer": len(registry.optimizers)}
     trackers = registry.trackers.state()  # rank 0's runs (log_with), continued by load_state()
@@ -385,8 +428,11 @@ def _prune(directory: str, keep: int) -> None:
 def _beside(target: str, kind: str) -> list[str]:
     """The folders saves of ``target`` made beside it (``kind``: ``tmp`` or ``old``), known by their names: a
     user's ``<target>.tmp-mine`` is none of them."""
-    return [path for path in glob.glob(f"{glob.escape(target)}.{kind}-*")
-            if (match := _SIDE.fullmatch(path, len(target))) and match.group(1) == kind and os.path.isdir(path)]
+    return [
+        path
+        for path in glob.glob(f"{glob.escape(target)}.{kind}-*")
+        if (match := _SIDE.fullmatch(path, len(target))) and match.group(1) == kind and os.path.isdir(path)
+    ]
 
 
 # ---- finding checkpoints ----
@@ -439,7 +485,8 @@ def _not_a_checkpoint(path: str) -> FileNotFoundError:
     held = _held(sorted(os.listdir(path)))
     return FileNotFoundError(
         f"{path} is not a qaccel checkpoint: it holds no {MARKER_FILE} (written last, so a half-written checkpoint "
-        f"has none) and no complete checkpoint_<step> folder; it holds {held}")
+        f"has none) and no complete checkpoint_<step> folder; it holds {held}"
+    )
 
 
 # ---- loading ----
@@ -456,8 +503,14 @@ class _Read:
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # a sharded checkpoint's tensors
 
 
-def load_state(directory: str | os.PathLike, registry: Registry, ctx: RankContext, missing_ok: bool = False,
-               fall_back: bool = False, allow_pickle: bool | None = None) -> str | None:
+def load_state(
+    directory: str | os.PathLike,
+    registry: Registry,
+    ctx: RankContext,
+    missing_ok: bool = False,
+    fall_back: bool = False,
+    allow_pickle: bool | None = None,
+) -> str | None:
     """Restore what save_state() wrote into the objects prepared (and registered) in this run, in order.
 
     ``directory`` is a checkpoint or a folder of numbered ones (the newest complete one is read). Returns the path
@@ -473,8 +526,11 @@ def load_state(directory: str | os.PathLike, registry: Registry, ctx: RankContex
     """
     directory = os.path.abspath(os.fspath(directory))
     background.wait(registry)  # a background save in flight may be writing the checkpoint asked for
-    candidates = _from_rank_0(functools.partial(_candidates, directory), ctx,
-                              _failed(ctx, "load_state()", f"looking for a checkpoint in {directory}", ""))
+    candidates = _from_rank_0(
+        functools.partial(_candidates, directory),
+        ctx,
+        _failed(ctx, "load_state()", f"looking for a checkpoint in {directory}", ""),
+    )
     if not candidates:
         if missing_ok:
             return None
@@ -489,13 +545,20 @@ def load_state(directory: str | os.PathLike, registry: Registry, ctx: RankContex
             skipped.append(failed)
             continue
         if skipped and ctx.rank == 0:
-            warnings.warn(f"resume() skipped {len(skipped)} damaged checkpoint(s) and loaded {found}: "
-                          + "; ".join(str(s) for s in skipped), stacklevel=3)
+            warnings.warn(
+                f"resume() skipped {len(skipped)} damaged checkpoint(s) and loaded {found}: "
+                + "; ".join(str(s) for s in skipped),
+                stacklevel=3,
+            )
         _apply_everywhere(found, read, registry, ctx)
         return found
-    raise CheckpointError(f"every checkpoint in {directory} is damaged, so none was loaded (move them away to "
-                          "start afresh): " + "; ".join(str(s) for s in skipped), directory, skipped[0].file,
-                          damaged=True)
+    raise CheckpointError(
+        f"every checkpoint in {directory} is damaged, so none was loaded (move them away to "
+        "start afresh): " + "; ".join(str(s) for s in skipped),
+        directory,
+        skipped[0].file,
+        damaged=True,
+    )
 
 
 def _read_checked(found: str, registry: Registry, ctx: RankContext, allow_pickle: bool | None) -> _Read:
@@ -521,10 +584,15 @@ def _read_checked(found: str, registry: Registry, ctx: RankContext, allow_pickle
     if damaged:
         (file, why), others = next(iter(damaged.items())), list(damaged)[1:]
         more = f" (and {len(others)} more: {', '.join(others[:3])})" if others else ""
-        raise CheckpointError(f"checkpoint {found} is damaged: {file} {why}{more}", found, os.path.join(found, file),
-                              damaged=True)
-    agreement.raise_first([told for _, _, told in outcomes], failure, ctx.rank,
-                          _failed(ctx, "load_state()", f"reading {found}", "; nothing was loaded"))
+        raise CheckpointError(
+            f"checkpoint {found} is damaged: {file} {why}{more}", found, os.path.join(found, file), damaged=True
+        )
+    agreement.raise_first(
+        [told for _, _, told in outcomes],
+        failure,
+        ctx.rank,
+        _failed(ctx, "load_state()", f"reading {found}", "; nothing was loaded"),
+    )
     misfits = [m for _, m, _ in outcomes if m is not None]
     if misfits:
         raise CheckpointError(misfits[0][0], found, misfits[0][1])
@@ -532,8 +600,9 @@ def _read_checked(found: str, registry: Registry, ctx: RankContext, allow_pickle
     return read
 
 
-def _read_share(found: str, registry: Registry, ctx: RankContext, allow_pickle: bool | None,
-                problems: list[tuple[int, str, str]]) -> _Read | None:
+def _read_share(
+    found: str, registry: Registry, ctx: RankContext, allow_pickle: bool | None, problems: list[tuple[int, str, str]]
+) -> _Read | None:
     """This rank's part of _read_checked: its share of the files checked, the parts read and checked; damage goes to
     ``problems``, what does not fit is raised as a CheckpointError."""
     misfit: tuple[str, str | None] | None = None
@@ -544,7 +613,7 @@ def _read_share(found: str, registry: Registry, ctx: RankContext, allow_pickle: 
         problems.append((1, exc.file, exc.why))
     else:
         files = sorted(marker["files"].items())
-        share = files[ctx.rank::ctx.world_size] if ctx.world_size > 1 else files
+        share = files[ctx.rank :: ctx.world_size] if ctx.world_size > 1 else files
         try:
             _check_counts(found, marker, registry)  # before any file is read: only what this run has is
         except CheckpointError as exc:
@@ -552,8 +621,13 @@ def _read_share(found: str, registry: Registry, ctx: RankContext, allow_pickle: 
         # The share is checked in a second thread while the parts are read (numpy's sum and torch's reads release
         # the GIL), so checking costs little more than reading (benchmarks/checkpoint_integrity.py).
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="qaccel-check") as pool:
-            checking = pool.submit(lambda: [(0, name, why) for name, recorded in share
-                                            if (why := storage.damage(os.path.join(found, name), recorded))])
+            checking = pool.submit(
+                lambda: [
+                    (0, name, why)
+                    for name, recorded in share
+                    if (why := storage.damage(os.path.join(found, name), recorded))
+                ]
+            )
             if misfit is None:
                 try:
                     read = _read_parts(found, marker, registry, ctx, allow_pickle)
@@ -599,26 +673,33 @@ def _sharded(marker: dict[str, Any]) -> bool:
     return "sharded" in marker
 
 
-def _read_parts(found: str, marker: dict[str, Any], registry: Registry, ctx: RankContext,
-                allow_pickle: bool | None) -> _Read:
+def _read_parts(
+    found: str, marker: dict[str, Any], registry: Registry, ctx: RankContext, allow_pickle: bool | None
+) -> _Read:
     """The parts the marker lists, read as plain data; a registered object's state that needs more, and a sharded
     checkpoint's metadata (torch.distributed.checkpoint pickles it), as ``allow_pickle`` says (unpickling.py)."""
     read = _Read(marker, _sharded(marker))
-    kinds = ["scheduler", "loader", "registered"] if read.sharded else ["model", "optimizer", "scheduler", "loader",
-                                                                         "registered"]
+    kinds = (
+        ["scheduler", "loader", "registered"]
+        if read.sharded
+        else ["model", "optimizer", "scheduler", "loader", "registered"]
+    )
     for kind in kinds:
-        read.parts[kind] = [_read(found, f"{kind}_{i}.pt", ctx, registered=kind == "registered",
-                                  allow_pickle=allow_pickle) for i in range(_listed(marker, kind))]
+        read.parts[kind] = [
+            _read(found, f"{kind}_{i}.pt", ctx, registered=kind == "registered", allow_pickle=allow_pickle)
+            for i in range(_listed(marker, kind))
+        ]
     if registry.scaler is not None:
         read.parts["scaler"] = [_read(found, "scaler.pt", ctx)]
     if f"random_states_{ctx.rank}.pt" in marker["files"]:
         read.rng = _read(found, f"random_states_{ctx.rank}.pt", ctx)
     if read.sharded:
-        unpickling.check(os.path.join(found, SHARDED_DIR), "torch.distributed.checkpoint pickles its metadata",
-                         allow_pickle)
+        unpickling.check(
+            os.path.join(found, SHARDED_DIR), "torch.distributed.checkpoint pickles its metadata", allow_pickle
+        )
         try:
             read.shapes = sharding.saved_shapes(os.path.join(found, SHARDED_DIR))
-        except Exception as exc:  # noqa: BLE001 - any failure to read it is damage
+        except Exception as exc:
             raise _Unreadable(f"{SHARDED_DIR}/.metadata", f"cannot be read ({type(exc).__name__}: {exc})") from exc
     return read
 
@@ -633,7 +714,7 @@ def _read(found: str, name: str, ctx: RankContext, registered: bool = False, all
         return torch.load(path, map_location=ctx.device, weights_only=True)
     except unpickling.Untrusted:
         raise
-    except Exception as exc:  # noqa: BLE001 - torch names neither the file nor the checkpoint
+    except Exception as exc:
         first = str(exc).splitlines()[0].split(". ")[0] if str(exc) else ""
         raise _Unreadable(name, f"cannot be read ({type(exc).__name__}: {first})") from exc
 
@@ -656,14 +737,18 @@ def _check_fit(found: str, read: _Read, registry: Registry, ctx: RankContext) ->
     for i, model in enumerate(registry.models):
         if read.sharded:
             prefix = f"model_{i}."
-            saved = {k[len(prefix):]: shape for k, shape in read.shapes.items() if k.startswith(prefix)}
+            saved = {k[len(prefix) :]: shape for k, shape in read.shapes.items() if k.startswith(prefix)}
         else:
             saved = {k: tuple(v.shape) for k, v in read.parts["model"][i].items() if torch.is_tensor(v)}
         mismatch = _first_mismatch(saved, _target(model))
         if mismatch:
             file = SHARDED_DIR if read.sharded else f"model_{i}.pt"
-            raise CheckpointError(f"checkpoint {found} was not written for this run's model {i} (prepared model "
-                                  f"number {i}): {mismatch}; nothing was loaded", found, os.path.join(found, file))
+            raise CheckpointError(
+                f"checkpoint {found} was not written for this run's model {i} (prepared model "
+                f"number {i}): {mismatch}; nothing was loaded",
+                found,
+                os.path.join(found, file),
+            )
     if not read.sharded:
         for j, (saved_opt, optimizer) in enumerate(zip(read.parts["optimizer"], registry.optimizers)):
             saved_sizes = [len(g["params"]) for g in saved_opt.get("param_groups", [])]
@@ -672,15 +757,20 @@ def _check_fit(found: str, read: _Read, registry: Registry, ctx: RankContext) ->
                 raise CheckpointError(
                     f"checkpoint {found} was not written for this run's optimizer {j}: optimizer_{j}.pt has parameter "
                     f"groups of {saved_sizes} parameters, the prepared optimizer {sizes}; nothing was loaded",
-                    found, os.path.join(found, f"optimizer_{j}.pt"))
+                    found,
+                    os.path.join(found, f"optimizer_{j}.pt"),
+                )
     if read.rng is None and _world(read.marker, ctx) == ctx.world_size:
         raise CheckpointError(f"checkpoint {found} has no RNG states for rank {ctx.rank}; nothing was loaded", found)
     for i, (loader, saved) in enumerate(zip(registry.loaders, read.parts["loader"])):
         try:
             loader.check_state_dict(saved)
         except ValueError as exc:
-            raise CheckpointError(f"checkpoint {found} cannot be loaded into prepared DataLoader {i}: {exc}; nothing "
-                                  "was loaded", found, os.path.join(found, f"loader_{i}.pt")) from None
+            raise CheckpointError(
+                f"checkpoint {found} cannot be loaded into prepared DataLoader {i}: {exc}; nothing was loaded",
+                found,
+                os.path.join(found, f"loader_{i}.pt"),
+            ) from None
     if registry.keep_global_batch:
         _kept_accumulation(found, read.marker, registry, ctx)
 
@@ -708,7 +798,8 @@ def _kept_accumulation(found: str, marker: dict[str, Any], registry: Registry, c
             f"{saved}: keep_global_batch cannot keep its global batch on {ctx.world_size} ranks ({written} x {saved} = "
             f"{units} micro-batches per update do not divide by {ctx.world_size}); resume on {fits} ranks, or with "
             "keep_global_batch=False to keep the batch per rank (the global batch then changes); nothing was loaded",
-            found)
+            found,
+        )
     return units // ctx.world_size
 
 
@@ -737,7 +828,9 @@ def _check_count(directory: str, kind: str, saved: int, prepared: int) -> None:
     if saved != prepared:
         raise CheckpointError(
             f"{directory} holds {saved} {kind} state(s) but this run prepared/registered {prepared}; "
-            "prepare the same objects, in the same order, before load_state()", directory)
+            "prepare the same objects, in the same order, before load_state()",
+            directory,
+        )
 
 
 def _apply_everywhere(found: str, read: _Read, registry: Registry, ctx: RankContext) -> None:
@@ -748,8 +841,14 @@ def _apply_everywhere(found: str, read: _Read, registry: Registry, ctx: RankCont
     except Exception as exc:  # noqa: BLE001 - told to every rank, then raised on every rank
         failure = exc
     reports = collectives.gather_object(agreement.told(failure, ctx.rank), ctx)
-    agreement.raise_first(reports, failure, ctx.rank, _failed(
-        ctx, "load_state()", f"loading {found} into the prepared objects", "; they may hold part of it: load again"))
+    agreement.raise_first(
+        reports,
+        failure,
+        ctx.rank,
+        _failed(
+            ctx, "load_state()", f"loading {found} into the prepared objects", "; they may hold part of it: load again"
+        ),
+    )
 
 
 def _apply(found: str, read: _Read, registry: Registry, ctx: RankContext) -> None:
@@ -763,7 +862,11 @@ def _apply(found: str, read: _Read, registry: Registry, ctx: RankContext) -> Non
             _plain_module(model).load_state_dict(saved)
         for optimizer, saved in zip(registry.optimizers, read.parts["optimizer"]):
             optimizer.load_state_dict(saved)
-    for kind, objects in (("scheduler", registry.schedulers), ("loader", registry.loaders), ("registered", registry.registered)):
+    for kind, objects in (
+        ("scheduler", registry.schedulers),
+        ("loader", registry.loaders),
+        ("registered", registry.registered),
+    ):
         for obj, saved in zip(objects, read.parts[kind]):
             obj.load_state_dict(saved)
     if registry.scaler is not None:
@@ -779,8 +882,10 @@ def _apply(found: str, read: _Read, registry: Registry, ctx: RankContext) -> Non
         steps = _kept_accumulation(found, read.marker, registry, ctx)
         if steps != registry.accumulation_steps:
             registry.accumulation_steps = steps
-            registry.accumulation_set_by = (f"keep_global_batch, resuming {os.path.basename(found)} of "
-                                            f"{_world(read.marker, ctx)} ranks on {ctx.world_size}")
+            registry.accumulation_set_by = (
+                f"keep_global_batch, resuming {os.path.basename(found)} of "
+                f"{_world(read.marker, ctx)} ranks on {ctx.world_size}"
+            )
 
 
 def inspect(path: str | os.PathLike) -> dict[str, Any]:
@@ -797,10 +902,22 @@ def inspect(path: str | os.PathLike) -> dict[str, Any]:
         state = torch.load(os.path.join(found, f"loader_{i}.pt"), weights_only=True)
         world = int(state.get("world_size", marker.get("world_size", 1)))
         batch = state.get("batch_size")
-        loaders.append({**state, "global_batch": None if batch is None else
-                        batch * accumulation * (1 if state.get("split_batches") else world)})
-    return {"path": found, "world_size": marker.get("world_size"), "step": marker.get("step"),
-            "accumulation_steps": accumulation, "sharded": _sharded(marker), "loaders": loaders}
+        loaders.append(
+            {
+                **state,
+                "global_batch": None
+                if batch is None
+                else batch * accumulation * (1 if state.get("split_batches") else world),
+            }
+        )
+    return {
+        "path": found,
+        "world_size": marker.get("world_size"),
+        "step": marker.get("step"),
+        "accumulation_steps": accumulation,
+        "sharded": _sharded(marker),
+        "loaders": loaders,
+    }
 
 
 def _found(directory: str) -> str:
@@ -838,12 +955,15 @@ def resumed_line(found: str, registry: Registry, ctx: RankContext) -> str:
         how = accumulation
     if before == after:
         return line + f"; global batch {after} kept ({how})"
-    return (line + f"; batch per rank {loader.batch_size} kept, so the global batch changes from {before} to {after}"
-            " (keep_global_batch=True keeps it)")
+    return (
+        line + f"; batch per rank {loader.batch_size} kept, so the global batch changes from {before} to {after}"
+        " (keep_global_batch=True keeps it)"
+    )
 
 
-def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, model: int = 0,
-                allow_pickle: bool | None = None) -> str:
+def consolidate(
+    checkpoint: str | os.PathLike, out: str | os.PathLike, model: int = 0, allow_pickle: bool | None = None
+) -> str:
     """Write prepared model ``model`` of a save_state() checkpoint (sharded or not) to ``out`` as one plain state
     dict, loadable strictly into the user's model, atomically. ``checkpoint`` may be a folder of numbered ones (the
     newest is read). Runs in one process, without ranks. Returns the checkpoint read. A sharded checkpoint's
@@ -864,13 +984,15 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, model: in
         elif f"model_{model}.pt" in marker["files"]:
             state = torch.load(os.path.join(found, f"model_{model}.pt"), map_location="cpu", weights_only=True)
         else:
-            raise CheckpointError(f"checkpoint {found} holds no model {model} (it holds {_listed(marker, 'model')})",
-                                  found)
+            raise CheckpointError(
+                f"checkpoint {found} holds no model {model} (it holds {_listed(marker, 'model')})", found
+            )
     except unpickling.Untrusted as exc:
         raise CheckpointError(f"checkpoint {found} was not read: {exc}", found, exc.path) from None
     except _Unreadable as exc:
-        raise CheckpointError(f"checkpoint {found} is damaged: {exc}", found, os.path.join(found, exc.file),
-                              damaged=True) from exc
+        raise CheckpointError(
+            f"checkpoint {found} is damaged: {exc}", found, os.path.join(found, exc.file), damaged=True
+        ) from exc
     except (OSError, RuntimeError, ValueError) as exc:
         if isinstance(exc, CheckpointError):
             raise

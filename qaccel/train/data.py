@@ -15,7 +15,8 @@ import copy
 import itertools
 import math
 import weakref
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler
@@ -28,8 +29,17 @@ from qaccel.train import batch, dispatch, loaders, seeding, stopping, uneven
 
 # DataLoader arguments carried over as they are; batch_size, shuffle, sampler and drop_last live in the batch sampler.
 _CARRIED = (
-    "num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
-    "generator", "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order",
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "generator",
+    "prefetch_factor",
+    "persistent_workers",
+    "pin_memory_device",
+    "in_order",
 )
 
 _END = object()  # marks an exhausted iterator (a batch may be None)
@@ -44,8 +54,9 @@ class BatchShard:
     with ``even=False`` it is not: ranks past its end take one step fewer (Accelerate's ``even_batches``).
     """
 
-    def __init__(self, batch_sampler: Any, rank: int, world_size: int, drop_last: bool, split: bool = False,
-                 even: bool = True) -> None:
+    def __init__(
+        self, batch_sampler: Any, rank: int, world_size: int, drop_last: bool, split: bool = False, even: bool = True
+    ) -> None:
         self.batch_sampler = batch_sampler
         self.rank = rank
         self.world_size = world_size
@@ -55,8 +66,10 @@ class BatchShard:
         if split:
             size = getattr(batch_sampler, "batch_size", None)
             if not isinstance(size, int) or size % world_size:
-                raise ValueError(f"split_batches=True takes a DataLoader whose batch_size (the batch of all ranks "
-                                 f"together) divides by the world size {world_size}; got batch_size={size!r}")
+                raise ValueError(
+                    f"split_batches=True takes a DataLoader whose batch_size (the batch of all ranks "
+                    f"together) divides by the world size {world_size}; got batch_size={size!r}"
+                )
         self.padded: dict[int, int] = {}  # step -> real samples in that gathered step (padded steps only)
         self.padding: dict[int, int] = {}  # step -> samples at the end of this rank's batch that are padding
         # the user's batches the next epoch passes over (resuming mid-epoch: the position in the epoch's global
@@ -75,8 +88,9 @@ class BatchShard:
         """How many batches rank ``rank`` takes in an epoch, or in its rest from the user's batch ``start`` on."""
         batches = max(len(self.batch_sampler) - start, 0)
         if self.split:
-            return batches - (not self.even and self._last_size() <= rank * self.batch_sampler.batch_size
-                              // self.world_size)
+            return batches - (
+                not self.even and self._last_size() <= rank * self.batch_sampler.batch_size // self.world_size
+            )
         if self.drop_last:
             return batches // self.world_size
         if self.even:
@@ -163,7 +177,7 @@ class BatchShard:
         batches[-1] = list(last[-1]) + initial[:used]
         padding[len(last) - 1] = used
         for rank in range(len(last), n):
-            batches.append(initial[used:used + size])
+            batches.append(initial[used : used + size])
             padding[rank] = size
             used += size
         return batches, real, padding
@@ -182,14 +196,14 @@ class BatchShard:
             if index < start:
                 continue
             if len(whole) == size:
-                yield [whole[start:start + share] for start in starts], None, None
+                yield [whole[start : start + share] for start in starts], None, None
             elif not self.even:
-                yield [list(whole[start:start + share]) or None for start in starts], None, None
+                yield [list(whole[start : start + share]) or None for start in starts], None, None
             else:
                 real = len(whole)
                 whole = list(whole) + [first[i % len(first)] for i in range(size - real)]
                 padding = [share - min(max(real - start, 0), share) for start in starts]
-                yield [whole[start:start + share] for start in starts], real, padding
+                yield [whole[start : start + share] for start in starts], real, padding
 
     def _global_batches(self) -> Iterable[list]:
         """The user's batch sampler's batches, in its order.
@@ -219,9 +233,19 @@ class PreparedDataLoader(DataLoader):
     IterableDataset is sharded by batch: each rank reads the stream and keeps every N-th batch.
     """
 
-    def __init__(self, loader: DataLoader, ctx: RankContext, seed: int, registry: Registry,
-                 split_batches: bool = False, even_batches: bool = True, dispatch_batches: bool = False,
-                 seedable: bool = False, rng_types: tuple[str, ...] = ("generator",), place: bool = True) -> None:
+    def __init__(
+        self,
+        loader: DataLoader,
+        ctx: RankContext,
+        seed: int,
+        registry: Registry,
+        split_batches: bool = False,
+        even_batches: bool = True,
+        dispatch_batches: bool = False,
+        seedable: bool = False,
+        rng_types: tuple[str, ...] = ("generator",),
+        place: bool = True,
+    ) -> None:
         kwargs = {name: getattr(loader, name) for name in _CARRIED}
         dataset = loader.dataset
         self._registry = registry  # the session's: loop marks, optimizer updates, the stopper
@@ -260,12 +284,16 @@ class PreparedDataLoader(DataLoader):
         self._dispatch = dispatch_batches and ctx.world_size > 1
         self._all_ranks: dispatch.AllRanks | None = None
         if self._dispatch and isinstance(loader.sampler, DistributedSampler):
-            raise ValueError("dispatch_batches=True shares batches out itself; this DataLoader has a "
-                             "DistributedSampler of yours: leave the sampler out, or dispatch_batches off")
+            raise ValueError(
+                "dispatch_batches=True shares batches out itself; this DataLoader has a "
+                "DistributedSampler of yours: leave the sampler out, or dispatch_batches off"
+            )
         if split_batches and (isinstance(dataset, IterableDataset) or isinstance(loader.sampler, DistributedSampler)):
             what = "an IterableDataset" if isinstance(dataset, IterableDataset) else "a DistributedSampler of yours"
-            raise ValueError(f"split_batches=True slices the batches of a map-style dataset; this DataLoader has "
-                             f"{what}: leave split_batches off for it")
+            raise ValueError(
+                f"split_batches=True slices the batches of a map-style dataset; this DataLoader has "
+                f"{what}: leave split_batches off for it"
+            )
         if isinstance(dataset, IterableDataset):
             if isinstance(dataset, loaders.InfiniteTensorDataset):  # its order from the generator every rank shares
                 dataset = copy.copy(dataset)
@@ -359,9 +387,11 @@ class PreparedDataLoader(DataLoader):
         """ValueError if this loader cannot continue where ``state`` stopped (checked before anything loads)."""
         saved_world = int(state.get("world_size", self._world))
         if saved_world != self._world and self._user_sampler is not None:
-            raise ValueError(f"this DataLoader's DistributedSampler of yours shards for {self._world} ranks, and its "
-                             f"checkpoint was written by {saved_world}: it cannot continue the interrupted epoch; "
-                             "leave the sampler to prepare() to resume on another number of ranks")
+            raise ValueError(
+                f"this DataLoader's DistributedSampler of yours shards for {self._world} ranks, and its "
+                f"checkpoint was written by {saved_world}: it cannot continue the interrupted epoch; "
+                "leave the sampler to prepare() to resume on another number of ranks"
+            )
 
     @property
     def shard(self) -> BatchShard | None:

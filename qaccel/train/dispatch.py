@@ -13,7 +13,8 @@ the others are not there to join one.
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 

@@ -7,7 +7,8 @@ steps gradients stay local (DDP ``no_sync``) and ``step``/``zero_grad`` do nothi
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -107,9 +108,11 @@ class PreparedOptimizer(torch.optim.Optimizer):
 
 def _outside_accumulate(registry: Registry) -> str:
     why = f" ({registry.accumulation_set_by})" if registry.accumulation_set_by else ""
-    return (f"gradient accumulation of {registry.accumulation_steps} micro-steps{why} needs each training step "
-            "inside `with accelerator.accumulate(model):`; outside it every micro-batch would update the model with "
-            f"its loss divided by {registry.accumulation_steps}")
+    return (
+        f"gradient accumulation of {registry.accumulation_steps} micro-steps{why} needs each training step "
+        "inside `with accelerator.accumulate(model):`; outside it every micro-batch would update the model with "
+        f"its loss divided by {registry.accumulation_steps}"
+    )
 
 
 def backward(loss: torch.Tensor, registry: Registry, **kwargs: Any) -> None:

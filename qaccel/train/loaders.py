@@ -9,9 +9,10 @@ and a resumed epoch reads the stream it stopped in.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import singledispatch
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
@@ -27,8 +28,9 @@ class DictDataLoader:
 
     def __post_init__(self) -> None:
         if not isinstance(self.dataloaders, dict) or not self.dataloaders:
-            raise TypeError(f"DictDataLoader(dataloaders=...) takes a non-empty dict name -> DataLoader; "
-                            f"got {self.dataloaders!r}")
+            raise TypeError(
+                f"DictDataLoader(dataloaders=...) takes a non-empty dict name -> DataLoader; got {self.dataloaders!r}"
+            )
 
     def __iter__(self) -> DictDataLoader:
         self.close()
@@ -108,8 +110,10 @@ def data_to_device(xs: Any, *args: Any, **kwargs: Any) -> Any:
 
 @singledispatch
 def _to_device(xs: Any, *args: Any, **kwargs: Any) -> Any:
-    raise ValueError(f"data_to_device cannot move a {type(xs).__name__} (a tensor, list, dict, None, DataLoader, "
-                     f"DictDataLoader or tensor dataset); got it with {args} {kwargs}")
+    raise ValueError(
+        f"data_to_device cannot move a {type(xs).__name__} (a tensor, list, dict, None, DataLoader, "
+        f"DictDataLoader or tensor dataset); got it with {args} {kwargs}"
+    )
 
 
 @_to_device.register(type(None))

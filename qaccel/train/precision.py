@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -12,8 +13,9 @@ from qaccel.nested import map_leaves
 from qaccel.options import MixedPrecision
 
 
-def autocast(mixed_precision: MixedPrecision, device: torch.device,
-             settings: Mapping[str, Any] = {}) -> contextlib.AbstractContextManager:  # noqa: B006 - never mutated
+def autocast(
+    mixed_precision: MixedPrecision, device: torch.device, settings: Mapping[str, Any] = {}
+) -> contextlib.AbstractContextManager:
     """torch.autocast for the configured precision on this device, with AutocastKwargs' ``settings``
     (``enabled``, ``cache_enabled``); a no-op without mixed precision."""
     if mixed_precision is MixedPrecision.NO:
@@ -21,8 +23,9 @@ def autocast(mixed_precision: MixedPrecision, device: torch.device,
     return torch.autocast(device_type=device.type, dtype=mixed_precision.half, **settings)
 
 
-def autocast_forward(forward: Callable[..., Any], mixed_precision: MixedPrecision, device: torch.device,
-                     settings: Mapping[str, Any] = {}) -> Callable[..., Any]:  # noqa: B006 - never mutated
+def autocast_forward(
+    forward: Callable[..., Any], mixed_precision: MixedPrecision, device: torch.device, settings: Mapping[str, Any] = {}
+) -> Callable[..., Any]:
     """``forward`` run under autocast, its floating outputs returned as float32 so the loss is computed in full
     precision (as Accelerate does)."""
 
@@ -79,7 +82,7 @@ def _to_float32(leaf: Any) -> Any:
     return leaf
 
 
-def make_scaler(mixed_precision: MixedPrecision, settings: Mapping[str, Any] = {}) -> torch.amp.GradScaler | None:  # noqa: B006
+def make_scaler(mixed_precision: MixedPrecision, settings: Mapping[str, Any] = {}) -> torch.amp.GradScaler | None:
     """fp16 needs loss scaling to keep small gradients from underflowing; bf16 has float32's range and does not.
     ``settings``: GradScalerKwargs' (``init_scale``, ``growth_factor``, ...)."""
     return torch.amp.GradScaler("cuda", **settings) if mixed_precision is MixedPrecision.FP16 else None

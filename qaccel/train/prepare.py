@@ -14,10 +14,9 @@ from qaccel import handlers
 from qaccel.comm import collectives, session
 from qaccel.comm.session import RankContext
 from qaccel.options import Config, MixedPrecision, Strategy
-from qaccel.train import data, loaders, precision, sharding, stopping
+from qaccel.train import data, loaders, precision, schedulers, sharding, stopping
 from qaccel.train.gradients import PreparedOptimizer
 from qaccel.train.registry import Registry
-from qaccel.train import schedulers
 from qaccel.train.schedulers import PreparedScheduler
 
 
@@ -46,12 +45,23 @@ def prepare_one(obj: Any, ctx: RankContext, config: Config, registry: Registry, 
         registry.optimizers.append(prepared)
         return prepared
     if isinstance(obj, loaders.DictDataLoader):
-        return loaders.DictDataLoader({name: prepare_one(loader, ctx, config, registry, place)
-                                       for name, loader in obj.dataloaders.items()})
+        return loaders.DictDataLoader(
+            {name: prepare_one(loader, ctx, config, registry, place) for name, loader in obj.dataloaders.items()}
+        )
     if isinstance(obj, DataLoader) and not isinstance(obj, data.PreparedDataLoader):
         seed = collectives.broadcast(data.shared_seed(obj, config.use_seedable_sampler, config.data_seed), 0, ctx)
-        loader = data.PreparedDataLoader(obj, ctx, seed, registry, config.split_batches, config.even_batches,
-                                         config.dispatch_batches, config.use_seedable_sampler, config.rng_types, place)
+        loader = data.PreparedDataLoader(
+            obj,
+            ctx,
+            seed,
+            registry,
+            config.split_batches,
+            config.even_batches,
+            config.dispatch_batches,
+            config.use_seedable_sampler,
+            config.rng_types,
+            place,
+        )
         registry.loaders.append(loader)
         if registry.stopper is not None:  # prepared after resume()
             stopping.shield_workers(loader)
@@ -66,8 +76,9 @@ def prepare_one(obj: Any, ctx: RankContext, config: Config, registry: Registry, 
     return obj
 
 
-def prepare_model(model: torch.nn.Module, ctx: RankContext, config: Config, registry: Registry,
-                  place: bool = True) -> torch.nn.Module:
+def prepare_model(
+    model: torch.nn.Module, ctx: RankContext, config: Config, registry: Registry, place: bool = True
+) -> torch.nn.Module:
     """Place the model on this rank's device (unless ``place`` is False) and dtype; wrap it in DDP when there is
     more than one rank, or shard it with FSDP2 (strategy="fsdp", also with one rank).
 
@@ -80,7 +91,9 @@ def prepare_model(model: torch.nn.Module, ctx: RankContext, config: Config, regi
         cast_model(model, None, config.dtype)  # fully_shard moves each shard to the mesh's device: no full copy
         if registry.mesh is None:
             registry.mesh = sharding.mesh_for(ctx)
-        replaced = sharding.shard(model, config.fsdp_modules, config.fsdp_min_params, config.mixed_precision, registry.mesh)
+        replaced = sharding.shard(
+            model, config.fsdp_modules, config.fsdp_min_params, config.mixed_precision, registry.mesh
+        )
         registry.replaced.update(replaced)
         for prepared in registry.optimizers:  # prepared before this model
             sharding.point_at_shards(prepared.optimizer, replaced)
@@ -90,8 +103,9 @@ def prepare_model(model: torch.nn.Module, ctx: RankContext, config: Config, regi
         on = next(model.parameters()).device
         device_ids = [on.index] if on.type == "cuda" else None
         wrapped = DistributedDataParallel(model, device_ids=device_ids, **config.handlers.ddp)
-        handlers.register_comm_hook(wrapped, config.handlers.comm_hook, config.handlers.comm_wrapper,
-                                    config.handlers.comm_state_option)
+        handlers.register_comm_hook(
+            wrapped, config.handlers.comm_hook, config.handlers.comm_wrapper, config.handlers.comm_state_option
+        )
         return wrapped
     return model
 
@@ -161,8 +175,9 @@ def prepare_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
     return optimizer
 
 
-def unwrap_model(model: torch.nn.Module, keep_fp32_wrapper: bool = True,
-                 keep_torch_compile: bool = True) -> torch.nn.Module:
+def unwrap_model(
+    model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
+) -> torch.nn.Module:
     """The user's module inside a DDP wrapper (or the module itself). ``keep_fp32_wrapper=False`` takes mixed
     precision's autocast off its forward, ``keep_torch_compile=False`` the compilation (in place, as Accelerate's:
     also through the prepared model); a module the user compiled (``torch.compile``) then gives the one inside."""
@@ -200,8 +215,9 @@ def plain_result(obj: Any) -> Any:
     """fn's result as a run in place gives it back: a prepared DDP model or optimizer, also inside tuples, lists and
     dicts, becomes the user's own, as in a plain launch's result. The DDP wrapper holds the session's process
     group, which is gone once distribute() returns. Anything else is returned as it is (the same object)."""
-    if isinstance(obj, (DistributedDataParallel, PreparedOptimizer)) or (isinstance(obj, torch.nn.Module)
-                                                                          and precision.LAYERS in vars(obj)):
+    if isinstance(obj, (DistributedDataParallel, PreparedOptimizer)) or (
+        isinstance(obj, torch.nn.Module) and precision.LAYERS in vars(obj)
+    ):
         return plain_object(obj)
     if type(obj) in (list, tuple) or (isinstance(obj, tuple) and hasattr(obj, "_fields")):
         items = [plain_result(item) for item in obj]

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Iterable, Iterator, TypeVar
+from collections.abc import Iterable, Iterator
+from typing import Any, Self, TypeVar
 
 from qaccel.comm.session import RankContext
 from qaccel.train.data import PreparedDataLoader
@@ -20,8 +21,9 @@ T = TypeVar("T")
 STATUS_INTERVAL_S = 10.0
 
 
-def progress(iterable: Iterable[T], ctx: RankContext, desc: str | None = None, total: int | None = None,
-             **options: Any) -> Iterable[T]:
+def progress(
+    iterable: Iterable[T], ctx: RankContext, desc: str | None = None, total: int | None = None, **options: Any
+) -> Iterable[T]:
     """``iterable`` with a progress bar on rank 0 (``options`` go to tqdm); other ranks get it silently, and never
     import tqdm. A prepared loader about to skip batches (a resumed epoch) starts its bar at the skipped count."""
     if total is None:
@@ -53,9 +55,19 @@ class StatusLine:
     ``disable`` and ``file``, and ignores the others.
     """
 
-    def __init__(self, iterable: Iterable[Any], desc: str | None = None, total: int | None = None, show: bool = True,
-                 *, initial: int = 0, unit: str = "it", disable: bool | None = False, file: Any = None,
-                 **ignored: Any) -> None:
+    def __init__(
+        self,
+        iterable: Iterable[Any],
+        desc: str | None = None,
+        total: int | None = None,
+        show: bool = True,
+        *,
+        initial: int = 0,
+        unit: str = "it",
+        disable: bool | None = False,
+        file: Any = None,
+        **ignored: Any,
+    ) -> None:
         self.iterable = iterable
         self.desc = desc
         self.total = total
@@ -80,10 +92,10 @@ class StatusLine:
         finally:
             self.close()
 
-    def __enter__(self) -> StatusLine:
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def update(self, n: int = 1) -> None:

@@ -144,5 +144,7 @@ class GradientState:
         return True
 
     def __repr__(self) -> str:
-        return (f"GradientState(sync_gradients={self.sync_gradients}, end_of_dataloader={self.end_of_dataloader}, "
-                f"remainder={self.remainder}, num_steps={self.num_steps}, sync_each_batch={self.sync_each_batch})")
+        return (
+            f"GradientState(sync_gradients={self.sync_gradients}, end_of_dataloader={self.end_of_dataloader}, "
+            f"remainder={self.remainder}, num_steps={self.num_steps}, sync_each_batch={self.sync_each_batch})"
+        )

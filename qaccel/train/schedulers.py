@@ -21,8 +21,9 @@ if TYPE_CHECKING:
 class PreparedScheduler:
     """A scheduler whose ``step()`` follows the prepared optimizers' updates; everything else is the scheduler's."""
 
-    def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler, registry: Registry,
-                 steps_per_update: int) -> None:
+    def __init__(
+        self, scheduler: torch.optim.lr_scheduler.LRScheduler, registry: Registry, steps_per_update: int
+    ) -> None:
         self.scheduler = scheduler
         self._registry = registry
         self._steps_per_update = steps_per_update

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import numbers
 import random
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -43,8 +43,9 @@ class RngType(enum.StrEnum):
     """A ``torch.Generator`` you pass."""
 
 
-def synchronize_rng_states(rng_types: Iterable[RngType | str], generator: torch.Generator | None,
-                           ctx: RankContext) -> None:
+def synchronize_rng_states(
+    rng_types: Iterable[RngType | str], generator: torch.Generator | None, ctx: RankContext
+) -> None:
     """Give every rank rank 0's state of each generator in ``rng_types`` (one broadcast for all of them)."""
     chosen = []
     for raw in [rng_types] if isinstance(rng_types, str) else rng_types:
@@ -57,10 +58,16 @@ def synchronize_rng_states(rng_types: Iterable[RngType | str], generator: torch.
         raise ValueError(f"rng_types 'generator' needs generator=<a torch.Generator>; got {generator!r}")
     if RngType.CUDA in chosen and ctx.device.type != "cuda":
         chosen.remove(RngType.CUDA)  # a CPU rank has no CUDA generator to keep equal
-    get = {RngType.TORCH: torch.get_rng_state, RngType.CUDA: lambda: torch.cuda.get_rng_state(ctx.device),
-           RngType.GENERATOR: lambda: generator.get_state()}
-    put = {RngType.TORCH: torch.set_rng_state, RngType.CUDA: lambda state: torch.cuda.set_rng_state(state, ctx.device),
-           RngType.GENERATOR: lambda state: generator.set_state(state)}
+    get = {
+        RngType.TORCH: torch.get_rng_state,
+        RngType.CUDA: lambda: torch.cuda.get_rng_state(ctx.device),
+        RngType.GENERATOR: lambda: generator.get_state(),
+    }
+    put = {
+        RngType.TORCH: torch.set_rng_state,
+        RngType.CUDA: lambda state: torch.cuda.set_rng_state(state, ctx.device),
+        RngType.GENERATOR: lambda state: generator.set_state(state),
+    }
     states = collectives.broadcast({kind: get[kind]() for kind in chosen}, 0, ctx)
     for kind, state in states.items():
         put[kind](state)

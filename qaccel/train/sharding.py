@@ -13,7 +13,8 @@ from __future__ import annotations
 import sys
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -72,7 +73,11 @@ def _self_contained(module: torch.nn.Module, prefix: str, names_of: dict[int, li
 
 
 def shard(
-    model: torch.nn.Module, class_names: tuple[str, ...], min_params: int, mixed_precision: MixedPrecision, mesh: DeviceMesh
+    model: torch.nn.Module,
+    class_names: tuple[str, ...],
+    min_params: int,
+    mixed_precision: MixedPrecision,
+    mesh: DeviceMesh,
 ) -> dict[int, tuple[weakref.ref, torch.nn.Parameter]]:
     """fully_shard the policy's units, then the root, in place. Returns, for optimizers built before this, each
     replaced parameter's id -> (a weak reference to it, its sharded replacement)."""
@@ -85,8 +90,11 @@ def shard(
     for unit in units(model, class_names, min_params):
         fully_shard(unit, mesh=mesh, mp_policy=policy)
     # The loss is computed from the root's outputs: in fp32, as under DDP's autocast path.
-    root_policy = MixedPrecisionPolicy(policy.param_dtype, policy.reduce_dtype, output_dtype=torch.float32) \
-        if mixed_precision is MixedPrecision.BF16 else policy
+    root_policy = (
+        MixedPrecisionPolicy(policy.param_dtype, policy.reduce_dtype, output_dtype=torch.float32)
+        if mixed_precision is MixedPrecision.BF16
+        else policy
+    )
     fully_shard(model, mesh=mesh, mp_policy=root_policy)
     after = dict(model.named_parameters())
     return {id(old): (weakref.ref(old), after[name]) for name, old in before.items() if after[name] is not old}
@@ -107,7 +115,7 @@ def point_at_shards(optimizer: torch.optim.Optimizer, replaced: dict[int, tuple[
             entry = replaced.get(id(param))
             if entry is None or entry[0]() is not param:
                 continue
-            if param in optimizer.state and optimizer.state[param]:
+            if optimizer.state.get(param):
                 raise ValueError(
                     "this optimizer already has state (it stepped before prepare()): with strategy='fsdp' its "
                     "moments would not match the sharded parameters; prepare the model and optimizer before training"
@@ -137,12 +145,14 @@ def by_index(named: dict[str, Any], model: torch.nn.Module, optimizer: torch.opt
     """An optimizer state keyed by parameter name (full_optimizer_state_dict's) keyed as ``optimizer.state_dict()``
     keys it: by the position of each parameter in ``optimizer``'s groups, a plain optimizer of the plain ``model``."""
     names = {id(param): name for name, param in model.named_parameters()}
-    index = {names[id(param)]: i
-             for i, param in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+    index = {
+        names[id(param)]: i for i, param in enumerate(p for group in optimizer.param_groups for p in group["params"])
+    }
     return {
         "state": {index[name]: value for name, value in named["state"].items()},
-        "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
-                         for group in named["param_groups"]],
+        "param_groups": [
+            {**group, "params": [index[name] for name in group["params"]]} for group in named["param_groups"]
+        ],
     }
 
 
@@ -220,8 +230,9 @@ def read_full_model(path: str, index: int) -> dict[str, torch.Tensor]:
     prefix = f"model_{index}."
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     target = {
-        key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
-        for key, meta in metadata.items() if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+        key[len(prefix) :]: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
     }
     if not target:
         raise ValueError(f"{path} holds no model {index}")
@@ -231,7 +242,9 @@ def read_full_model(path: str, index: int) -> dict[str, torch.Tensor]:
     return target
 
 
-def load_full(models: list[torch.nn.Module], optimizers: list[Any], model_states: list[dict], optimizer_states: list[dict]) -> None:
+def load_full(
+    models: list[torch.nn.Module], optimizers: list[Any], model_states: list[dict], optimizer_states: list[dict]
+) -> None:
     """Load full (unsharded) states, as a DDP checkpoint holds them, into sharded models and their optimizers."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
@@ -267,7 +280,9 @@ def set_accumulating(models: Iterable[torch.nn.Module], accumulating: bool) -> N
             model.set_reshard_after_backward(not accumulating)
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
     """torch's clip_grad_norm_, with the total norm over all ranks' gradient shards when they are DTensors
     (torch's returns a DTensor of partial norms then); the norm comes back as a plain tensor."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)

@@ -25,7 +25,8 @@ import signal
 import subprocess
 import sys
 import threading
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -229,8 +230,9 @@ class Stopper:
     if one did, the session ends as a stop too, wherever it came.
     """
 
-    def __init__(self, ctx: RankContext, save: Callable[[], str], requeue_signal: signal.Signals | None,
-                 timeout: float) -> None:
+    def __init__(
+        self, ctx: RankContext, save: Callable[[], str], requeue_signal: signal.Signals | None, timeout: float
+    ) -> None:
         self.ctx = ctx
         self.save = save
         self.requeue_signal = requeue_signal
@@ -247,14 +249,17 @@ class Stopper:
         run = current_run()
         store = None if run is None else run.store
         if ctx.world_size > 1 and store is None:
-            raise RuntimeError(f"resume() on rank {ctx.rank} of {ctx.world_size}: the ranks agree on a stop through "
-                               "their process group's rendezvous store, and this group has none (made by the MPI "
-                               "backend?); start the ranks with qaccel, torchrun or srun")
+            raise RuntimeError(
+                f"resume() on rank {ctx.rank} of {ctx.world_size}: the ranks agree on a stop through "
+                "their process group's rendezvous store, and this group has none (made by the MPI "
+                "backend?); start the ranks with qaccel, torchrun or srun"
+            )
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
         self.listener = self._alone if ctx.world_size == 1 else self._wake
-        self.armed = arm({signal.SIGTERM, signal.SIGINT} | ({requeue_signal} if requeue_signal is not None else set()),
-                         self.listener)
+        self.armed = arm(
+            {signal.SIGTERM, signal.SIGINT} | ({requeue_signal} if requeue_signal is not None else set()), self.listener
+        )
         if ctx.world_size == 1 and self.armed.received:  # armed already, by a stop this one is nested in
             self.stop_at = 0
         if ctx.world_size > 1:
@@ -277,11 +282,14 @@ class Stopper:
                 self._stop(self.armed.received)
             return
         if not self.agreed.wait(self.timeout):
-            raise RuntimeError(f"rank {self.ctx.rank}: the ranks did not agree where to stop within {self.timeout:g} "
-                               "s of a signal (a rank's stop thread is not answering)")
+            raise RuntimeError(
+                f"rank {self.ctx.rank}: the ranks did not agree where to stop within {self.timeout:g} "
+                "s of a signal (a rank's stop thread is not answering)"
+            )
         if self.error is not None:
-            raise RuntimeError(f"rank {self.ctx.rank}: agreeing on a stop through the rendezvous store failed: "
-                               f"{self.error}") from self.error
+            raise RuntimeError(
+                f"rank {self.ctx.rank}: agreeing on a stop through the rendezvous store failed: {self.error}"
+            ) from self.error
         if self.count >= self.stop_at:
             self._stop(self.signal)
 
@@ -387,7 +395,7 @@ class _Board:
 def _requeue(job_id: str) -> bool:
     """``scontrol requeue`` this SLURM job (once: rank 0 only); False, with the reason printed, if SLURM refused."""
     try:
-        done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
+        done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         _say(f"qaccel: could not requeue SLURM job {job_id}: {exc}")
         return False

@@ -24,8 +24,13 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from qaccel.train.tracking import (CsvTracker, MlflowTracker, TensorBoardTracker, WandbTracker,
-                                   _after_existing_event_files)
+from qaccel.train.tracking import (
+    CsvTracker,
+    MlflowTracker,
+    TensorBoardTracker,
+    WandbTracker,
+    _after_existing_event_files,
+)
 
 _MLFLOW_INIT = ("run_name", "tags", "description")  # the init_kwargs the mlflow tracker takes
 
@@ -42,8 +47,10 @@ class AcceleratorTracker:
         self.project_name, self._logging_dir = project_name, logging_dir
         self._init_kwargs = dict(init_kwargs)
         if name == "mlflow" and set(init_kwargs) - set(_MLFLOW_INIT):
-            raise TypeError(f"init_kwargs['mlflow'] takes {', '.join(_MLFLOW_INIT)}; got "
-                            f"{', '.join(sorted(set(init_kwargs) - set(_MLFLOW_INIT)))}")
+            raise TypeError(
+                f"init_kwargs['mlflow'] takes {', '.join(_MLFLOW_INIT)}; got "
+                f"{', '.join(sorted(set(init_kwargs) - set(_MLFLOW_INIT)))}"
+            )
         self._inner = self._make()
         self._opened = False
         self._resume: dict[str, Any] | None = None  # the run to continue (what the checkpoint recorded)
@@ -62,8 +69,7 @@ class AcceleratorTracker:
         if self.name == "csv":
             return CsvTracker()
         if self.name == "mlflow":
-            return MlflowTracker(self.project_name, self._init_kwargs.get("tags"),
-                                 self._init_kwargs.get("description"))
+            return MlflowTracker(self.project_name, self._init_kwargs.get("tags"), self._init_kwargs.get("description"))
         return WandbTracker(self.project_name, self._init_kwargs, own_dir=False)
 
     def _folder(self) -> Path:
@@ -76,8 +82,12 @@ class AcceleratorTracker:
         """Open the run (continuing the checkpoint's when load_state() gave one); the first use does it anyway."""
         if self._opened:
             return
-        self._inner.open(self._folder(), self._init_kwargs.get("run_name", "") if self.name == "mlflow" else "",
-                         self._resume, self.last_step + 1)
+        self._inner.open(
+            self._folder(),
+            self._init_kwargs.get("run_name", "") if self.name == "mlflow" else "",
+            self._resume,
+            self.last_step + 1,
+        )
         self._opened = True
         if self._config:
             self._store(self._config)
@@ -148,8 +158,10 @@ class AcceleratorTracker:
         if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
             raise TypeError(f"step must be an int or None; got {step!r}")
         if kwargs and self.name != "wandb":
-            raise TypeError(f"log_kwargs[{self.name!r}] is not taken by qaccel's {self.name} tracker (only wandb's "
-                            f"run.log takes keyword arguments); got {', '.join(kwargs)}")
+            raise TypeError(
+                f"log_kwargs[{self.name!r}] is not taken by qaccel's {self.name} tracker (only wandb's "
+                f"run.log takes keyword arguments); got {', '.join(kwargs)}"
+            )
         self.start()
         step = self.last_step + 1 if step is None else step
         if self.name == "wandb":
@@ -171,13 +183,19 @@ class AcceleratorTracker:
                 metrics[name] = value
             elif isinstance(value, str) and self.name == "tensorboard":
                 texts[name] = value
-            elif isinstance(value, dict) and self.name == "tensorboard" and all(
-                    isinstance(_scalar(v), (int, float)) for v in value.values()):
+            elif (
+                isinstance(value, dict)
+                and self.name == "tensorboard"
+                and all(isinstance(_scalar(v), (int, float)) for v in value.values())
+            ):
                 metrics.update({f"{name}/{key}": _scalar(v) for key, v in value.items()})
             elif name not in self._warned:
                 self._warned.add(name)
-                warnings.warn(f"the {self.name} tracker logs numbers{' and text' * (self.name == 'tensorboard')}: "
-                              f"{name!r} ({type(value).__name__}) is left out", stacklevel=4)
+                warnings.warn(
+                    f"the {self.name} tracker logs numbers{' and text' * (self.name == 'tensorboard')}: "
+                    f"{name!r} ({type(value).__name__}) is left out",
+                    stacklevel=4,
+                )
         return metrics, texts
 
     def finish(self) -> None:
@@ -212,28 +230,41 @@ class Trackers:
         self.started = False
         self._saved: dict[str, Any] | None = None  # from the checkpoint load_state() read
 
-    def init(self, log_with: tuple[Any, ...], project_name: str, config: dict[str, Any] | None,
-             init_kwargs: dict[str, Any] | None, logging_dir: str | None, main: bool) -> None:
+    def init(
+        self,
+        log_with: tuple[Any, ...],
+        project_name: str,
+        config: dict[str, Any] | None,
+        init_kwargs: dict[str, Any] | None,
+        logging_dir: str | None,
+        main: bool,
+    ) -> None:
         if not isinstance(project_name, str) or not project_name:
             raise TypeError(f"init_trackers(project_name=...) takes a non-empty str; got {project_name!r}")
         if config is not None and not isinstance(config, dict):
             raise TypeError(f"init_trackers(config=...) takes a dict of hyperparameters or None; got {config!r}")
         init_kwargs = {} if init_kwargs is None else init_kwargs
         if not isinstance(init_kwargs, dict) or not all(isinstance(v, dict) for v in init_kwargs.values()):
-            raise TypeError("init_trackers(init_kwargs=...) takes a dict of dicts, one per tracker name, e.g. "
-                            f"{{'wandb': {{'tags': ['a']}}}}; got {init_kwargs!r}")
+            raise TypeError(
+                "init_trackers(init_kwargs=...) takes a dict of dicts, one per tracker name, e.g. "
+                f"{{'wandb': {{'tags': ['a']}}}}; got {init_kwargs!r}"
+            )
         if not log_with:
-            raise ValueError("init_trackers() has no tracker to start: make the Accelerator with log_with=... "
-                             "('tensorboard', 'wandb', 'mlflow', 'csv', 'all' or a tracker object)")
+            raise ValueError(
+                "init_trackers() has no tracker to start: make the Accelerator with log_with=... "
+                "('tensorboard', 'wandb', 'mlflow', 'csv', 'all' or a tracker object)"
+            )
         if self.started:
-            raise RuntimeError("init_trackers() was called already in this session; end_training() closes the "
-                               "trackers")
+            raise RuntimeError("init_trackers() was called already in this session; end_training() closes the trackers")
         self.started = True
         if not main:
             return
         for item in log_with:
-            tracker = item if not isinstance(item, str) else AcceleratorTracker(
-                item, project_name, logging_dir, init_kwargs.get(item, {}))
+            tracker = (
+                item
+                if not isinstance(item, str)
+                else AcceleratorTracker(item, project_name, logging_dir, init_kwargs.get(item, {}))
+            )
             self.trackers.append(tracker)
             if isinstance(tracker, AcceleratorTracker) and tracker.name in (self._saved or {}):
                 tracker.continue_run(self._saved[tracker.name])
@@ -257,8 +288,9 @@ class Trackers:
         for tracker in self.trackers:
             if tracker.name == name:
                 return tracker.tracker if unwrap else tracker
-        raise ValueError(f"{name!r} is not one of the Accelerator's trackers: "
-                         f"{', '.join(repr(t.name) for t in self.trackers)}")
+        raise ValueError(
+            f"{name!r} is not one of the Accelerator's trackers: {', '.join(repr(t.name) for t in self.trackers)}"
+        )
 
     def state(self) -> dict[str, Any] | None:
         """What save_state() records (rank 0's): each tracker's run and last step, by name; None without any."""
@@ -287,8 +319,11 @@ class Trackers:
                 exc.add_note(f"[qaccel] while finishing the {tracker.name} tracker")
                 errors.append(exc)
         if errors and failed:
-            warnings.warn(f"qaccel: after the failure, the {', '.join(str(e).splitlines()[0] for e in errors)} "
-                          "(finishing the trackers)", stacklevel=2)
+            warnings.warn(
+                f"qaccel: after the failure, the {', '.join(str(e).splitlines()[0] for e in errors)} "
+                "(finishing the trackers)",
+                stacklevel=2,
+            )
         elif errors:
             raise errors[0]
 

@@ -40,8 +40,9 @@ import time
 import urllib.parse
 import urllib.request
 import warnings
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from qaccel.storage import save, write_bytes
 
@@ -77,8 +78,9 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".svg", ".pdf")  # a figure named wit
 class Tracker(Protocol):
     """What the Trainer writes through; make_tracker gives the one for a TrackingTool."""
 
-    def open(self, folder: Path, run_name: str, resume: dict[str, Any] | None, start_step: int,
-             start_batch: int = 0) -> None:
+    def open(
+        self, folder: Path, run_name: str, resume: dict[str, Any] | None, start_step: int, start_batch: int = 0
+    ) -> None:
         """Start (or continue) the run whose files live in ``folder`` (created if missing).
 
         ``run_name`` names the run where the tool names runs (MLflow). ``resume``: what state() returned in the run
@@ -122,8 +124,13 @@ class Tracker(Protocol):
         """qadence's ``writer.plot``: ``name, figure = fn(model, iteration)`` for each function, the figure written
         by log_figure at ``iteration`` and then closed if pyplot made it."""
 
-    def log_model(self, model: torch.nn.Module, train_dataloader: Any = None, val_dataloader: Any = None,
-                  test_dataloader: Any = None) -> None:
+    def log_model(
+        self,
+        model: torch.nn.Module,
+        train_dataloader: Any = None,
+        val_dataloader: Any = None,
+        test_dataloader: Any = None,
+    ) -> None:
         """qadence's ``writer.log_model``: keep the model's weights with the run (the data loaders are not used).
         MLflow: its state_dict as the artifact model/state_dict.pt; CSV: model.pt in the folder; TensorBoard cannot
         and warns."""
@@ -138,8 +145,12 @@ def make_tracker(tool: TrackingTool | str) -> Tracker:
     except ValueError:
         allowed = ", ".join(repr(m.value) for m in TrackingTool)
         raise ValueError(f"tracking tool must be one of {allowed}; got {tool!r}") from None
-    return {TrackingTool.TENSORBOARD: TensorBoardTracker, TrackingTool.MLFLOW: MlflowTracker,
-            TrackingTool.WANDB: WandbTracker, TrackingTool.CSV: CsvTracker}[kind]()
+    return {
+        TrackingTool.TENSORBOARD: TensorBoardTracker,
+        TrackingTool.MLFLOW: MlflowTracker,
+        TrackingTool.WANDB: WandbTracker,
+        TrackingTool.CSV: CsvTracker,
+    }[kind]()
 
 
 def _optional(module: str, extra: str, package: str) -> Any:
@@ -147,8 +158,10 @@ def _optional(module: str, extra: str, package: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        raise ImportError(f"tracking to {extra} needs the {package} package: pip install {package} (from qaccel's "
-                          f"checkout: pip install -e '.[{extra}]'); or track to csv, which needs nothing") from exc
+        raise ImportError(
+            f"tracking to {extra} needs the {package} package: pip install {package} (from qaccel's "
+            f"checkout: pip install -e '.[{extra}]'); or track to csv, which needs nothing"
+        ) from exc
 
 
 def _png(figure: matplotlib.figure.Figure, image_format: str = "png") -> bytes:
@@ -197,10 +210,14 @@ def _state_dict(model: torch.nn.Module) -> dict[str, Any]:
 
     model = unwrap_model(model)
     if is_sharded(model):
-        raise TypeError(f"log_model cannot log a model sharded by strategy='fsdp' ({type(model).__name__}): rank 0 "
-                        "holds only its shards; save a checkpoint instead (SaveCheckpoint, trainer.save_checkpoint())")
-    return {name: value.detach().cpu() if isinstance(value, torch.Tensor) else value
-            for name, value in model.state_dict().items()}
+        raise TypeError(
+            f"log_model cannot log a model sharded by strategy='fsdp' ({type(model).__name__}): rank 0 "
+            "holds only its shards; save a checkpoint instead (SaveCheckpoint, trainer.save_checkpoint())"
+        )
+    return {
+        name: value.detach().cpu() if isinstance(value, torch.Tensor) else value
+        for name, value in model.state_dict().items()
+    }
 
 
 def _number(value: Any) -> float:
@@ -236,8 +253,9 @@ class _Opened:
 
     def _check_open(self) -> None:
         if not self._opened or self._closed:
-            raise RuntimeError(f"{type(self).__name__} is {'closed' if self._closed else 'not open'}: "
-                               "call open() before writing")
+            raise RuntimeError(
+                f"{type(self).__name__} is {'closed' if self._closed else 'not open'}: call open() before writing"
+            )
 
     def _wrote(self, metrics: dict[str, float], step: int, axis: Axis) -> dict[str, float]:
         self._check_open()
@@ -284,8 +302,9 @@ class TensorBoardTracker(_Opened):
         self._folder = Path()
         self._start_batch = 0
 
-    def open(self, folder: Path, run_name: str, resume: dict[str, Any] | None, start_step: int,
-             start_batch: int = 0) -> None:
+    def open(
+        self, folder: Path, run_name: str, resume: dict[str, Any] | None, start_step: int, start_batch: int = 0
+    ) -> None:
         _optional("tensorboard", "tensorboard", "tensorboard")
         self._folder, self._start_batch = Path(folder), start_batch
         self._files[Axis.EPOCH] = _EventFile(self._folder, start_step)
@@ -306,8 +325,9 @@ class TensorBoardTracker(_Opened):
         # Into this run's own file (torch's add_hparams would start a run of its own in a subfolder): the HPARAMS
         # dashboard shows the folder's run with its hyperparameters and the last values of the metrics named here.
         epochs = self._files[Axis.EPOCH]
-        for summary in hparams({k: _param(v) for k, v in hyperparams.items()},
-                               {k: _number(v) for k, v in (metrics or {}).items()}):
+        for summary in hparams(
+            {k: _param(v) for k, v in hyperparams.items()}, {k: _number(v) for k, v in (metrics or {}).items()}
+        ):
             epochs.write(summary=summary)
         epochs.scalars(self._unwritten(metrics), self._step)
 
@@ -329,13 +349,21 @@ class TensorBoardTracker(_Opened):
         image = Summary.Image(height=height, width=width, colorspace=4, encoded_image_string=png)
         self._files[Axis.EPOCH].write(step, Summary(value=[Summary.Value(tag=name, image=image)]))
 
-    def log_model(self, model: torch.nn.Module, train_dataloader: Any = None, val_dataloader: Any = None,
-                  test_dataloader: Any = None) -> None:
+    def log_model(
+        self,
+        model: torch.nn.Module,
+        train_dataloader: Any = None,
+        val_dataloader: Any = None,
+        test_dataloader: Any = None,
+    ) -> None:
         """TensorBoard has nowhere to keep a model: nothing is logged, and a warning says so (as qadence logs one)."""
         self._check_open()
-        warnings.warn("TensorBoard cannot log a model: nothing was logged. Track to mlflow (the state_dict as an "
-                      "artifact) or csv (model.pt in the tracking folder), or save a checkpoint (SaveCheckpoint, "
-                      "trainer.save_checkpoint())", stacklevel=2)
+        warnings.warn(
+            "TensorBoard cannot log a model: nothing was logged. Track to mlflow (the state_dict as an "
+            "artifact) or csv (model.pt in the tracking folder), or save a checkpoint (SaveCheckpoint, "
+            "trainer.save_checkpoint())",
+            stacklevel=2,
+        )
 
 
 _FILE_NUMBERS = itertools.count()  # as TensorBoard numbers a process's event files
@@ -352,25 +380,26 @@ class _EventFile:
 
         folder.mkdir(parents=True, exist_ok=True)
         _after_existing_event_files(folder)
-        name = (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}."
-                f"{next(_FILE_NUMBERS)}")
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_FILE_NUMBERS)}"
         self._event = Event
-        self._file = open(folder / name, "wb")
+        self._file = open(folder / name, "wb")  # noqa: SIM115 - open until close()
         self._records = RecordWriter(self._file)
         self.write(purge_step, file_version="brain.Event:2")
         self.write(purge_step, session_log=SessionLog(status=SessionLog.START))
 
     def write(self, step: int = 0, summary: Any = None, **fields: Any) -> None:
-        self._records.write(self._event(wall_time=time.time(), step=step, summary=summary, **fields)
-                            .SerializeToString())
+        self._records.write(
+            self._event(wall_time=time.time(), step=step, summary=summary, **fields).SerializeToString()
+        )
         self._file.flush()
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         if values:
             from tensorboard.compat.proto.summary_pb2 import Summary
 
-            self.write(step, Summary(value=[Summary.Value(tag=name, simple_value=value)
-                                            for name, value in values.items()]))
+            self.write(
+                step, Summary(value=[Summary.Value(tag=name, simple_value=value) for name, value in values.items()])
+            )
 
     def close(self) -> None:
         self._file.close()
@@ -408,8 +437,9 @@ class MlflowTracker(_Opened):
     (or a CI variable), MLflow's usage telemetry starts a daemon thread at the first tracking call.
     """
 
-    def __init__(self, experiment: str | None = None, tags: dict[str, Any] | None = None,
-                 description: str | None = None) -> None:
+    def __init__(
+        self, experiment: str | None = None, tags: dict[str, Any] | None = None, description: str | None = None
+    ) -> None:
         super().__init__()
         self._client: Any = None
         self._run_id: str | None = None
@@ -419,8 +449,9 @@ class MlflowTracker(_Opened):
             self._tags["mlflow.note.content"] = str(description)
         self.uri = ""  # the tracking URI, once open
 
-    def open(self, folder: Path, run_name: str, resume: dict[str, Any] | None, start_step: int,
-             start_batch: int = 0) -> None:
+    def open(
+        self, folder: Path, run_name: str, resume: dict[str, Any] | None, start_step: int, start_batch: int = 0
+    ) -> None:
         _optional("mlflow", "mlflow", "mlflow-skinny")
         from mlflow.tracking import MlflowClient
 
@@ -431,12 +462,15 @@ class MlflowTracker(_Opened):
             self._client = client = MlflowClient(tracking_uri=uri)
         run_id = (resume or {}).get("run_id")
         if run_id is not None and not self._exists(run_id):
-            warnings.warn(f"the MLflow run {run_id} to resume is not in {uri}: the resumed training writes to a new "
-                          "run", stacklevel=2)
+            warnings.warn(
+                f"the MLflow run {run_id} to resume is not in {uri}: the resumed training writes to a new run",
+                stacklevel=2,
+            )
             run_id = None
         if run_id is None:
-            run_id = client.create_run(self._experiment_id(), run_name=run_name or None,
-                                       tags=self._tags or None).info.run_id
+            run_id = client.create_run(
+                self._experiment_id(), run_name=run_name or None, tags=self._tags or None
+            ).info.run_id
         else:
             client.update_run(run_id, status="RUNNING")
             self._drop_from(uri, run_id, start_step, start_batch)
@@ -494,7 +528,7 @@ class MlflowTracker(_Opened):
         now = int(time.time() * 1000)
         points = [Metric(name, value, now, step) for name, value in values.items()]
         for start in range(0, len(points), 1000):  # MLflow's limit for one batch
-            self._client.log_batch(self._run_id, metrics=points[start:start + 1000], synchronous=True)
+            self._client.log_batch(self._run_id, metrics=points[start : start + 1000], synchronous=True)
 
     def log_hyperparams(self, hyperparams: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
         self._check_open()
@@ -511,18 +545,24 @@ class MlflowTracker(_Opened):
             elif logged[name] != text:
                 changed.append(f"{name} stays {logged[name]!r} (now {text!r})")
         for start in range(0, len(params), 100):  # MLflow's limit for one batch
-            self._client.log_batch(self._run_id, params=params[start:start + 100], synchronous=True)
+            self._client.log_batch(self._run_id, params=params[start : start + 100], synchronous=True)
         if changed:
-            warnings.warn(f"MLflow keeps a run's parameters fixed: in run {self._run_id}, {'; '.join(changed)}",
-                          stacklevel=2)
+            warnings.warn(
+                f"MLflow keeps a run's parameters fixed: in run {self._run_id}, {'; '.join(changed)}", stacklevel=2
+            )
         self._log(self._unwritten(metrics), self._step)
 
     def log_figure(self, name: str, figure: matplotlib.figure.Figure, step: int) -> None:
         self._check_open()
         self._client.log_figure(self._run_id, figure, _figure_file(name, str(step)))  # savefig: the suffix's format
 
-    def log_model(self, model: torch.nn.Module, train_dataloader: Any = None, val_dataloader: Any = None,
-                  test_dataloader: Any = None) -> None:
+    def log_model(
+        self,
+        model: torch.nn.Module,
+        train_dataloader: Any = None,
+        val_dataloader: Any = None,
+        test_dataloader: Any = None,
+    ) -> None:
         """The model's state_dict (torch.save) as the run's artifact model/state_dict.pt; ``torch.load`` it into the
         model's class. Not qadence's ``mlflow.pytorch.log_model``: that call, as qadence makes it (no input example),
         fails with MLflow 3.17 (mlflow-skinny 3.17.2: its default pt2 format traces the model on an example input),
@@ -589,15 +629,17 @@ class WandbTracker(_Opened):
     (``offline-run-*-<id>``, the later ones suffixed), all with the same run id: ``wandb sync`` them in order.
     """
 
-    def __init__(self, project: str | None = None, init_kwargs: dict[str, Any] | None = None,
-                 own_dir: bool = True) -> None:
+    def __init__(
+        self, project: str | None = None, init_kwargs: dict[str, Any] | None = None, own_dir: bool = True
+    ) -> None:
         super().__init__()
         self._project, self._init_kwargs, self._own_dir = project, dict(init_kwargs or {}), own_dir
         self.run: Any = None  # the wandb Run, once open
         self._defined: set[str] = set()
 
-    def open(self, folder: Path, run_name: str, resume: dict[str, Any] | None, start_step: int,
-             start_batch: int = 0) -> None:
+    def open(
+        self, folder: Path, run_name: str, resume: dict[str, Any] | None, start_step: int, start_batch: int = 0
+    ) -> None:
         wandb = _optional("wandb", "wandb", "wandb")
         kwargs = {"project": self._project, **self._init_kwargs}
         if self._own_dir and "dir" not in kwargs and not os.environ.get("WANDB_DIR"):
@@ -654,8 +696,13 @@ class WandbTracker(_Opened):
         self._epoch_axis([name])
         self.run.log({name: wandb.Image(Image.open(io.BytesIO(_png(figure)))), "epoch": step})
 
-    def log_model(self, model: torch.nn.Module, train_dataloader: Any = None, val_dataloader: Any = None,
-                  test_dataloader: Any = None) -> None:
+    def log_model(
+        self,
+        model: torch.nn.Module,
+        train_dataloader: Any = None,
+        val_dataloader: Any = None,
+        test_dataloader: Any = None,
+    ) -> None:
         """The model's state_dict (torch.save) as the run's file ``model/state_dict.pt`` (uploaded with the run's
         files); the data loaders are not used."""
         self._check_open()
@@ -684,12 +731,15 @@ class CsvTracker(_Opened):
         super().__init__()
         self._folder = Path()
 
-    def open(self, folder: Path, run_name: str, resume: dict[str, Any] | None, start_step: int,
-             start_batch: int = 0) -> None:
+    def open(
+        self, folder: Path, run_name: str, resume: dict[str, Any] | None, start_step: int, start_batch: int = 0
+    ) -> None:
         self._folder = Path(folder)
         self._folder.mkdir(parents=True, exist_ok=True)
-        self._files = {Axis.EPOCH: _CsvFile(self._folder / "metrics.csv", start_step),
-                       Axis.BATCH: _CsvFile(self._folder / "batches.csv", start_batch)}
+        self._files = {
+            Axis.EPOCH: _CsvFile(self._folder / "metrics.csv", start_step),
+            Axis.BATCH: _CsvFile(self._folder / "batches.csv", start_batch),
+        }
         self._opened, self._step = True, start_step
 
     def log_metrics(self, metrics: dict[str, float], step: int, axis: Axis = Axis.EPOCH) -> None:
@@ -701,8 +751,10 @@ class CsvTracker(_Opened):
         self._check_open()
         path = self._folder / "hyperparams.json"
         content = json.loads(path.read_text()) if path.exists() else {}
-        content = {"hyperparams": content.get("hyperparams", {}) | {k: _param(v) for k, v in hyperparams.items()},
-                   "metrics": content.get("metrics", {}) | {k: _number(v) for k, v in (metrics or {}).items()}}
+        content = {
+            "hyperparams": content.get("hyperparams", {}) | {k: _param(v) for k, v in hyperparams.items()},
+            "metrics": content.get("metrics", {}) | {k: _number(v) for k, v in (metrics or {}).items()},
+        }
         write_bytes(json.dumps(content, indent=2).encode() + b"\n", path, durable=False)
 
     def log_figure(self, name: str, figure: matplotlib.figure.Figure, step: int) -> None:
@@ -711,8 +763,13 @@ class CsvTracker(_Opened):
         path.parent.mkdir(parents=True, exist_ok=True)
         write_bytes(_png(figure, path.suffix[1:].lower()), path, durable=False)
 
-    def log_model(self, model: torch.nn.Module, train_dataloader: Any = None, val_dataloader: Any = None,
-                  test_dataloader: Any = None) -> None:
+    def log_model(
+        self,
+        model: torch.nn.Module,
+        train_dataloader: Any = None,
+        val_dataloader: Any = None,
+        test_dataloader: Any = None,
+    ) -> None:
         """The model's state_dict (torch.save) in folder/"model.pt", replaced atomically; the data loaders are not
         used."""
         self._check_open()
@@ -724,8 +781,9 @@ class NullTracker(_Opened):
     does not call the plotting functions), but print_metrics, which prints as on rank 0. A qadence callback calling
     ``writer.write(...)`` on every rank runs there too."""
 
-    def open(self, folder: Path, run_name: str, resume: dict[str, Any] | None, start_step: int,
-             start_batch: int = 0) -> None:
+    def open(
+        self, folder: Path, run_name: str, resume: dict[str, Any] | None, start_step: int, start_batch: int = 0
+    ) -> None:
         self._opened = True
 
     def log_metrics(self, metrics: dict[str, float], step: int, axis: Axis = Axis.EPOCH) -> None:
@@ -740,8 +798,13 @@ class NullTracker(_Opened):
     def plot(self, model: torch.nn.Module, iteration: int, plotting_functions: Iterable[PlottingFunction]) -> None:
         pass
 
-    def log_model(self, model: torch.nn.Module, train_dataloader: Any = None, val_dataloader: Any = None,
-                  test_dataloader: Any = None) -> None:
+    def log_model(
+        self,
+        model: torch.nn.Module,
+        train_dataloader: Any = None,
+        val_dataloader: Any = None,
+        test_dataloader: Any = None,
+    ) -> None:
         pass
 
 
@@ -768,7 +831,7 @@ class _CsvFile:
             _write_csv(self._path, self._columns, rows + [row])
             return
         if self._file is None:
-            self._file = open(self._path, "a", newline="")
+            self._file = open(self._path, "a", newline="")  # noqa: SIM115 - open until close()
         csv.DictWriter(self._file, ["step"] + self._columns, lineterminator="\n").writerow(row)
         self._file.flush()
 
@@ -783,11 +846,14 @@ def _read_csv(path: Path) -> tuple[list[str], list[dict[str, str]]]:
     left out, and so is a row without a whole-number step or with another number of fields than the header."""
     text = path.read_text()
     if not text.endswith("\n"):
-        text = text[:text.rfind("\n") + 1]
+        text = text[: text.rfind("\n") + 1]
     reader = csv.DictReader(io.StringIO(text, newline=""))
     columns = [name for name in reader.fieldnames or () if name != "step"]
-    rows = [row for row in reader
-            if (row.get("step") or "").lstrip("-").isdigit() and None not in row and None not in row.values()]
+    rows = [
+        row
+        for row in reader
+        if (row.get("step") or "").lstrip("-").isdigit() and None not in row and None not in row.values()
+    ]
     return columns, rows
 
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.algorithms.join import Join, _JoinConfig
@@ -40,9 +41,11 @@ def overridden(registry: Registry, config: Config, even: bool) -> Iterator[None]
         check_uneven(config.strategy, config.gradient_accumulation_steps, config.sync_each_batch)
     shards = [loader.shard for loader in registry.loaders if loader.shard is not None]
     if len(shards) < len(registry.loaders) and not even:
-        warnings.warn("join_uneven_inputs(even_batches=False) is only supported for map-style datasets: prepared "
-                      "DataLoaders of a stream (or with a DistributedSampler of yours) keep their own ending",
-                      stacklevel=3)
+        warnings.warn(
+            "join_uneven_inputs(even_batches=False) is only supported for map-style datasets: prepared "
+            "DataLoaders of a stream (or with a DistributedSampler of yours) keep their own ending",
+            stacklevel=3,
+        )
     before = [shard.even for shard in shards]
     for shard in shards:
         shard.even = even
@@ -79,9 +82,11 @@ class Epoch:
         if lone and self.run is not None and self.run.alone is None:
             self.updates_before = self.registry.updates
             takers = [rank for rank, steps in enumerate(self.steps) if steps > step]
-            self.run.alone = (f"step {step + 1} of this epoch is taken by rank(s) {takers} only (even_batches=False: "
-                              f"the ranks take {self.steps} steps); a collective in it would wait forever for the "
-                              "others: gather after the loop, or keep even_batches=True")
+            self.run.alone = (
+                f"step {step + 1} of this epoch is taken by rank(s) {takers} only (even_batches=False: "
+                f"the ranks take {self.steps} steps); a collective in it would wait forever for the "
+                "others: gather after the loop, or keep even_batches=True"
+            )
         return lone
 
     @contextlib.contextmanager
@@ -89,8 +94,11 @@ class Epoch:
         """The epoch's loop: the DDP models it trains under Join; when it ends, every rank with rank 0's training
         state. Join expects a backward pass after each forward, so a loop that starts under ``torch.no_grad()``,
         and models in eval mode, are left out of it (their forward passes do not communicate)."""
-        models = [m for m in self.registry.models if isinstance(m, DistributedDataParallel) and m.training] \
-            if torch.is_grad_enabled() else []
+        models = (
+            [m for m in self.registry.models if isinstance(m, DistributedDataParallel) and m.training]
+            if torch.is_grad_enabled()
+            else []
+        )
         try:
             with Join(models, divide_by_initial_world_size=False) if models else contextlib.nullcontext():
                 yield

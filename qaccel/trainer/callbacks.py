@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
-    from qaccel.trainer.config import TrainConfig
     from qaccel.train.tracking import Tracker
+    from qaccel.trainer.config import TrainConfig
     from qaccel.trainer.trainer import Trainer
 
 
@@ -82,11 +83,14 @@ class Callback:
             ``extra``, applied before the callback runs.
     """
 
-    def __init__(self, on: Stage | str = Stage.TRAIN_EPOCH_END, called_every: int = 1,
-                 callback: CallbackFunction | None = None,
-                 callback_condition: Callable[[OptimizeResult], bool] | None = None,
-                 modify_optimize_result: Callable[[OptimizeResult], OptimizeResult] | dict[str, Any] | None = None
-                 ) -> None:
+    def __init__(
+        self,
+        on: Stage | str = Stage.TRAIN_EPOCH_END,
+        called_every: int = 1,
+        callback: CallbackFunction | None = None,
+        callback_condition: Callable[[OptimizeResult], bool] | None = None,
+        modify_optimize_result: Callable[[OptimizeResult], OptimizeResult] | dict[str, Any] | None = None,
+    ) -> None:
         self.on = on
         if isinstance(called_every, bool) or not isinstance(called_every, int) or called_every < 0:
             raise ValueError(f"called_every must be an int >= 0; got {called_every!r}")
@@ -197,8 +201,9 @@ class LoadCheckpoint(Callback):
 
         model = trainer.accelerator.unwrap_model(trainer.model)
         optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
-        return saveload.load_checkpoint(config.log_folder, model, optimizer, device=trainer.accelerator.device,
-                                        allow_pickle=config.allow_pickle)
+        return saveload.load_checkpoint(
+            config.log_folder, model, optimizer, device=trainer.accelerator.device, allow_pickle=config.allow_pickle
+        )
 
 
 class LogModelTracker(Callback):
@@ -207,8 +212,12 @@ class LogModelTracker(Callback):
 
     def run_callback(self, trainer: Trainer, config: TrainConfig, tracker: Tracker | None) -> None:
         if tracker is not None and trainer.accelerator.is_main_process:
-            tracker.log_model(trainer.accelerator.unwrap_model(trainer.model), trainer.train_dataloader,
-                              trainer.val_dataloader, trainer.test_dataloader)
+            tracker.log_model(
+                trainer.accelerator.unwrap_model(trainer.model),
+                trainer.train_dataloader,
+                trainer.val_dataloader,
+                trainer.test_dataloader,
+            )
 
 
 class EarlyStopping(Callback):
@@ -217,8 +226,7 @@ class EarlyStopping(Callback):
     Rank 0's value decides, and every rank stops after the same epoch.
     """
 
-    def __init__(self, on: Stage | str, called_every: int, monitor: str, patience: int = 5,
-                 mode: str = "min") -> None:
+    def __init__(self, on: Stage | str, called_every: int, monitor: str, patience: int = 5, mode: str = "min") -> None:
         super().__init__(on, called_every)
         if mode not in ("min", "max"):
             raise ValueError(f"mode must be 'min' or 'max'; got {mode!r}")
@@ -231,8 +239,10 @@ class EarlyStopping(Callback):
     def run_callback(self, trainer: Trainer, config: TrainConfig, tracker: Tracker | None) -> None:
         metrics = trainer.opt_result.metrics
         if self.monitor not in metrics:
-            raise KeyError(f"EarlyStopping monitors {self.monitor!r}, which is not among the metrics at "
-                           f"{self.on.value}: {sorted(metrics)}")
+            raise KeyError(
+                f"EarlyStopping monitors {self.monitor!r}, which is not among the metrics at "
+                f"{self.on.value}: {sorted(metrics)}"
+            )
         value = float(metrics[self.monitor])
         if (value < self.best) if self.mode == "min" else (value > self.best):
             self.best, self.counter = value, 0
@@ -304,7 +314,9 @@ class LRSchedulerCosineAnnealing(_Schedule):
         self.t_max, self.min_lr = t_max, min_lr
 
     def rate(self, base: float, iteration: int, current: float) -> float:
-        return self.min_lr + (base - self.min_lr) * (1 + math.cos(math.pi * min(iteration, self.t_max) / self.t_max)) / 2
+        return (
+            self.min_lr + (base - self.min_lr) * (1 + math.cos(math.pi * min(iteration, self.t_max) / self.t_max)) / 2
+        )
 
 
 class GradientMonitoring(Callback):
@@ -316,8 +328,11 @@ class GradientMonitoring(Callback):
         super().__init__(on, called_every)
 
     def run_callback(self, trainer: Trainer, config: TrainConfig, tracker: Tracker | None) -> None:
-        named = [(n, p.grad) for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()
-                 if p.grad is not None]
+        named = [
+            (n, p.grad)
+            for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()
+            if p.grad is not None
+        ]
         sharded = any(hasattr(grad, "full_tensor") for _, grad in named)  # gathering a shard is a collective
         if not trainer.accelerator.is_main_process and not sharded:
             return
@@ -332,8 +347,20 @@ class GradientMonitoring(Callback):
 
 
 __all__ = [
-    "Callback", "EarlyStopping", "GradientMonitoring", "LoadCheckpoint", "LogHyperparameters", "LogModelTracker",
+    "Callback",
+    "EarlyStopping",
+    "GradientMonitoring",
     "LRSchedulerCosineAnnealing",
-    "LRSchedulerCyclic", "LRSchedulerStepDecay", "OptimizeResult", "PlotMetrics", "PrintMetrics",
-    "SaveBestCheckpoint", "SaveCheckpoint", "Stage", "WriteMetrics",
+    "LRSchedulerCyclic",
+    "LRSchedulerStepDecay",
+    "LoadCheckpoint",
+    "LogHyperparameters",
+    "LogModelTracker",
+    "OptimizeResult",
+    "PlotMetrics",
+    "PrintMetrics",
+    "SaveBestCheckpoint",
+    "SaveCheckpoint",
+    "Stage",
+    "WriteMetrics",
 ]

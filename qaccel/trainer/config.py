@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import enum
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from qaccel import options
 from qaccel.environment import detect
-from qaccel.trainer.callbacks import Callback
 from qaccel.train.tracking import TrackingTool
+from qaccel.trainer.callbacks import Callback
 
 
 class SchedulerStep(enum.StrEnum):
@@ -98,29 +99,43 @@ class TrainConfig(options.Options):
     """When the Trainer's ``lr_scheduler`` steps: ``epoch`` or ``batch`` (each optimizer update)."""
     seed: int | None = None
     """Seed every rank's RNGs (``Accelerator.set_seed``) before training; None leaves them."""
+
     def __post_init__(self) -> None:
         _count("max_iter", self.max_iter, 0)
         _count("batch_size", self.batch_size, 1)
         for name in ("print_every", "write_every", "checkpoint_every", "plot_every", "val_every"):
             _count(name, getattr(self, name), 0)
-        for name in ("log_model", "create_subfolder_per_run", "checkpoint_best_only", "checkpoint_in_background",
-                     "verbose", "all_reduce_metrics"):
+        for name in (
+            "log_model",
+            "create_subfolder_per_run",
+            "checkpoint_best_only",
+            "checkpoint_in_background",
+            "verbose",
+            "all_reduce_metrics",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"TrainConfig.{name} must be True or False; got {getattr(self, name)!r}")
-        if isinstance(self.val_epsilon, bool) or not isinstance(self.val_epsilon, (int, float)) \
-                or self.val_epsilon < 0:
+        if isinstance(self.val_epsilon, bool) or not isinstance(self.val_epsilon, (int, float)) or self.val_epsilon < 0:
             raise ValueError(f"TrainConfig.val_epsilon must be a number >= 0; got {self.val_epsilon!r}")
         for name in ("validation_criterion", "trainstop_criterion"):
             if getattr(self, name) is not None and not callable(getattr(self, name)):
                 raise TypeError(f"TrainConfig.{name} must be a function or None; got {getattr(self, name)!r}")
-        if self.checkpoint_best_only and not self.val_every:  # qadence accepts it, and saves nothing: so do we, saying so
-            warnings.warn("TrainConfig.checkpoint_best_only keeps the best validation, and val_every=0 validates "
-                          "never: no checkpoint will be saved (set val_every > 0)", UserWarning, stacklevel=3)
+        if (
+            self.checkpoint_best_only and not self.val_every
+        ):  # qadence accepts it, and saves nothing: so do we, saying so
+            warnings.warn(
+                "TrainConfig.checkpoint_best_only keeps the best validation, and val_every=0 validates "
+                "never: no checkpoint will be saved (set val_every > 0)",
+                UserWarning,
+                stacklevel=3,
+            )
         self.root_folder, self.log_folder = Path(self.root_folder), Path(self.log_folder)
         self.tracking_tool = _member("tracking_tool", self.tracking_tool, TrackingTool)
         self.lr_scheduler_step = _member("lr_scheduler_step", self.lr_scheduler_step, SchedulerStep)
         if not isinstance(self.callbacks, (list, tuple)) or not all(isinstance(c, Callback) for c in self.callbacks):
-            raise TypeError(f"TrainConfig.callbacks must be a list of qaccel.callbacks.Callback; got {self.callbacks!r}")
+            raise TypeError(
+                f"TrainConfig.callbacks must be a list of qaccel.callbacks.Callback; got {self.callbacks!r}"
+            )
         self.callbacks = list(self.callbacks)
         if not isinstance(self.hyperparams, dict):
             raise TypeError(f"TrainConfig.hyperparams must be a dict; got {self.hyperparams!r}")

@@ -44,8 +44,15 @@ def curves(history: list[dict[str, float]], path: Path) -> Path | None:
             steps, values = zip(*[(step, value) for step, value in points if value is not None])
             base = _base(name)
             colour = colours.setdefault(base, f"C{len(colours) % 10}")
-            ax.plot(steps, values, label=name, color=colour, linestyle=_style(name),
-                    marker="o" if len(steps) <= 30 else None, markersize=3)
+            ax.plot(
+                steps,
+                values,
+                label=name,
+                color=colour,
+                linestyle=_style(name),
+                marker="o" if len(steps) <= 30 else None,
+                markersize=3,
+            )
         values = [_number(row.get(name)) for name in panel for row in history]
         finite = [v for v in values if v is not None and math.isfinite(v)]
         if panel is losses and finite and min(finite) > 0 and max(finite) / min(finite) > 100:
@@ -77,7 +84,7 @@ def _number(value: Any) -> float | None:
 
 
 def _base(name: str) -> str:
-    return next((name[len(p):] for p in _PREFIXES if name.startswith(p)), name)
+    return next((name[len(p) :] for p in _PREFIXES if name.startswith(p)), name)
 
 
 def _style(name: str) -> str:

@@ -105,14 +105,18 @@ def write_checkpoint(folder: StrPath, model: Module, optimizer: Any, iteration: 
     elif _is_nevergrad(optimizer):
         write_optimizer = lambda f: pickle.dump(optimizer, f)  # as nevergrad's Optimizer.dump()
     else:
-        raise TypeError(f"write_checkpoint() saves a torch.optim.Optimizer or a nevergrad optimizer, not "
-                        f"{type(optimizer).__qualname__}; nothing was written")
+        raise TypeError(
+            f"write_checkpoint() saves a torch.optim.Optimizer or a nevergrad optimizer, not "
+            f"{type(optimizer).__qualname__}; nothing was written"
+        )
 
     if qadence_model:
         state = model._to_dict(save_params=True)
         if not state:  # qadence's _to_dict logs its error and returns {}
-            raise RuntimeError(f"write_checkpoint() cannot write {model_file}: {type(model).__name__}._to_dict() "
-                               "returned nothing (it logs why to qadence's logger)")
+            raise RuntimeError(
+                f"write_checkpoint() cannot write {model_file}: {type(model).__name__}._to_dict() "
+                "returned nothing (it logs why to qadence's logger)"
+            )
     else:
         state = model.state_dict()
     _write(model_file, lambda f: torch.save((iteration, state), f))
@@ -188,8 +192,11 @@ def load_model(
         else:
             target.load_state_dict(model_dict, strict=True)
     except Exception as exc:
-        raise CheckpointError(f"model checkpoint {path} does not fit the {type(target).__name__} it is loaded "
-                              f"into: {exc}", str(folder), str(path)) from exc
+        raise CheckpointError(
+            f"model checkpoint {path} does not fit the {type(target).__name__} it is loaded into: {exc}",
+            str(folder),
+            str(path),
+        ) from exc
     if re.search(r"cuda:\d+$", str(device)):  # load the model to a specific GPU if one is named
         model.to(device)
     return model, iteration
@@ -225,22 +232,33 @@ def load_optimizer(
         _, opt_type, state = _read(path, folder, lambda: unpickling.load(path, allow_pickle, safe=[type(target)]), 3)
         if not (isinstance(opt_type, type) and isinstance(target, opt_type)):
             written = getattr(opt_type, "__qualname__", repr(opt_type))
-            raise CheckpointError(f"optimizer checkpoint {path} was written for a {written}, not "
-                                  f"this {type(target).__qualname__}; nothing was loaded", str(folder), str(path))
+            raise CheckpointError(
+                f"optimizer checkpoint {path} was written for a {written}, not "
+                f"this {type(target).__qualname__}; nothing was loaded",
+                str(folder),
+                str(path),
+            )
         try:
             target.load_state_dict(state)
         except Exception as exc:
-            raise CheckpointError(f"optimizer checkpoint {path} does not fit this {type(target).__qualname__}: "
-                                  f"{exc}", str(folder), str(path)) from exc
+            raise CheckpointError(
+                f"optimizer checkpoint {path} does not fit this {type(target).__qualname__}: {exc}",
+                str(folder),
+                str(path),
+            ) from exc
         return optimizer
     if _is_nevergrad(target):
         loaded = _read(path, folder, lambda: _ng_load(path, allow_pickle), None)
         if loaded.name != target.name:
-            raise CheckpointError(f"optimizer checkpoint {path} holds nevergrad's {loaded.name}, not {target.name}; "
-                                  "nothing was loaded", str(folder), str(path))
+            raise CheckpointError(
+                f"optimizer checkpoint {path} holds nevergrad's {loaded.name}, not {target.name}; nothing was loaded",
+                str(folder),
+                str(path),
+            )
         return loaded
-    raise NotImplementedError(f"load_optimizer() loads a torch.optim.Optimizer or a nevergrad optimizer, not "
-                              f"{type(target).__qualname__}")
+    raise NotImplementedError(
+        f"load_optimizer() loads a torch.optim.Optimizer or a nevergrad optimizer, not {type(target).__qualname__}"
+    )
 
 
 def _is_qadence_model(model: Module) -> bool:
@@ -266,8 +284,11 @@ def _ng_load(path: Path, allow_pickle: bool | None) -> Any:
 
 def _ddp_keys(state: Any) -> bool:
     """A state dict saved from a DistributedDataParallel model: every key starts with ``module.``."""
-    return isinstance(state, Mapping) and len(state) > 0 and all(
-        isinstance(key, str) and key.startswith("module.") for key in state)
+    return (
+        isinstance(state, Mapping)
+        and len(state) > 0
+        and all(isinstance(key, str) and key.startswith("module.") for key in state)
+    )
 
 
 def _write(path: Path, write: Callable[[Any], Any]) -> None:
@@ -291,11 +312,20 @@ def _read(path: Path, folder: Path, load: Callable[[], Any], length: int | None)
     except OSError as exc:
         raise _os_error(exc, f"cannot read checkpoint file {path}") from exc
     except Exception as exc:
-        raise CheckpointError(f"checkpoint file {path} is damaged or not a checkpoint: {type(exc).__name__}: {exc}",
-                              str(folder), str(path), damaged=True) from exc
+        raise CheckpointError(
+            f"checkpoint file {path} is damaged or not a checkpoint: {type(exc).__name__}: {exc}",
+            str(folder),
+            str(path),
+            damaged=True,
+        ) from exc
     if length is not None and not (isinstance(loaded, tuple) and len(loaded) == length):
-        raise CheckpointError(f"checkpoint file {path} is not a qadence checkpoint (a tuple of {length} items): it "
-                              f"holds a {type(loaded).__name__}", str(folder), str(path), damaged=True)
+        raise CheckpointError(
+            f"checkpoint file {path} is not a qadence checkpoint (a tuple of {length} items): it "
+            f"holds a {type(loaded).__name__}",
+            str(folder),
+            str(path),
+            damaged=True,
+        )
     return loaded
 
 

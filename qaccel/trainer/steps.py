@@ -6,15 +6,22 @@ is this step with gradient accumulation and fp16 loss scaling added; called by h
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from qaccel.trainer.parameters import set_parameters
 
 
-def optimize_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., Any], xs: Any,
-                  device: Any = None, dtype: Any = None) -> tuple[torch.Tensor, dict[str, Any]]:
+def optimize_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable[..., Any],
+    xs: Any,
+    device: Any = None,
+    dtype: Any = None,
+) -> tuple[torch.Tensor, dict[str, Any]]:
     """One update: ``optimizer.step(closure)``, the closure zeroing the gradients and back-propagating
     ``loss_fn(model, xs)``; returns the loss and metrics (qadence's default step, LBFGS included)."""
     loss, metrics = None, {}
@@ -30,8 +37,15 @@ def optimize_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss
     return loss, metrics
 
 
-def update_ng_parameters(model: torch.nn.Module, optimizer: Any, loss_fn: Callable[..., Any], data: Any,
-                         ng_params: Any, *, told: Callable[[Any], float] = float) -> tuple[Any, dict[str, Any], Any]:
+def update_ng_parameters(
+    model: torch.nn.Module,
+    optimizer: Any,
+    loss_fn: Callable[..., Any],
+    data: Any,
+    ng_params: Any,
+    *,
+    told: Callable[[Any], float] = float,
+) -> tuple[Any, dict[str, Any], Any]:
     """One gradient-free update with a nevergrad optimizer: tell it the loss at ``ng_params`` (``told(loss)``: the
     Trainer tells the mean over its ranks), ask for the next candidate and set the model's parameters to it;
     returns the loss, metrics and the new candidate."""

@@ -18,8 +18,9 @@ import os
 import pickle
 import sys
 import warnings
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -29,6 +30,7 @@ from qaccel.environment import detect
 from qaccel.nested import map_leaves
 from qaccel.options import Strategy
 from qaccel.train import loaders, sharding
+from qaccel.train.tracking import Axis, NullTracker, Tracker, make_tracker
 from qaccel.trainer import plots, steps
 from qaccel.trainer.callbacks import (
     Callback,
@@ -42,7 +44,6 @@ from qaccel.trainer.callbacks import (
     WriteMetrics,
 )
 from qaccel.trainer.config import SchedulerStep, TrainConfig
-from qaccel.train.tracking import Axis, NullTracker, Tracker, make_tracker
 
 LossFunction = Callable[[torch.nn.Module, Any], tuple[torch.Tensor, dict[str, Any]]]
 OptimizeStep = Callable[..., tuple[torch.Tensor, dict[str, Any]]]
@@ -129,33 +130,54 @@ class Trainer:
 
     _use_grad: bool = True  # gradient-based training; set_use_grad() changes it for every Trainer, as in qadence
 
-    def __init__(self, model: torch.nn.Module, optimizer: Any, config: TrainConfig,
-                 loss_fn: str | LossFunction = "mse", train_dataloader: Any = None, val_dataloader: Any = None,
-                 test_dataloader: Any = None, optimize_step: OptimizeStep | None = None,
-                 max_batches: int | None = None, *, lr_scheduler: Any = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: Any,
+        config: TrainConfig,
+        loss_fn: str | LossFunction = "mse",
+        train_dataloader: Any = None,
+        val_dataloader: Any = None,
+        test_dataloader: Any = None,
+        optimize_step: OptimizeStep | None = None,
+        max_batches: int | None = None,
+        *,
+        lr_scheduler: Any = None,
+    ) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"Trainer(model=...) takes a torch.nn.Module; got {type(model).__name__}")
         if not isinstance(config, TrainConfig):
             raise TypeError(f"Trainer(config=...) takes a qaccel.TrainConfig; got {type(config).__name__}")
         if isinstance(loss_fn, str):
             if loss_fn not in LOSSES:
-                raise ValueError(f"loss_fn must be one of {', '.join(map(repr, LOSSES))} or a function "
-                                 f"fn(model, batch) -> (loss, metrics); got {loss_fn!r}")
+                raise ValueError(
+                    f"loss_fn must be one of {', '.join(map(repr, LOSSES))} or a function "
+                    f"fn(model, batch) -> (loss, metrics); got {loss_fn!r}"
+                )
             loss_fn = LOSSES[loss_fn]
         elif not callable(loss_fn):
-            raise TypeError(f"loss_fn must be a name or a function fn(model, batch) -> (loss, metrics); got {loss_fn!r}")
+            raise TypeError(
+                f"loss_fn must be a name or a function fn(model, batch) -> (loss, metrics); got {loss_fn!r}"
+            )
         if optimize_step is not None and not callable(optimize_step):
-            raise TypeError("optimize_step must be a function fn(model, optimizer, loss_fn, xs, device, dtype) -> "
-                            f"(loss, metrics); got {optimize_step!r}")
-        if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int)
-                                        or max_batches < 1):
+            raise TypeError(
+                "optimize_step must be a function fn(model, optimizer, loss_fn, xs, device, dtype) -> "
+                f"(loss, metrics); got {optimize_step!r}"
+            )
+        if max_batches is not None and (
+            isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1
+        ):
             raise ValueError(f"max_batches must be an int >= 1 or None; got {max_batches!r}")
         if lr_scheduler is not None and not hasattr(lr_scheduler, "step"):
             raise TypeError(f"lr_scheduler must be an LR scheduler of the optimizer; got {lr_scheduler!r}")
         self.model, self.config, self.loss_fn = model, config, loss_fn
         self._ng_params: Any = None  # gradient-free: nevergrad's current candidate (set with the optimizer)
         self.optimizer = optimizer
-        self.train_dataloader, self.val_dataloader, self.test_dataloader = train_dataloader, val_dataloader, test_dataloader
+        self.train_dataloader, self.val_dataloader, self.test_dataloader = (
+            train_dataloader,
+            val_dataloader,
+            test_dataloader,
+        )
         # qadence's default step, passed as its tutorials do: the Trainer's own, which extends it
         self.optimize_step = None if optimize_step is steps.optimize_step else optimize_step
         self.max_batches, self.lr_scheduler = max_batches, lr_scheduler
@@ -201,12 +223,16 @@ class Trainer:
     @optimizer.setter
     def optimizer(self, optimizer: Any) -> None:
         if self.use_grad and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"Trainer(optimizer=...) takes a torch.optim.Optimizer (gradient-free training takes a "
-                            f"nevergrad optimizer: set_use_grad(False) first); got {type(optimizer).__name__}")
+            raise TypeError(
+                f"Trainer(optimizer=...) takes a torch.optim.Optimizer (gradient-free training takes a "
+                f"nevergrad optimizer: set_use_grad(False) first); got {type(optimizer).__name__}"
+            )
         if not self.use_grad:
             if not (hasattr(optimizer, "ask") and hasattr(optimizer, "tell")):
-                raise TypeError(f"gradient-free training (use_grad=False) takes a nevergrad optimizer; got "
-                                f"{type(optimizer).__name__}")
+                raise TypeError(
+                    f"gradient-free training (use_grad=False) takes a nevergrad optimizer; got "
+                    f"{type(optimizer).__name__}"
+                )
             import nevergrad
 
             from qaccel.trainer.parameters import get_parameters
@@ -262,8 +288,11 @@ class Trainer:
     def on_train_start(self) -> None:
         """At the start of training, after the train_start callbacks."""
 
-    def on_train_end(self, train_losses: list[list[tuple[torch.Tensor, Any]]],
-                     val_losses: list[list[tuple[torch.Tensor, Any]]] | None = None) -> None:
+    def on_train_end(
+        self,
+        train_losses: list[list[tuple[torch.Tensor, Any]]],
+        val_losses: list[list[tuple[torch.Tensor, Any]]] | None = None,
+    ) -> None:
         """At the end of training, before the train_end callbacks: every epoch's batch results of this fit."""
 
     def on_train_epoch_start(self) -> None:
@@ -298,8 +327,10 @@ class Trainer:
 
     def _overrides_a_results_hook(self) -> bool:
         """Whether a subclass overrides a hook that gets an epoch's batch results: only then are they kept."""
-        return any(getattr(type(self), name) is not getattr(Trainer, name)
-                   for name in ("on_train_end", "on_train_epoch_end", "on_val_epoch_end"))
+        return any(
+            getattr(type(self), name) is not getattr(Trainer, name)
+            for name in ("on_train_end", "on_train_epoch_end", "on_val_epoch_end")
+        )
 
     # ---- what users call ----
 
@@ -313,14 +344,17 @@ class Trainer:
         for name in ("train_dataloader", "val_dataloader"):
             loader = getattr(self, name)
             if loader is not None and not isinstance(loader, (DataLoader, loaders.DictDataLoader)):
-                raise TypeError(f"{name} must be a torch DataLoader or a qaccel DictDataLoader; got "
-                                f"{type(loader).__name__}")
+                raise TypeError(
+                    f"{name} must be a torch DataLoader or a qaccel DictDataLoader; got {type(loader).__name__}"
+                )
         if self.config.val_every and self.val_dataloader is None:
             raise ValueError("TrainConfig.val_every > 0 needs a val_dataloader (in fit() or Trainer(...))")
         if self.optimize_step is not None and self.config.gradient_accumulation_steps > 1:
-            raise ValueError("optimize_step=... is one whole step of your own; gradient accumulation "
-                             f"(gradient_accumulation_steps={self.config.gradient_accumulation_steps}) needs "
-                             "qaccel's: leave optimize_step out, or set gradient_accumulation_steps=1")
+            raise ValueError(
+                "optimize_step=... is one whole step of your own; gradient accumulation "
+                f"(gradient_accumulation_steps={self.config.gradient_accumulation_steps}) needs "
+                "qaccel's: leave optimize_step out, or set gradient_accumulation_steps=1"
+            )
         launching = detect().kind.creates_processes and self.config.nprocs > 1
         folder = self._choose_folder() if launching else None  # in place: rank 0 chooses, inside the session
         trained = self.accelerator.distribute(_fit_on_rank)(self, folder)
@@ -348,8 +382,9 @@ class Trainer:
             raise ValueError("test() needs a test_dataloader (here or in Trainer(...))")
         return self.accelerator.distribute(_test_on_rank)(self)
 
-    def get_ic_grad_bounds(self, eta: float, epsilons: torch.Tensor, variation_multiple: int = 20,
-                           dataloader: Any = None) -> tuple[float, float, float]:
+    def get_ic_grad_bounds(
+        self, eta: float, epsilons: torch.Tensor, variation_multiple: int = 20, dataloader: Any = None
+    ) -> tuple[float, float, float]:
         """qadence's bounds on the gradient norm from the loss landscape's information content around the model's
         parameters, on the first batch of ``dataloader`` (or the training loader): (max-IC lower bound, max-IC upper
         bound, sensitivity-IC upper bound). Computed in this process by qadence's own ``InformationContent``, so it
@@ -357,11 +392,15 @@ class Trainer:
         try:
             from qadence.ml_tools.information import InformationContent
         except ImportError as exc:
-            raise ImportError("Trainer.get_ic_grad_bounds() computes with qadence's InformationContent: pip install "
-                              "qadence") from exc
+            raise ImportError(
+                "Trainer.get_ic_grad_bounds() computes with qadence's InformationContent: pip install qadence"
+            ) from exc
         if not self.use_grad:
-            warnings.warn("gradient norm bounds matter for gradient-based training; this Trainer trains without "
-                          "gradients (use_grad=False)", stacklevel=2)
+            warnings.warn(
+                "gradient norm bounds matter for gradient-based training; this Trainer trains without "
+                "gradients (use_grad=False)",
+                stacklevel=2,
+            )
         loader = dataloader if dataloader is not None else self.train_dataloader
         batch = None if loader is None else next(iter(loader))
         content = InformationContent(self.model, self.loss_fn, batch, epsilons)
@@ -405,9 +444,13 @@ class Trainer:
         user_model, user_optimizer = self.model, self._optimizer
         where = _device_of(user_model)
         train = self.train_dataloader if self.train_dataloader is not None else _no_data(acc.world_size)
-        prepared = acc.prepare(self.model, self._optimizer, train,
-                               *([self.val_dataloader] if self.val_dataloader is not None else []),
-                               *([self.lr_scheduler] if self.lr_scheduler is not None else []))
+        prepared = acc.prepare(
+            self.model,
+            self._optimizer,
+            train,
+            *([self.val_dataloader] if self.val_dataloader is not None else []),
+            *([self.lr_scheduler] if self.lr_scheduler is not None else []),
+        )
         self.model, self._optimizer, train_loader = prepared[:3]
         val_loader = prepared[3] if self.val_dataloader is not None else None
         self._hooked = self._overrides_a_results_hook()
@@ -429,10 +472,13 @@ class Trainer:
         elif state.epochs_done >= state.end:  # a later fit of this Trainer: max_iter + 1 more epochs
             state.end = state.epochs_done + config.max_iter + 1
         if resumed is not None and acc.is_main_process:
-            print(f"qaccel: resumed {resumed} after epoch {state.epochs_done - 1} (training epochs "
-                  f"{state.epochs_done}-{state.end - 1} next)"
-                  + (f" and {state.batches} batches of the next" if state.batches else ""), file=sys.stderr,
-                  flush=True)
+            print(
+                f"qaccel: resumed {resumed} after epoch {state.epochs_done - 1} (training epochs "
+                f"{state.epochs_done}-{state.end - 1} next)"
+                + (f" and {state.batches} batches of the next" if state.batches else ""),
+                file=sys.stderr,
+                flush=True,
+            )
         self._open_tracker(resumed)
         try:
             self._train(train_loader, val_loader)
@@ -444,8 +490,11 @@ class Trainer:
         if config.log_model:
             acc.save_model(self.model, folder)
         if self.use_grad:
-            optimizer_state = self._optimizer.state_dict() if acc.strategy is Strategy.DDP \
+            optimizer_state = (
+                self._optimizer.state_dict()
+                if acc.strategy is Strategy.DDP
                 else sharding.full_optimizer_state_dict(self.model, self._optimizer.optimizer)
+            )
         else:
             optimizer_state = pickle.dumps((self._optimizer, self._ng_params))
         result = {
@@ -497,8 +546,9 @@ class Trainer:
         iteration, metrics = state.epochs_done - 1, {}
         for iteration in acc.progress(epochs, desc="epochs") if config.verbose else epochs:
             self.current_epoch = iteration
-            self.opt_result = OptimizeResult(iteration, self.model, self._optimizer, rank=acc.rank,
-                                             device=str(acc.device))
+            self.opt_result = OptimizeResult(
+                iteration, self.model, self._optimizer, rank=acc.rank, device=str(acc.device)
+            )
             self.on_train_epoch_start()
             self._stage(Stage.TRAIN_EPOCH_START)
             epoch_results = []
@@ -524,15 +574,25 @@ class Trainer:
             last = state.epochs_done == state.end
             if not self.use_grad:
                 state.nevergrad = pickle.dumps((self._optimizer, self._ng_params))
-            if config.checkpoint_every and not config.checkpoint_best_only and (
-                    iteration % config.checkpoint_every == 0 or stop or last):
+            if (
+                config.checkpoint_every
+                and not config.checkpoint_best_only
+                and (iteration % config.checkpoint_every == 0 or stop or last)
+            ):
                 self.save_checkpoint()
             if stop:
                 acc.print(f"qaccel: training stopped after epoch {iteration}: {stop}")
                 break
         # qadence writes and plots the last epoch's results at the end, where the frequencies left it out
-        self.opt_result = OptimizeResult(iteration, self.model, self._optimizer, metrics.get("train_loss"), metrics,
-                                         rank=acc.rank, device=str(acc.device))
+        self.opt_result = OptimizeResult(
+            iteration,
+            self.model,
+            self._optimizer,
+            metrics.get("train_loss"),
+            metrics,
+            rank=acc.rank,
+            device=str(acc.device),
+        )
         if metrics and config.write_every and iteration % config.write_every:
             self.write_metrics(metrics)
         if config.plot_every and config.plotting_functions and iteration % config.plot_every:
@@ -553,12 +613,22 @@ class Trainer:
             self._optimizer.zero_grad()
             with acc.accumulate(self.model):
                 step = self.optimize_step or self._optimize_step
-                loss, metrics = step(model=self.model, optimizer=self._optimizer, loss_fn=self.loss_fn, xs=batch,
-                                     device=acc.device, dtype=_data_dtype(acc.dtype))
+                loss, metrics = step(
+                    model=self.model,
+                    optimizer=self._optimizer,
+                    loss_fn=self.loss_fn,
+                    xs=batch,
+                    device=acc.device,
+                    dtype=_data_dtype(acc.dtype),
+                )
         else:
             loss, metrics = self._gradient_free_step(batch)
-        if (self.lr_scheduler is not None and self.config.lr_scheduler_step is SchedulerStep.BATCH
-                and acc.sync_gradients and not acc.optimizer_step_was_skipped):
+        if (
+            self.lr_scheduler is not None
+            and self.config.lr_scheduler_step is SchedulerStep.BATCH
+            and acc.sync_gradients
+            and not acc.optimizer_step_was_skipped
+        ):
             self.lr_scheduler.step()
         values = _detached("train", loss, metrics)
         for name, value in values.items():
@@ -572,8 +642,15 @@ class Trainer:
         self.on_train_batch_end(result)
         return result
 
-    def _optimize_step(self, model: torch.nn.Module, optimizer: Any, loss_fn: LossFunction, xs: Any,
-                       device: Any = None, dtype: Any = None) -> tuple[torch.Tensor, dict[str, Any]]:
+    def _optimize_step(
+        self,
+        model: torch.nn.Module,
+        optimizer: Any,
+        loss_fn: LossFunction,
+        xs: Any,
+        device: Any = None,
+        dtype: Any = None,
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
         """qaccel's training step: the loss, its backward (scaled, divided over accumulation steps), the update.
         An optimizer that needs a closure (LBFGS) gets one, evaluated as often as it asks, as qadence does."""
         acc = self.accelerator
@@ -604,16 +681,17 @@ class Trainer:
 
         with torch.no_grad():
             loss, metrics, self._ng_params = steps.update_ng_parameters(
-                acc.unwrap_model(self.model), self._optimizer, self.loss_fn, batch, self._ng_params, told=mean)
+                acc.unwrap_model(self.model), self._optimizer, self.loss_fn, batch, self._ng_params, told=mean
+            )
         return loss, metrics
 
-    def _validate(self, loader: Any, iteration: int, record: bool = True,
-                  hooks: bool = True) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+    def _validate(
+        self, loader: Any, iteration: int, record: bool = True, hooks: bool = True
+    ) -> list[tuple[torch.Tensor, dict[str, Any]]]:
         """Validate; with ``record``, the means go to the history and the tracker and may be the best so far; with
         ``hooks``, the validation epoch's hooks run."""
         acc, state = self.accelerator, self._state
-        self.opt_result = OptimizeResult(iteration, self.model, self._optimizer, rank=acc.rank,
-                                         device=str(acc.device))
+        self.opt_result = OptimizeResult(iteration, self.model, self._optimizer, rank=acc.rank, device=str(acc.device))
         if hooks:
             self.on_val_epoch_start()
         self._stage(Stage.VAL_EPOCH_START)
@@ -645,8 +723,13 @@ class Trainer:
         sums, samples = self._summed(*self._evaluate(model, loader, "test"))
         return {name: float(total) / max(samples, 1.0) for name, total in sums.items()}
 
-    def _evaluate(self, model: torch.nn.Module, loader: Any, phase: str,
-                  results: list[tuple[torch.Tensor, dict[str, Any]]] | None = None) -> tuple[dict[str, Any], float]:
+    def _evaluate(
+        self,
+        model: torch.nn.Module,
+        loader: Any,
+        phase: str,
+        results: list[tuple[torch.Tensor, dict[str, Any]]] | None = None,
+    ) -> tuple[dict[str, Any], float]:
         """This rank's sums of the loss and metrics over ``loader``'s samples (batch means times batch sizes), and
         its sample count; each batch's (loss, metrics) appended to ``results`` for qadence's hooks. Padding batches
         (repeats that even out the last step) run, as a sharded model needs every rank's forward, but count for
@@ -666,7 +749,7 @@ class Trainer:
                     self._stage(start)
                     size, padding = _batch_size(batch), acc.padding_in_batch if padded else 0
                     if 0 < padding < size:  # the real samples only (all padding: run it, as a sharded model needs)
-                        batch, size = map_leaves(batch, lambda t: t[:size - padding]), size - padding
+                        batch, size = map_leaves(batch, lambda t, real=size - padding: t[:real]), size - padding
                     elif padding:
                         size = 0  # counts for nothing, but every rank keeps every name
                     loss, metrics = self.loss_fn(model, batch)
@@ -785,9 +868,13 @@ class Trainer:
             return
         self.tracker = make_tracker(self.config.tracking_tool)
         assert self.log_folder is not None
-        self.tracker.open(self.log_folder / "tracking", self.log_folder.name, state.tracker,
-                          start_step=state.epochs_done if resumed else 0,
-                          start_batch=state.global_step + 1 if resumed else 0)
+        self.tracker.open(
+            self.log_folder / "tracking",
+            self.log_folder.name,
+            state.tracker,
+            start_step=state.epochs_done if resumed else 0,
+            start_batch=state.global_step + 1 if resumed else 0,
+        )
         state.tracker = self.tracker.state()
 
     def _write_curves(self) -> None:
@@ -816,8 +903,10 @@ def _number(name: str, value: Any) -> Any:
     if not isinstance(value, torch.Tensor):
         return float(value)
     if value.numel() != 1:
-        raise ValueError(f"the loss function's {name!r} is a tensor of shape {tuple(value.shape)}; metrics are "
-                         "numbers or one-element tensors")
+        raise ValueError(
+            f"the loss function's {name!r} is a tensor of shape {tuple(value.shape)}; metrics are "
+            "numbers or one-element tensors"
+        )
     return value.detach().to(torch.float32 if value.device.type == "mps" else torch.float64)  # MPS has no float64
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from support.component import in_ci, unavailable
 
 
@@ -12,8 +11,9 @@ def test_ci_is_on(value):
     assert in_ci({"CI": value})
 
 
-@pytest.mark.parametrize("environ", [{}, {"CI": ""}, {"CI": "false"}, {"CI": "0"}, {"CI": "no"},
-                                     {"GITHUB_ACTIONS": "true"}])
+@pytest.mark.parametrize(
+    "environ", [{}, {"CI": ""}, {"CI": "false"}, {"CI": "0"}, {"CI": "no"}, {"GITHUB_ACTIONS": "true"}]
+)
 def test_ci_is_off(environ):
     assert not in_ci(environ)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from support.procs import REPO, script_file, slurm_env
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(180)]
@@ -17,7 +16,9 @@ SCRIPT = script_file("srun_ranks.py")
 
 
 def _results(text):
-    return sorted((json.loads(line[7:]) for line in text.splitlines() if line.startswith("RESULT ")), key=lambda r: r["rank"])
+    return sorted(
+        (json.loads(line[7:]) for line in text.splitlines() if line.startswith("RESULT ")), key=lambda r: r["rank"]
+    )
 
 
 def test_srun_two_nodes_each_task_is_a_rank(slurm_cluster):

@@ -6,14 +6,21 @@ import os
 import subprocess
 
 import pytest
-
 from support.procs import alive, wait_for
 from support.slurm_cluster import LocalSlurm, SlurmError
 
 pytestmark = pytest.mark.slurm
 
-STEP_VARS = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_STEP_ID",
-             "SLURM_STEP_NUM_TASKS", "SLURM_NODELIST", "SLURM_JOB_ID", "SLURM_STEP_NODELIST")
+STEP_VARS = (
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_NODEID",
+    "SLURM_STEP_ID",
+    "SLURM_STEP_NUM_TASKS",
+    "SLURM_NODELIST",
+    "SLURM_JOB_ID",
+    "SLURM_STEP_NODELIST",
+)
 
 
 def _parse_records(text: str) -> list[dict[str, str]]:
@@ -58,8 +65,7 @@ def test_srun_two_tasks_on_one_node_get_local_ids(slurm_cluster):
     r = slurm_cluster.srun(["-N1", "-n2", "sh", "-c", _PRINT_VARS], timeout=60)
     assert r.returncode == 0, r.stderr
     recs = _parse_records(r.stdout)
-    assert sorted((x["SLURM_PROCID"], x["SLURM_LOCALID"]) for x in recs) == [
-        ("0", "0"), ("1", "1")]
+    assert sorted((x["SLURM_PROCID"], x["SLURM_LOCALID"]) for x in recs) == [("0", "0"), ("1", "1")]
     assert {x["SLURM_NODEID"] for x in recs} == {"0"}
     assert {x["SLURM_STEP_NUM_TASKS"] for x in recs} == {"2"}
 
@@ -85,8 +91,7 @@ def test_sbatch_without_srun_has_no_step_vars(slurm_cluster, tmp_path):
 @pytest.mark.timeout(120)
 def test_srun_inside_sbatch_makes_each_task_a_step_task(slurm_cluster, tmp_path):
     script = tmp_path / "step.sbatch"
-    script.write_text("#!/bin/sh\n#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n"
-                      f"srun sh -c '{_PRINT_VARS}'\n")
+    script.write_text(f"#!/bin/sh\n#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\nsrun sh -c '{_PRINT_VARS}'\n")
     job_id, out = slurm_cluster.sbatch_wait(script, timeout=60)
     recs = _parse_records(out)
     assert sorted(x["SLURM_PROCID"] for x in recs) == ["0", "1"], out
@@ -133,16 +138,17 @@ def test_second_cluster_starts_and_tears_down_completely(slurm_cluster):
     other = LocalSlurm(nodes=1)
     with other:
         assert other.cluster_name != slurm_cluster.cluster_name
-        assert {other.ctld_port, *other.node_ports}.isdisjoint(
-            {slurm_cluster.ctld_port, *slurm_cluster.node_ports})
+        assert {other.ctld_port, *other.node_ports}.isdisjoint({slurm_cluster.ctld_port, *slurm_cluster.node_ports})
         r = other.srun(["-n2", "sh", "-c", "echo $SLURM_NODELIST"], timeout=60)
         assert r.returncode == 0, r.stderr
         assert r.stdout.split() == ["n1", "n1"]
         # leave a running job behind: teardown must cancel/kill it
-        sleeper = subprocess.Popen(["srun", "-n1", "sleep", "300"], env=other.env,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for(lambda: other.run(["squeue", "-h", "-t", "R", "-o", "%i"], 10).stdout.strip(), 30,
-                 "the sleeper to run")
+        sleeper = subprocess.Popen(
+            ["srun", "-n1", "sleep", "300"], env=other.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        wait_for(
+            lambda: other.run(["squeue", "-h", "-t", "R", "-o", "%i"], 10).stdout.strip(), 30, "the sleeper to run"
+        )
         pids = [p.pid for p in other._procs.values()]
         root = other.root
         assert other.leftover_pids()

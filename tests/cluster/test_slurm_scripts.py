@@ -17,7 +17,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 from support.procs import REPO, free_port, left_in, script_file, wait_dead
 
 pytestmark = pytest.mark.slurm
@@ -50,16 +49,26 @@ def _expected_weight(world: int) -> list[float]:
     return model.weight.flatten().tolist()
 
 
-def _submit(cluster, tmp_path: Path, template: str, options: list[str], env: dict, script_args: list[str] = None,
-            timeout: float = 100):
+def _submit(
+    cluster,
+    tmp_path: Path,
+    template: str,
+    options: list[str],
+    env: dict,
+    script_args: list[str] | None = None,
+    timeout: float = 100,
+):
     """sbatch slurm/<template> with ``options`` and TRAIN (or ``script_args``) as its arguments; wait until the job
     has left the queue and none of its processes runs.  Returns (job info, RESULT objects by rank, output)."""
     if script_args is None:
         script_args = [str(TRAIN), *ARGS]
-    job_id, output = cluster.sbatch_wait(REPO / "slurm" / template, timeout, options, env=env, cwd=tmp_path,
-                                         script_args=script_args)
-    results = sorted((json.loads(line[len("RESULT "):]) for line in output.splitlines() if line.startswith("RESULT ")),
-                     key=lambda r: r["rank"])
+    job_id, output = cluster.sbatch_wait(
+        REPO / "slurm" / template, timeout, options, env=env, cwd=tmp_path, script_args=script_args
+    )
+    results = sorted(
+        (json.loads(line[len("RESULT ") :]) for line in output.splitlines() if line.startswith("RESULT ")),
+        key=lambda r: r["rank"],
+    )
     assert _running_with(f"TMPDIR={tmp_path / 'tmp'}") == [], output  # batch shell, srun, torchrun, ranks: all gone
     return cluster.job_info(job_id), results, output
 
@@ -93,8 +102,9 @@ def _check_training(results: list[dict], world: int, kind: str, output: str) -> 
 @pytest.mark.timeout(150)
 def test_one_node_template_runs_one_srun_task_per_rank(slurm_cluster, tmp_path):
     env = _env(slurm_cluster, tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    info, results, output = _submit(slurm_cluster, tmp_path, "one_node.sbatch",
-                                    [*CPU_ONLY, "--ntasks-per-node=2", "--cpus-per-task=1"], env)
+    info, results, output = _submit(
+        slurm_cluster, tmp_path, "one_node.sbatch", [*CPU_ONLY, "--ntasks-per-node=2", "--cpus-per-task=1"], env
+    )
     assert _state(info) == ("COMPLETED", "0:0"), output
     _check_training(results, 2, "slurm", output)
     # one node, SLURM's choice: n1, or n2 while a job of an earlier test still holds n1's CPUs
@@ -106,38 +116,60 @@ def test_one_node_template_runs_one_srun_task_per_rank(slurm_cluster, tmp_path):
 @pytest.mark.timeout(150)
 def test_multi_node_template_runs_one_srun_task_per_rank_on_every_node(slurm_cluster, tmp_path):
     env = _env(slurm_cluster, tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    info, results, output = _submit(slurm_cluster, tmp_path, "train.sbatch",
-                                    [*CPU_ONLY, "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1"], env)
+    info, results, output = _submit(
+        slurm_cluster,
+        tmp_path,
+        "train.sbatch",
+        [*CPU_ONLY, "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1"],
+        env,
+    )
     assert _state(info) == ("COMPLETED", "0:0"), output
     _check_training(results, 4, "slurm", output)
     # srun places tasks in blocks: ranks 0, 1 on the first node, 2, 3 on the second
     assert [(r["local_rank"], r["node_rank"], r["slurm_node"]) for r in results] == [
-        (0, 0, "n1"), (1, 0, "n1"), (0, 1, "n2"), (1, 1, "n2")]
+        (0, 0, "n1"),
+        (1, 0, "n1"),
+        (0, 1, "n2"),
+        (1, 1, "n2"),
+    ]
     assert left_in(tmp_path / "tmp") == []
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize(("recipe", "binding"), [
-    (["--gpus-per-node=2"], "by local rank"),
-    (["--gpus-per-node=2", "--gpus-per-task=1"], "own"),
-])
+@pytest.mark.parametrize(
+    ("recipe", "binding"),
+    [
+        (["--gpus-per-node=2"], "by local rank"),
+        (["--gpus-per-node=2", "--gpus-per-task=1"], "own"),
+    ],
+)
 def test_the_gpu_recipes_give_every_rank_a_gpu_of_its_own(slurm_cluster, tmp_path, recipe, binding):
     """docs/cluster.md's two recipes, on the local SLURM's two GPUs per node (which its torch cannot use: each rank
     reports the GPU qaccel's rule gives it, gpu_choice.py)."""
     env = _env(slurm_cluster, tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    info, results, output = _submit(slurm_cluster, tmp_path, "train.sbatch",
-                                    ["--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1", *recipe], env,
-                                    script_args=[str(script_file("gpu_choice.py"))])
+    info, results, output = _submit(
+        slurm_cluster,
+        tmp_path,
+        "train.sbatch",
+        ["--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1", *recipe],
+        env,
+        script_args=[str(script_file("gpu_choice.py"))],
+    )
     assert _state(info) == ("COMPLETED", "0:0"), output
     assert [(r["rank"], r["node"], r["gpu"], r["binding"]) for r in results] == [
-        (0, 0, "0", binding), (1, 0, "1", binding), (2, 1, "0", binding), (3, 1, "1", binding)], output
+        (0, 0, "0", binding),
+        (1, 0, "1", binding),
+        (2, 1, "0", binding),
+        (3, 1, "1", binding),
+    ], output
 
 
 @pytest.mark.timeout(150)
 def test_torchrun_one_node_template_follows_torchruns_workers(slurm_cluster, tmp_path):
     env = _env(slurm_cluster, tmp_path, NPROC_PER_NODE="2")
-    info, results, output = _submit(slurm_cluster, tmp_path, "torchrun_one_node.sbatch",
-                                    [*CPU_ONLY, "--cpus-per-task=2"], env)
+    info, results, output = _submit(
+        slurm_cluster, tmp_path, "torchrun_one_node.sbatch", [*CPU_ONLY, "--cpus-per-task=2"], env
+    )
     assert _state(info) == ("COMPLETED", "0:0"), output
     _check_training(results, 2, "torchrun", output)
     assert [(r["local_rank"], r["node_rank"], r["slurm_node"]) for r in results] == [(0, 0, "n1"), (1, 0, "n1")]
@@ -148,8 +180,9 @@ def test_torchrun_one_node_template_follows_torchruns_workers(slurm_cluster, tmp
 @pytest.mark.timeout(150)
 def test_torchrun_multi_node_template_rendezvouses_one_torchrun_per_node(slurm_cluster, tmp_path):
     env = _env(slurm_cluster, tmp_path, NPROC_PER_NODE="2", RDZV_HOST="127.0.0.1", RDZV_PORT=str(free_port()))
-    info, results, output = _submit(slurm_cluster, tmp_path, "torchrun_multi_node.sbatch",
-                                    [*CPU_ONLY, "--nodes=2", "--cpus-per-task=2"], env)
+    info, results, output = _submit(
+        slurm_cluster, tmp_path, "torchrun_multi_node.sbatch", [*CPU_ONLY, "--nodes=2", "--cpus-per-task=2"], env
+    )
     assert _state(info) == ("COMPLETED", "0:0"), output
     _check_training(results, 4, "torchrun", output)
     # node ranks come from the rendezvous, not from SLURM: node 0 may be n1 or n2, but each is one SLURM node
@@ -162,9 +195,13 @@ def test_torchrun_multi_node_template_rendezvouses_one_torchrun_per_node(slurm_c
 @pytest.mark.timeout(150)
 def test_one_node_template_runs_the_quickstart_example_without_arguments(slurm_cluster, tmp_path):
     env = _env(slurm_cluster, tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    job_id, output = slurm_cluster.sbatch_wait(REPO / "slurm" / "one_node.sbatch", 100,
-                                                     [*CPU_ONLY, "--ntasks-per-node=2", "--cpus-per-task=1"], env=env,
-                                               cwd=REPO)  # submitted from the repository root, as documented
+    job_id, output = slurm_cluster.sbatch_wait(
+        REPO / "slurm" / "one_node.sbatch",
+        100,
+        [*CPU_ONLY, "--ntasks-per-node=2", "--cpus-per-task=1"],
+        env=env,
+        cwd=REPO,
+    )  # submitted from the repository root, as documented
     assert _state(slurm_cluster.job_info(job_id)) == ("COMPLETED", "0:0"), output
     assert output.count("final mean loss") == 1, output
     assert "(2 ranks)" in output, output
@@ -172,10 +209,21 @@ def test_one_node_template_runs_the_quickstart_example_without_arguments(slurm_c
 
 @pytest.mark.timeout(150)
 def test_multi_node_template_stops_every_rank_when_one_fails(slurm_cluster, tmp_path):
-    env = _env(slurm_cluster, tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), FAIL_RANK="3",
-               TRAIN_TIMEOUT="600")
-    info, results, output = _submit(slurm_cluster, tmp_path, "train.sbatch",
-                                          [*CPU_ONLY, "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1"], env)
+    env = _env(
+        slurm_cluster,
+        tmp_path,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        FAIL_RANK="3",
+        TRAIN_TIMEOUT="600",
+    )
+    info, results, output = _submit(
+        slurm_cluster,
+        tmp_path,
+        "train.sbatch",
+        [*CPU_ONLY, "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1"],
+        env,
+    )
     assert info.get("JobState") == "FAILED" and info.get("ExitCode") != "0:0", output
     assert "ValueError: rank 3 fails on purpose" in output and "[qaccel] raised on rank 3 of 4" in output, output
     # the other ranks, blocked in DDP's first broadcast for up to 600 s, were killed (or the job would outlast
@@ -185,10 +233,18 @@ def test_multi_node_template_stops_every_rank_when_one_fails(slurm_cluster, tmp_
 
 @pytest.mark.timeout(150)
 def test_torchrun_multi_node_template_stops_both_nodes_when_a_worker_fails(slurm_cluster, tmp_path):
-    env = _env(slurm_cluster, tmp_path, NPROC_PER_NODE="2", RDZV_HOST="127.0.0.1", RDZV_PORT=str(free_port()),
-               FAIL_RANK="3", TRAIN_TIMEOUT="600")
-    info, results, output = _submit(slurm_cluster, tmp_path, "torchrun_multi_node.sbatch",
-                                          [*CPU_ONLY, "--nodes=2", "--cpus-per-task=2"], env)
+    env = _env(
+        slurm_cluster,
+        tmp_path,
+        NPROC_PER_NODE="2",
+        RDZV_HOST="127.0.0.1",
+        RDZV_PORT=str(free_port()),
+        FAIL_RANK="3",
+        TRAIN_TIMEOUT="600",
+    )
+    info, results, output = _submit(
+        slurm_cluster, tmp_path, "torchrun_multi_node.sbatch", [*CPU_ONLY, "--nodes=2", "--cpus-per-task=2"], env
+    )
     assert info.get("JobState") == "FAILED" and info.get("ExitCode") != "0:0", output
     assert "ValueError: rank 3 fails on purpose" in output and "[qaccel] raised on rank 3 of 4" in output, output
     assert results == []

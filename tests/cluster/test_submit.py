@@ -25,8 +25,15 @@ SCRIPT = script_file("cluster_job.py")
 
 
 def _run(slurm_cluster, tmp_path, *args, timeout=180):
-    return subprocess.run([sys.executable, str(SCRIPT), *args], env=slurm_env(slurm_cluster), cwd=tmp_path,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        env=slurm_env(slurm_cluster),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def _checked(proc):
@@ -53,12 +60,15 @@ def test_distribute_on_two_nodes_returns_every_ranks_result_and_follows_the_job(
 def test_a_failing_rank_raises_its_own_exception_with_rank_node_and_traceback(slurm_cluster, tmp_path):
     proc = _run(slurm_cluster, tmp_path, "raises", str(tmp_path / "jobs"))
     assert proc.returncode == 1
-    assert "ValueError: rank 1 fails on purpose on n2\n[qaccel] raised on rank 1 of 2 (remote traceback above)" \
-        in proc.stderr, proc.stderr
-    remote = proc.stderr[proc.stderr.index("Traceback from rank 1:"):]
+    assert (
+        "ValueError: rank 1 fails on purpose on n2\n[qaccel] raised on rank 1 of 2 (remote traceback above)"
+        in proc.stderr
+    ), proc.stderr
+    remote = proc.stderr[proc.stderr.index("Traceback from rank 1:") :]
     line = next(n for n, text in enumerate(SCRIPT.read_text().splitlines(), 1) if "rank 1 fails on purpose" in text)
-    assert f'cluster_job.py", line {line}, in raises\n' in remote and "raise ValueError(f\"rank 1 fails" in remote, \
+    assert f'cluster_job.py", line {line}, in raises\n' in remote and 'raise ValueError(f"rank 1 fails' in remote, (
         "the remote traceback names the script's file and shows the raising line"
+    )
     assert "[qaccel] rank 1 ran on node n2 in SLURM job " in proc.stderr
     dead = _run(slurm_cluster, tmp_path, "dies", str(tmp_path / "jobs"))
     assert dead.returncode == 1
@@ -70,8 +80,13 @@ def test_a_failing_rank_raises_its_own_exception_with_rank_node_and_traceback(sl
 def test_ctrl_c_cancels_the_job_within_seconds_and_leaves_nothing_running(slurm_cluster, tmp_path):
     out, err = tmp_path / "out", tmp_path / "err"
     with open(out, "w") as stdout, open(err, "w") as stderr:
-        proc = subprocess.Popen([sys.executable, str(SCRIPT), "sleeps", str(tmp_path / "jobs")],
-                                env=slurm_env(slurm_cluster), cwd=tmp_path, stdout=stdout, stderr=stderr)
+        proc = subprocess.Popen(
+            [sys.executable, str(SCRIPT), "sleeps", str(tmp_path / "jobs")],
+            env=slurm_env(slurm_cluster),
+            cwd=tmp_path,
+            stdout=stdout,
+            stderr=stderr,
+        )
     try:
         wait_for_text(out, "rank 0 pid", timeout=120)
         asked = time.monotonic()
@@ -86,26 +101,37 @@ def test_ctrl_c_cancels_the_job_within_seconds_and_leaves_nothing_running(slurm_
     assert "cancelled" in text and took < 15, (took, text)
     assert slurm_cluster.run(["squeue", "-h"]).stdout.strip() == ""
     # this test's ranks only: another test's job may be running on the other worker's cluster
-    left = subprocess.run(["pgrep", "-f", f"submitit.core._submit {tmp_path / 'jobs'}/"], capture_output=True,
-                          text=True).stdout
+    left = subprocess.run(
+        ["pgrep", "-f", f"submitit.core._submit {tmp_path / 'jobs'}/"], capture_output=True, text=True, check=False
+    ).stdout
     assert left == "", f"ranks left running: {left}"
 
 
 @pytest.mark.slurm
-def test_a_usr1_warning_requeues_and_the_callers_one_wait_ends_with_the_uninterrupted_result(slurm_cluster,
-                                                                                          tmp_path):
+def test_a_usr1_warning_requeues_and_the_callers_one_wait_ends_with_the_uninterrupted_result(slurm_cluster, tmp_path):
     [here] = _checked(_run(slurm_cluster, tmp_path, "train-here", str(tmp_path / "jobs"), str(tmp_path / "ref")))
     out, err = tmp_path / "out", tmp_path / "err"
     with open(out, "w") as stdout, open(err, "w") as stderr:
-        proc = subprocess.Popen([sys.executable, str(SCRIPT), "train", str(tmp_path / "jobs"), str(tmp_path / "ck")],
-                                env=slurm_env(slurm_cluster), cwd=tmp_path, stdout=stdout, stderr=stderr)
+        proc = subprocess.Popen(
+            [sys.executable, str(SCRIPT), "train", str(tmp_path / "jobs"), str(tmp_path / "ck")],
+            env=slurm_env(slurm_cluster),
+            cwd=tmp_path,
+            stdout=stdout,
+            stderr=stderr,
+        )
     try:
         wait_for_text(out, "rank 0 epoch 0 done", timeout=120)
         job = err.read_text().split("submitted SLURM job ")[1].split()[0]
         assert slurm_cluster.run(["scancel", "--signal=USR1", job]).returncode == 0
-        wait_for(lambda: slurm_cluster.job_info(job).get("Restarts") == "1"
-                 and slurm_cluster.job_info(job).get("JobState") == "PENDING", 60,
-                 lambda: f"the requeued job to be pending:\n{err.read_text()}", interval=0.2)
+        wait_for(
+            lambda: (
+                slurm_cluster.job_info(job).get("Restarts") == "1"
+                and slurm_cluster.job_info(job).get("JobState") == "PENDING"
+            ),
+            60,
+            lambda: f"the requeued job to be pending:\n{err.read_text()}",
+            interval=0.2,
+        )
         time.sleep(2)  # a start in the second of the previous one's kill fails (tests/launch/test_real_script.py)
         slurm_cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
         proc.wait(timeout=180)
@@ -181,8 +207,9 @@ def test_a_function_defined_in_a_jupyter_cell_runs_on_the_cluster(slurm_cluster,
 
 
 @pytest.mark.slurm
-def test_a_gpu_job_from_a_gpu_less_caller_is_submitted_and_fails_on_the_node_that_lacks_the_gpus(slurm_cluster,
-                                                                                                 tmp_path):
+def test_a_gpu_job_from_a_gpu_less_caller_is_submitted_and_fails_on_the_node_that_lacks_the_gpus(
+    slurm_cluster, tmp_path
+):
     """The local SLURM hands out two GPUs per node (GRES gpu, with CUDA_VISIBLE_DEVICES) that this machine's torch
     does not see: the caller submits with "auto" resolved nowhere, SLURM gets the request, the node refuses."""
     if torch.cuda.device_count() > 0:
@@ -192,8 +219,10 @@ def test_a_gpu_job_from_a_gpu_less_caller_is_submitted_and_fails_on_the_node_tha
     assert proc.returncode == 1
     submitted = next((tmp_path / "jobs").rglob("*_submission.sh")).read_text()
     assert "#SBATCH --gpus-per-node=2\n" in submitted
-    assert "RuntimeError: node n1: the job asked for 2 GPU(s) per node (SlurmCluster(gpus_per_node=2)), but torch " \
-           "sees no GPU here (CUDA_VISIBLE_DEVICES=0,1; torch " in proc.stderr, proc.stderr
+    assert (
+        "RuntimeError: node n1: the job asked for 2 GPU(s) per node (SlurmCluster(gpus_per_node=2)), but torch "
+        "sees no GPU here (CUDA_VISIBLE_DEVICES=0,1; torch " in proc.stderr
+    ), proc.stderr
     assert "built without CUDA (a CPU wheel)); install a CUDA build of torch on the nodes" in proc.stderr
     assert re.search(r"\[qaccel\] rank [01] ran on node n1 in SLURM job ", proc.stderr), "both ranks raised it"
 
@@ -207,12 +236,19 @@ def test_a_cluster_job_with_gpus_per_task_gives_each_rank_its_own(slurm_cluster,
 
 def test_the_caller_of_a_gpu_job_leaves_the_device_to_the_nodes_and_checks_what_it_can():
     for setup in ("auto", "gpu"):
-        acc = Accelerator(nprocs=2, compute_setup=setup, mixed_precision="fp16",
-                          cluster=SlurmCluster(tasks_per_node=2, gpus_per_node=2))
+        acc = Accelerator(
+            nprocs=2,
+            compute_setup=setup,
+            mixed_precision="fp16",
+            cluster=SlurmCluster(tasks_per_node=2, gpus_per_node=2),
+        )
         assert (acc.state.device, acc.state.backend, acc.mixed_precision) == ("decided on the nodes",) * 2 + ("fp16",)
-        with pytest.raises(RuntimeError, match=r"Accelerator.device is decided on the nodes: this Accelerator's "
-                                               r"ranks are the tasks of a SLURM job"):
-            acc.device
+        with pytest.raises(
+            RuntimeError,
+            match=r"Accelerator.device is decided on the nodes: this Accelerator's "
+            r"ranks are the tasks of a SLURM job",
+        ):
+            _ = acc.device
         assert "device='decided on the nodes'" in repr(acc)
     assert Accelerator(nprocs=2, backend="nccl", cluster=SlurmCluster(tasks_per_node=2)).backend == "nccl"
     with pytest.raises(ValueError, match=r"backend must be one of 'gloo', 'nccl', 'mpi'; got 'ncl'"):
@@ -228,8 +264,11 @@ def test_the_caller_of_a_gpu_job_leaves_the_device_to_the_nodes_and_checks_what_
 def test_cluster_needs_as_many_ranks_as_tasks_and_valid_fields():
     with pytest.raises(ValueError, match=r"nprocs=4 but the cluster has nodes x tasks_per_node = 2 x 1 = 2 ranks"):
         Accelerator(nprocs=4, compute_setup="cpu", cluster=SlurmCluster(nodes=2))
-    with pytest.raises(ValueError, match=r"SlurmCluster.time must be minutes > 0 or a SLURM time limit "
-                                         r"\('HH:MM:SS', 'D-HH:MM:SS', ...\); got '2 hours'"):
+    with pytest.raises(
+        ValueError,
+        match=r"SlurmCluster.time must be minutes > 0 or a SLURM time limit "
+        r"\('HH:MM:SS', 'D-HH:MM:SS', ...\); got '2 hours'",
+    ):
         SlurmCluster(time="2 hours")
     with pytest.raises(ValueError, match=r"SlurmCluster.nodes must be an int >= 1; got 0"):
         SlurmCluster(nodes=0)
@@ -247,12 +286,16 @@ def test_an_argument_that_cannot_be_pickled_is_named_before_any_job(tmp_path):
 
 
 def test_without_submitit_cluster_says_what_to_install():
-    code = ("import sys; sys.modules['submitit'] = None  # as if not installed\n"
-            "from qaccel import Accelerator, SlurmCluster\n"
-            "Accelerator(nprocs=2, compute_setup='cpu', cluster=SlurmCluster(nodes=2))\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert "ImportError: cluster= submits through submitit, which is not installed: pip install submitit (from " \
-           "qaccel's checkout: pip install -e '.[slurm]')" in proc.stderr, proc.stderr
+    code = (
+        "import sys; sys.modules['submitit'] = None  # as if not installed\n"
+        "from qaccel import Accelerator, SlurmCluster\n"
+        "Accelerator(nprocs=2, compute_setup='cpu', cluster=SlurmCluster(nodes=2))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert (
+        "ImportError: cluster= submits through submitit, which is not installed: pip install submitit (from "
+        "qaccel's checkout: pip install -e '.[slurm]')" in proc.stderr
+    ), proc.stderr
 
 
 def test_minutes_reads_slurm_time_limits():

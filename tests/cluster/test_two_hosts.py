@@ -14,11 +14,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
-
 from support.component import unavailable
 from support.procs import report_results, script_env, script_file, torchrun_cmd, wait_dead
 
@@ -26,9 +25,10 @@ pytestmark = [pytest.mark.two_hosts, pytest.mark.timeout(180)]
 
 HOSTS = ("hostA", "hostB")
 
+
 def _ip(*args: str) -> None:
     """``ip args``; any failure means this machine cannot simulate hosts: say exactly why (skip, or fail in CI)."""
-    proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=False)
     if proc.returncode != 0:
         unavailable(f"cannot simulate two hosts: `ip {' '.join(args)}` failed: {proc.stderr.strip()}")
 
@@ -36,23 +36,42 @@ def _ip(*args: str) -> None:
 def _on_host(ns: str, name: str, etc: Path, *argv: str) -> list[str]:
     """Command running ``argv`` in namespace ``ns`` with its own hostname, /etc/hosts and empty resolv.conf
     (without them torchrun and gloo resolve the shared hostname to loopback)."""
-    setup = 'mount --bind "$0/hosts" /etc/hosts && mount --bind "$0/resolv.conf" /etc/resolv.conf' \
-            ' && hostname "$1" && shift && exec "$@"'
-    return ["ip", "netns", "exec", ns, "unshare", "--uts", "--mount", "--propagation", "private",
-            "sh", "-c", setup, str(etc), name, *argv]
+    setup = (
+        'mount --bind "$0/hosts" /etc/hosts && mount --bind "$0/resolv.conf" /etc/resolv.conf'
+        ' && hostname "$1" && shift && exec "$@"'
+    )
+    return [
+        "ip",
+        "netns",
+        "exec",
+        ns,
+        "unshare",
+        "--uts",
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        setup,
+        str(etc),
+        name,
+        *argv,
+    ]
 
 
 def _teardown(namespaces: list[str]) -> None:
     """Kill what is left in the namespaces (only our processes run there), then delete them (and the veths)."""
     for ns in namespaces:
-        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30).stdout.split()
+        pids = subprocess.run(
+            ["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30, check=False
+        ).stdout.split()
         for pid in map(int, pids):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         wait_dead(list(map(int, pids)), timeout=10)
-        subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=30)
+        subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=30, check=False)
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +82,9 @@ def hosts(tmp_path_factory) -> Iterator[dict]:
     namespaces = [f"qaccel{pid}{c}" for c in "ab"]
     addrs = [f"10.200.{pid % 250 + 1}.{i}" for i in (1, 2)]  # per run too, though each pair is isolated
     etc = tmp_path_factory.mktemp("etc")
-    (etc / "hosts").write_text("127.0.0.1 localhost\n" + "".join(
-        f"{a} {h}\n::ffff:{a} {h}\n" for a, h in zip(addrs, HOSTS)))
+    (etc / "hosts").write_text(
+        "127.0.0.1 localhost\n" + "".join(f"{a} {h}\n::ffff:{a} {h}\n" for a, h in zip(addrs, HOSTS))
+    )
     (etc / "resolv.conf").write_text("")
     made: list[str] = []
     try:
@@ -72,18 +92,33 @@ def hosts(tmp_path_factory) -> Iterator[dict]:
             _ip("netns", "add", ns)
             made.append(ns)
         veths = [f"qv{pid}{c}" for c in "ab"]  # <= 15 chars; created inside the namespaces, gone with them
-        _ip("link", "add", veths[0], "netns", namespaces[0], "type", "veth", "peer", "name", veths[1],
-            "netns", namespaces[1])
+        _ip(
+            "link",
+            "add",
+            veths[0],
+            "netns",
+            namespaces[0],
+            "type",
+            "veth",
+            "peer",
+            "name",
+            veths[1],
+            "netns",
+            namespaces[1],
+        )
         for ns, veth, addr in zip(namespaces, veths, addrs):
             _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", veth)
             _ip("-n", ns, "link", "set", veth, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
-        probe = subprocess.run(_on_host(namespaces[0], HOSTS[0], etc, "hostname"),
-                               capture_output=True, text=True, timeout=30)
+        probe = subprocess.run(
+            _on_host(namespaces[0], HOSTS[0], etc, "hostname"), capture_output=True, text=True, timeout=30, check=False
+        )
         if probe.stdout.strip() != HOSTS[0]:
-            unavailable(f"cannot simulate two hosts: private hostname and /etc/hosts mount failed "
-                        f"(exit {probe.returncode}): {probe.stdout.strip()} {probe.stderr.strip()}")
-        yield dict(namespaces=namespaces, addrs=addrs, etc=etc)
+            unavailable(
+                f"cannot simulate two hosts: private hostname and /etc/hosts mount failed "
+                f"(exit {probe.returncode}): {probe.stdout.strip()} {probe.stderr.strip()}"
+            )
+        yield {"namespaces": namespaces, "addrs": addrs, "etc": etc}
     finally:
         _teardown(made)
 
@@ -91,20 +126,38 @@ def hosts(tmp_path_factory) -> Iterator[dict]:
 def _torchrun_on_both(hosts: dict, tmp_path: Path, *args: str, timeout: float = 90) -> list[tuple[int, str, str]]:
     """Start the same torchrun on both hosts at once; (returncode, stdout, stderr) per host."""
     script = script_file("two_hosts.py")
-    cmd = [*torchrun_cmd(tmp_path / "torchelastic"), "--nnodes", "2", "--nproc_per_node", "1",
-           "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{hosts['addrs'][0]}:29400", "--rdzv_id", "qaccel",  # port in hostA's own stack
-           "--rdzv_conf", "join_timeout=30,read_timeout=30", "--max-restarts", "0", str(script), *args]
+    cmd = [
+        *torchrun_cmd(tmp_path / "torchelastic"),
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "1",
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        f"{hosts['addrs'][0]}:29400",
+        "--rdzv_id",
+        "qaccel",  # port in hostA's own stack
+        "--rdzv_conf",
+        "join_timeout=30,read_timeout=30",
+        "--max-restarts",
+        "0",
+        str(script),
+        *args,
+    ]
     return _on_both(hosts, tmp_path, [cmd, cmd], [script_env(), script_env()], timeout)
 
 
-def _on_both(hosts: dict, tmp_path: Path, cmds: list[list[str]], envs: list[dict], timeout: float,
-             what: str = "torchrun") -> list[tuple[int, str, str]]:
+def _on_both(
+    hosts: dict, tmp_path: Path, cmds: list[list[str]], envs: list[dict], timeout: float, what: str = "torchrun"
+) -> list[tuple[int, str, str]]:
     """Start ``cmds[i]`` with ``envs[i]`` on host i, both at once; (returncode, stdout, stderr) per host."""
     procs = []
     for ns, name, cmd, env in zip(hosts["namespaces"], HOSTS, cmds, envs):
         with open(tmp_path / f"{name}.out", "w") as out, open(tmp_path / f"{name}.err", "w") as err:
-            procs.append(subprocess.Popen(_on_host(ns, name, hosts["etc"], *cmd), stdout=out, stderr=err,
-                                          env=env, cwd=tmp_path))
+            procs.append(
+                subprocess.Popen(_on_host(ns, name, hosts["etc"], *cmd), stdout=out, stderr=err, env=env, cwd=tmp_path)
+            )
     deadline = time.monotonic() + timeout
     codes: list[int | None] = []
     for p in procs:
@@ -115,8 +168,10 @@ def _on_both(hosts: dict, tmp_path: Path, cmds: list[list[str]], envs: list[dict
     for p in procs:  # the fixture kills what is left inside the namespaces
         p.kill()
         p.wait()
-    results = [(code, (tmp_path / f"{n}.out").read_text(), (tmp_path / f"{n}.err").read_text())
-               for code, n in zip(codes, HOSTS)]
+    results = [
+        (code, (tmp_path / f"{n}.out").read_text(), (tmp_path / f"{n}.err").read_text())
+        for code, n in zip(codes, HOSTS)
+    ]
     assert None not in codes, f"{what} still running after {timeout} s: {results}"
     return results
 
@@ -149,32 +204,58 @@ def test_torchrun_two_hosts_rank_error_fails_both(hosts, tmp_path):
 def _rsh_agent(hosts: dict, path: Path) -> Path:
     """mpirun's rsh agent, called as ``agent HOST COMMAND...``: like ssh, it runs the command line with a shell on
     that host in a bare environment (so what the ranks need must come with ``-x``)."""
-    run = {name: shlex.join(_on_host(ns, name, hosts["etc"], "env", "-i", "PATH=/usr/bin:/bin", "sh", "-c"))
-           for ns, name in zip(hosts["namespaces"], HOSTS)}
+    run = {
+        name: shlex.join(_on_host(ns, name, hosts["etc"], "env", "-i", "PATH=/usr/bin:/bin", "sh", "-c"))
+        for ns, name in zip(hosts["namespaces"], HOSTS)
+    }
     cases = "".join(f'{name}) exec {command} "$*" ;;\n' for name, command in run.items())
-    path.write_text(f'#!/bin/sh\nhost=$1; shift\ncase $host in\n{cases}*) echo "agent: no host $host" >&2; exit 1 ;;\n'
-                    'esac\n')
+    path.write_text(
+        f'#!/bin/sh\nhost=$1; shift\ncase $host in\n{cases}*) echo "agent: no host $host" >&2; exit 1 ;;\nesac\n'
+    )
     path.chmod(0o755)
     return path
 
 
-def _mpirun(hosts: dict, tmp_path: Path, *args: str, timeout: float = 90,
-            slots: tuple[int, int] = (1, 1)) -> subprocess.CompletedProcess:
+def _mpirun(
+    hosts: dict, tmp_path: Path, *args: str, timeout: float = 90, slots: tuple[int, int] = (1, 1)
+) -> subprocess.CompletedProcess:
     """Real Open MPI ``mpirun -np 2 report_ranks.py mpi`` started on hostA, one rank per host: its daemon on hostB,
     started through the agent, and mpirun talk over the veth subnet only; session dirs go to ``tmp_path``."""
     subnet = hosts["addrs"][0].rsplit(".", 1)[0] + ".0/24"
     placed = ",".join(f"{host}:{n}" for host, n in zip(HOSTS, slots))
-    cmd = ["mpirun", "--allow-run-as-root", "-np", str(sum(slots)), "--host", placed,
-           "--mca", "plm_rsh_agent", str(_rsh_agent(hosts, tmp_path / "agent")), "--mca", "oob_tcp_if_include", subnet,
-           "--mca", "orte_tmpdir_base", str(tmp_path), "-x", "PATH", "-x", "PYTHONPATH", *args,
-           sys.executable, str(script_file("report_ranks.py")), "mpi"]
+    cmd = [
+        "mpirun",
+        "--allow-run-as-root",
+        "-np",
+        str(sum(slots)),
+        "--host",
+        placed,
+        "--mca",
+        "plm_rsh_agent",
+        str(_rsh_agent(hosts, tmp_path / "agent")),
+        "--mca",
+        "oob_tcp_if_include",
+        subnet,
+        "--mca",
+        "orte_tmpdir_base",
+        str(tmp_path),
+        "-x",
+        "PATH",
+        "-x",
+        "PYTHONPATH",
+        *args,
+        sys.executable,
+        str(script_file("report_ranks.py")),
+        "mpi",
+    ]
     env = script_env()
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         env.pop(name, None)
     out, err = tmp_path / "mpirun.out", tmp_path / "mpirun.err"
     with open(out, "w") as o, open(err, "w") as e:
-        proc = subprocess.Popen(_on_host(hosts["namespaces"][0], HOSTS[0], hosts["etc"], *cmd), stdout=o, stderr=e,
-                                env=env, cwd=tmp_path)
+        proc = subprocess.Popen(
+            _on_host(hosts["namespaces"][0], HOSTS[0], hosts["etc"], *cmd), stdout=o, stderr=e, env=env, cwd=tmp_path
+        )
     try:
         code = proc.wait(timeout)
     except subprocess.TimeoutExpired:
@@ -196,7 +277,9 @@ def test_mpirun_two_hosts_ranks_on_different_hosts(hosts, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = sorted(report_results(proc.stdout), key=lambda r: r["rank"])
     assert [(r["rank"], r["local"], r["node"], r["world"], r["sum"], r["env_rank"], r["host"]) for r in results] == [
-        (0, 0, 0, 2, 1, "0", HOSTS[0]), (1, 0, 1, 2, 1, "1", HOSTS[1])], proc.stdout + proc.stderr
+        (0, 0, 0, 2, 1, "0", HOSTS[0]),
+        (1, 0, 1, 2, 1, "1", HOSTS[1]),
+    ], proc.stdout + proc.stderr
 
 
 def test_mpirun_two_hosts_without_master_addr_fails_saying_so(hosts, tmp_path):
@@ -211,8 +294,9 @@ def test_mpirun_two_hosts_without_master_addr_fails_saying_so(hosts, tmp_path):
 def test_mpirun_two_hosts_placed_unevenly_fails_saying_how_to_place(hosts, tmp_path):
     """Two ranks on hostA and one on hostB: MPI's variables cannot say which node a rank is on, so every rank
     refuses at once, naming the placement qaccel reads, instead of getting a wrong node rank."""
-    proc = _mpirun(hosts, tmp_path, "-x", f"MASTER_ADDR={hosts['addrs'][0]}", "-x", "MASTER_PORT=29500", timeout=30,
-                   slots=(2, 1))
+    proc = _mpirun(
+        hosts, tmp_path, "-x", f"MASTER_ADDR={hosts['addrs'][0]}", "-x", "MASTER_PORT=29500", timeout=30, slots=(2, 1)
+    )
     assert proc.returncode != 0, proc.stdout + proc.stderr
     assert "ValueError: mpirun placed rank" in proc.stderr and "--map-by slot" in proc.stderr, proc.stderr
 
@@ -239,14 +323,23 @@ def test_pytorchjob_pods_on_two_hosts_are_one_world(hosts, tmp_path):
     pods = [{"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": HOSTS[0], "MASTER_PORT": "23456"} for rank in (0, 1)]
     results = _launcher_ranks_on_both(hosts, tmp_path, pods)
     assert [(r["rank"], r["local"], r["node"], r["world"], r["sum"], r["host"]) for r in results] == [
-        (0, 0, 0, 2, 1, HOSTS[0]), (1, 0, 1, 2, 1, HOSTS[1])]
+        (0, 0, 0, 2, 1, HOSTS[0]),
+        (1, 0, 1, 2, 1, HOSTS[1]),
+    ]
 
 
 def test_jsrun_ranks_on_two_hosts_rendezvous_on_the_first_compute_host(hosts, tmp_path):
     """LSF's jsrun gives JSM_NAMESPACE_* and the job's LSB_* variables: rank 0's host is the first compute host
     of LSB_MCPU_HOSTS (after the launch node) and the port comes from LSB_JOBID."""
-    job = {"JSM_NAMESPACE_SIZE": "2", "JSM_NAMESPACE_LOCAL_RANK": "0", "JSM_NAMESPACE_LOCAL_SIZE": "1",
-           "LSB_JOBID": "4711", "LSB_MCPU_HOSTS": f"batch1 1 {HOSTS[0]} 1 {HOSTS[1]} 1"}
+    job = {
+        "JSM_NAMESPACE_SIZE": "2",
+        "JSM_NAMESPACE_LOCAL_RANK": "0",
+        "JSM_NAMESPACE_LOCAL_SIZE": "1",
+        "LSB_JOBID": "4711",
+        "LSB_MCPU_HOSTS": f"batch1 1 {HOSTS[0]} 1 {HOSTS[1]} 1",
+    }
     results = _launcher_ranks_on_both(hosts, tmp_path, [{**job, "JSM_NAMESPACE_RANK": str(r)} for r in (0, 1)])
     assert [(r["rank"], r["node"], r["world"], r["sum"], r["host"]) for r in results] == [
-        (0, 0, 2, 1, HOSTS[0]), (1, 1, 2, 1, HOSTS[1])]
+        (0, 0, 2, 1, HOSTS[0]),
+        (1, 1, 2, 1, HOSTS[1]),
+    ]

@@ -35,10 +35,14 @@ def test_every_rank_raises_the_lowest_failing_ranks_error_with_its_words_and_not
     with pytest.raises(FileNotFoundError) as on_rank_0:
         agreement.raise_first(reports, None, 0, NOTE)
     assert (on_rank_0.value.errno, on_rank_0.value.filename, str(on_rank_0.value)) == (
-        2, "/ckpt/a", "[Errno 2] No such file or directory: '/ckpt/a'")
+        2,
+        "/ckpt/a",
+        "[Errno 2] No such file or directory: '/ckpt/a'",
+    )
     assert on_rank_0.value.__notes__ == ["[qaccel] while writing /ckpt/a", "[qaccel] it failed on rank 1"]
     assert isinstance(on_rank_0.value.__cause__, RemoteTraceback) and "Traceback from rank 1" in str(
-        on_rank_0.value.__cause__), "the failing rank's traceback above it"
+        on_rank_0.value.__cause__
+    ), "the failing rank's traceback above it"
     with pytest.raises(FileNotFoundError) as on_rank_1:
         agreement.raise_first(reports, first, 1, NOTE)
     assert on_rank_1.value is first, "the failing rank raises its own exception"

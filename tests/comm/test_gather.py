@@ -96,7 +96,7 @@ def _pad(a):
 
 
 def test_pad_across_processes(acc):
-    (rows0, nested0, listed0, _), (rows1, nested1, listed1, scalar1) = _on_both(acc, _pad)
+    (rows0, nested0, listed0, _), (rows1, nested1, _listed1, _scalar1) = _on_both(acc, _pad)
     assert rows0.tolist() == [[0], [0], [0]] and rows1.tolist() == [[10], [11], [12]]
     assert nested0["cols"].tolist() == [[-1, -1, 1], [-1, -1, 1]]
     assert nested1["cols"].shape == (2, 3) and nested1["cols"].eq(1).all()

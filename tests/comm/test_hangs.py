@@ -15,9 +15,15 @@ import time
 from pathlib import Path
 
 import pytest
-
 from support.procs import (
-    REPO, run_torchrun, script_env, script_file, slurm_env, torchrun_cmd, wait_dead, wait_for_text,
+    REPO,
+    run_torchrun,
+    script_env,
+    script_file,
+    slurm_env,
+    torchrun_cmd,
+    wait_dead,
+    wait_for_text,
 )
 
 TIMEOUT_S = 4
@@ -83,11 +89,16 @@ def hang(tmp_path):
 def test_a_plain_launch_names_the_line_of_every_rank_when_a_barrier_times_out(short, tmp_path):
     error, took = _caller_error(short, "barrier", tmp_path)
     assert f"a collective waited longer than timeout={IN_PROCESS_TIMEOUT_S}s; where every rank was:" in error, error
-    assert re.search(rf"rank 0: timed out in wait_for_everyone\(\) after {IN_PROCESS_TIMEOUT_S}\.\d s \(its collective "
-                     rf"#2; 1 completed before\) at \S*{_here('FN_RANK0_WAITS')} in _train: acc.wait_for_everyone\(\)",
-                     error), error
-    assert re.search(rf"rank 1: not in a qaccel collective \(1 completed\) at \S*{_here('FN_RANK1_SLEEPS')} in _train: "
-                     r"time.sleep\(60\)", error), error
+    assert re.search(
+        rf"rank 0: timed out in wait_for_everyone\(\) after {IN_PROCESS_TIMEOUT_S}\.\d s \(its collective "
+        rf"#2; 1 completed before\) at \S*{_here('FN_RANK0_WAITS')} in _train: acc.wait_for_everyone\(\)",
+        error,
+    ), error
+    assert re.search(
+        rf"rank 1: not in a qaccel collective \(1 completed\) at \S*{_here('FN_RANK1_SLEEPS')} in _train: "
+        r"time.sleep\(60\)",
+        error,
+    ), error
     assert error.count("where every rank was") == 1
     assert took < 15, took  # the report within 15 s: the timeout, then the ranks' answers and the caller's exit
     pids = _pids(tmp_path)
@@ -97,8 +108,11 @@ def test_a_plain_launch_names_the_line_of_every_rank_when_a_barrier_times_out(sh
 @pytest.mark.timeout(60)
 def test_a_timeout_in_torchs_own_collective_is_explained_too(short, tmp_path):
     error, _ = _caller_error(short, "torch", tmp_path)
-    assert re.search(r"rank 0: timed out in a collective qaccel did not make \(1 qaccel collective completed\) at "
-                     rf"\S*{_here('FN_RANK0_TORCH')} in _train: dist.all_reduce\(torch.ones\(1\)\)", error), error
+    assert re.search(
+        r"rank 0: timed out in a collective qaccel did not make \(1 qaccel collective completed\) at "
+        rf"\S*{_here('FN_RANK0_TORCH')} in _train: dist.all_reduce\(torch.ones\(1\)\)",
+        error,
+    ), error
     assert re.search(rf"rank 1: not in a qaccel collective \(1 completed\) at \S*{_here('FN_RANK1_SLEEPS')}", error)
     assert wait_dead(_pids(tmp_path), timeout=3) == []
 
@@ -123,8 +137,9 @@ def _check_logs(script, out, proc) -> None:
 @pytest.mark.timeout(120)
 def test_under_torchrun_each_rank_writes_its_part_to_its_log(hang):
     script, out = hang
-    proc = run_torchrun(script, "barrier", str(out), env=script_env(HANG_TIMEOUT=str(TIMEOUT_S)), cwd=out.parent,
-                        timeout=100)
+    proc = run_torchrun(
+        script, "barrier", str(out), env=script_env(HANG_TIMEOUT=str(TIMEOUT_S)), cwd=out.parent, timeout=100
+    )
     _check_logs(script, out, proc)
 
 
@@ -132,8 +147,11 @@ def test_under_torchrun_each_rank_writes_its_part_to_its_log(hang):
 @pytest.mark.timeout(150)
 def test_under_srun_each_rank_writes_its_part_to_its_log(hang, slurm_cluster):
     script, out = hang
-    proc = slurm_cluster.srun(["-N1", "-n2", "--kill-on-bad-exit=1", sys.executable, str(script), "barrier", str(out)],
-                              timeout=90, env={**slurm_env(slurm_cluster), "HANG_TIMEOUT": str(TIMEOUT_S)})
+    proc = slurm_cluster.srun(
+        ["-N1", "-n2", "--kill-on-bad-exit=1", sys.executable, str(script), "barrier", str(out)],
+        timeout=90,
+        env={**slurm_env(slurm_cluster), "HANG_TIMEOUT": str(TIMEOUT_S)},
+    )
     _check_logs(script, out, proc)
 
 
@@ -143,13 +161,20 @@ def _ask_where_and_release(cmd: list[str], out, env: dict, ask=None) -> tuple[su
     ``ask`` printed and what the ranks printed."""
     err_path = out.parent / "stderr"
     with open(err_path, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=out.parent,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=out.parent, start_new_session=True
+        )
     try:
         wait_for_text(err_path, "ready 0", "ready 1")
         time.sleep(0.5)  # rank 0 is in its barrier by now
-        asked = subprocess.run(ask(proc) if ask else [sys.executable, "-m", "qaccel", "where", str(proc.pid)],
-                               capture_output=True, text=True, env=env, timeout=60)
+        asked = subprocess.run(
+            ask(proc) if ask else [sys.executable, "-m", "qaccel", "where", str(proc.pid)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+            check=False,
+        )
         assert asked.returncode == 0, asked.stderr
         text = wait_for_text(err_path, "SIGUSR2: rank 0 of 2", "SIGUSR2: rank 1 of 2")
         (out / "go").touch()
@@ -162,17 +187,24 @@ def _ask_where_and_release(cmd: list[str], out, env: dict, ask=None) -> tuple[su
 
 
 def _check_answers(script, text: str) -> None:
-    assert re.search(rf"SIGUSR2: rank 0 of 2 is waiting in wait_for_everyone\(\) after \d+\.\d s \(its collective #2; "
-                     rf"1 completed before\) at \S*{_line(script, 'USR2_RANK0')} in train", text), text
-    assert re.search(rf"SIGUSR2: rank 1 of 2 is not in a qaccel collective \(1 completed\) at "
-                     rf"\S*{_line(script, 'RANK1_POLLS')} in train: while .*time.sleep\(0.05\)", text), text
+    assert re.search(
+        rf"SIGUSR2: rank 0 of 2 is waiting in wait_for_everyone\(\) after \d+\.\d s \(its collective #2; "
+        rf"1 completed before\) at \S*{_line(script, 'USR2_RANK0')} in train",
+        text,
+    ), text
+    assert re.search(
+        rf"SIGUSR2: rank 1 of 2 is not in a qaccel collective \(1 completed\) at "
+        rf"\S*{_line(script, 'RANK1_POLLS')} in train: while .*time.sleep\(0.05\)",
+        text,
+    ), text
 
 
 @pytest.mark.timeout(90)
 def test_qaccel_where_makes_every_rank_of_a_plain_launch_say_where_it_is_and_the_run_goes_on(hang):
     script, out = hang
-    proc, cli, text = _ask_where_and_release([sys.executable, str(script), "usr2", str(out)], out,
-                                             script_env(HANG_TIMEOUT="60"))
+    proc, cli, text = _ask_where_and_release(
+        [sys.executable, str(script), "usr2", str(out)], out, script_env(HANG_TIMEOUT="60")
+    )
     assert proc.returncode == 0, proc.stderr
     assert "sent SIGUSR2 to process" in cli
     _check_answers(script, text)
@@ -204,6 +236,7 @@ def test_scancel_signal_usr2_makes_every_srun_task_say_where_it_is(hang, slurm_c
 
 
 # Debug mode: one launch catches several mismatches (each raised on every rank, after which the group is usable).
+
 
 def _mismatches(acc):
     import torch
@@ -242,8 +275,11 @@ def test_debug_mode_names_the_mismatch_and_each_ranks_call_site_on_every_rank():
     assert caught[0] is None and caught[5] is None, caught
     here = os.path.basename(__file__)
     assert "the ranks called different collectives" in caught[1]
-    assert re.search(rf"rank 0: wait_for_everyone\(\) at \S*{here}:\d+\n  rank 1: all_reduce_dict\(\{{'loss': float\}}, "
-                     rf"op='mean'\) at \S*{here}:\d+", caught[1]), caught[1]
+    assert re.search(
+        rf"rank 0: wait_for_everyone\(\) at \S*{here}:\d+\n  rank 1: all_reduce_dict\(\{{'loss': float\}}, "
+        rf"op='mean'\) at \S*{here}:\d+",
+        caught[1],
+    ), caught[1]
     assert "the ranks called all_reduce_dict() with different arguments" in caught[2]
     assert "rank 1: all_reduce_dict({'loss': float, 'acc': float}, op='mean')" in caught[2], caught[2]
     assert "rank 0: reduce([float32[3]], op='sum')" in caught[3] and "rank 1: reduce([float32[4]]" in caught[3]
@@ -289,6 +325,7 @@ def test_debug_in_one_process_checks_nothing_and_costs_nothing():
 
 
 # Without processes: what counts as the user's code, and as a timeout.
+
 
 def test_the_users_stack_leaves_out_qaccel_torch_and_the_standard_library():
     import json
@@ -341,8 +378,9 @@ def test_a_question_someone_else_put_in_the_store_is_not_answered_and_the_real_o
     server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10), wait_for_workers=False)
     stranger = dist.TCPStore("127.0.0.1", server.port, None, False, datetime.timedelta(seconds=10))
     key = sealed.new_key()
-    ranks = [hangs.Watch(rank, 2, 5.0, sealed.Sealed(server, key, rank), to_log=False, session_number=1)
-             for rank in (0, 1)]
+    ranks = [
+        hangs.Watch(rank, 2, 5.0, sealed.Sealed(server, key, rank), to_log=False, session_number=1) for rank in (0, 1)
+    ]
     try:
         stranger.set("qaccel_where/1/wake/1", "another user asks")
         time.sleep(0.5)

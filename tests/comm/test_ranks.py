@@ -8,11 +8,11 @@ import time
 
 import pytest
 import torch
+from support import component
+from support.procs import wait_for
 
 from qaccel import Accelerator
 from qaccel.comm import ranks, session
-from support import component
-from support.procs import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,7 +31,7 @@ def _read_lines(path):
 
 
 def _main_first(a, path, local):
-    with (a.local_main_process_first() if local else a.main_process_first()):
+    with a.local_main_process_first() if local else a.main_process_first():
         if a.is_main_process:
             time.sleep(0.5)  # without the barrier, rank 1 would write first
         _append(path, str(a.rank))
@@ -50,8 +50,12 @@ def _two_nodes_local_first(path):
     one_rank_per_node = dataclasses.replace(ctx, local_rank=0, local_world_size=1, node_rank=ctx.rank)
     with ranks.main_process_first(one_rank_per_node, local=True):
         _append(path, str(ctx.rank))
-        wait_for(lambda: len(_read_lines(path)) >= 2, 20,  # both local mains run the block at once
-                 "the other node's local main to enter the block alongside this one", interval=0.01)
+        wait_for(
+            lambda: len(_read_lines(path)) >= 2,
+            20,  # both local mains run the block at once
+            "the other node's local main to enter the block alongside this one",
+            interval=0.01,
+        )
     return sorted(_read_lines(path))
 
 
@@ -183,18 +187,23 @@ def test_split_yields_the_whole_object_in_one_process(single, acc):
 
 
 def test_split_rejects_what_it_cannot_split(single):
-    with pytest.raises(TypeError, match="takes a list, tuple, Tensor, a dict of those, or a dataset with select"):
-        with single.split_between_processes({1, 2}):
-            pass
-    with pytest.raises(TypeError, match="got a int"):
-        with single.split_between_processes({"a": 1}):
-            pass
-    with pytest.raises(ValueError, match="they need one length; got {'a': 2, 'b': 3}"):
-        with single.split_between_processes({"a": [1, 2], "b": [1, 2, 3]}):
-            pass
-    with pytest.raises(ValueError, match="a 0-dim tensor has no dim 0 to split"):
-        with single.split_between_processes(torch.tensor(1.0)):
-            pass
+    with (
+        pytest.raises(TypeError, match="takes a list, tuple, Tensor, a dict of those, or a dataset with select"),
+        single.split_between_processes({1, 2}),
+    ):
+        pass
+    with pytest.raises(TypeError, match="got a int"), single.split_between_processes({"a": 1}):
+        pass
+    with (
+        pytest.raises(ValueError, match="they need one length; got {'a': 2, 'b': 3}"),
+        single.split_between_processes({"a": [1, 2], "b": [1, 2, 3]}),
+    ):
+        pass
+    with (
+        pytest.raises(ValueError, match="a 0-dim tensor has no dim 0 to split"),
+        single.split_between_processes(torch.tensor(1.0)),
+    ):
+        pass
 
 
 class _Selectable:
@@ -223,9 +232,13 @@ def test_split_a_dataset_through_its_select(acc):
 
 def _names(a):
     ran = []
-    for name, decorate in [("main", a.on_main_process), ("local main", a.on_local_main_process),
-                           ("last", a.on_last_process), ("rank 1", a.on_process(process_index=1)),
-                           ("local 0", a.on_local_process(local_process_index=0))]:
+    for name, decorate in [
+        ("main", a.on_main_process),
+        ("local main", a.on_local_main_process),
+        ("last", a.on_last_process),
+        ("rank 1", a.on_process(process_index=1)),
+        ("local 0", a.on_local_process(local_process_index=0)),
+    ]:
         result = decorate(lambda name=name: ran.append(name) or name)()
         assert result == (name if name in ran else None)
     called_as_function = a.on_process(lambda: "yes", 0)()
@@ -242,8 +255,16 @@ def test_on_process_decorators_and_accelerates_aliases(acc):
 
 def _state(a):
     state = a.state
-    return (state.distributed_type, state.num_processes, state.process_index, state.is_main_process,
-            state.is_last_process, state.use_distributed, a.distributed_type, str(state.device))
+    return (
+        state.distributed_type,
+        state.num_processes,
+        state.process_index,
+        state.is_main_process,
+        state.is_last_process,
+        state.use_distributed,
+        a.distributed_type,
+        str(state.device),
+    )
 
 
 def test_accelerates_state_and_distributed_type_tell_where_each_rank_runs(acc, single, tmp_path):

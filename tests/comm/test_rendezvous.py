@@ -41,8 +41,15 @@ def test_under_srun_a_host_that_does_not_resolve_fails_every_rank_within_seconds
         assert "from the first node of SLURM_STEP_NODELIST) does not resolve here" in result["message"]
         assert result["seconds"] < 10
     given = _srun(slurm_cluster, MASTER_ADDR="nosuch.invalid")
-    assert all("the rendezvous host 'nosuch.invalid' (port " in r["message"] and "from MASTER_ADDR)" in r["message"]
-               and r["seconds"] < 10 for r in given) and len(given) == 2, given
+    assert (
+        all(
+            "the rendezvous host 'nosuch.invalid' (port " in r["message"]
+            and "from MASTER_ADDR)" in r["message"]
+            and r["seconds"] < 10
+            for r in given
+        )
+        and len(given) == 2
+    ), given
 
 
 @pytest.mark.slurm
@@ -60,9 +67,20 @@ def test_under_torchrun_workers_given_a_host_that_does_not_resolve_fail_within_s
     agent does not share its own store with them (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)."""
     env = script_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     with tempfile.TemporaryDirectory(prefix="torchrun-logs-") as logs:
-        cmd = torchrun_cmd(Path(logs), "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-                           "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--local-addr", "nosuch.invalid",
-                           str(SCRIPT))
+        cmd = torchrun_cmd(
+            Path(logs),
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{free_port()}",
+            "--local-addr",
+            "nosuch.invalid",
+            str(SCRIPT),
+        )
         proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=150, cwd=tmp_path)
     results = sorted(result_lines(proc.stdout), key=lambda r: r["rank"])
     assert proc.returncode != 0 and [r["rank"] for r in results] in ([0, 1], [0], [1]), proc.stdout + proc.stderr
@@ -77,30 +95,57 @@ def test_under_torchrun_its_agent_meets_first_and_its_own_timeout_bounds_the_wai
     """What the torchrun page says: with --master-addr, torchrun's agent connects before any worker (so before any
     qaccel code) runs, and --rdzv-conf timeout=S bounds it."""
     with tempfile.TemporaryDirectory(prefix="torchrun-logs-") as logs:
-        cmd = torchrun_cmd(Path(logs), "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "nosuch.invalid",
-                           "--master-port", str(free_port()), "--rdzv-conf", "timeout=5", str(SCRIPT))
-        proc = subprocess.run(cmd, check=False, env=script_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        cmd = torchrun_cmd(
+            Path(logs),
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "nosuch.invalid",
+            "--master-port",
+            str(free_port()),
+            "--rdzv-conf",
+            "timeout=5",
+            str(SCRIPT),
+        )
+        proc = subprocess.run(
+            cmd, check=False, env=script_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path
+        )
     assert proc.returncode != 0 and result_lines(proc.stdout) == [], "no worker ran"
     assert "timed out after 5000ms while trying to connect to (nosuch.invalid, " in proc.stderr, proc.stderr[-2000:]
 
 
 def test_a_resolvable_local_host_passes_and_the_check_names_what_it_refuses():
     rendezvous.check("127.0.0.1", 29500, "MASTER_ADDR", 0, True, 60.0)
-    with pytest.raises(RendezvousError, match=r"rank 3 on .*: the rendezvous host 'nosuch.invalid' \(port 1234, "
-                                              r"from somewhere\) does not resolve here"):
+    with pytest.raises(
+        RendezvousError,
+        match=r"rank 3 on .*: the rendezvous host 'nosuch.invalid' \(port 1234, "
+        r"from somewhere\) does not resolve here",
+    ):
         rendezvous.check("nosuch.invalid", 1234, "somewhere", 3, False, 60.0)
 
 
 def test_a_rank_refused_says_so_within_seconds_and_raises_at_the_timeout_naming_the_rendezvous(monkeypatch, capfd):
     monkeypatch.setattr(rendezvous, "SAY_AFTER_S", 0.5)
     port = free_port()  # nothing listens there
-    with pytest.raises(RendezvousError, match=rf"rank 1 on .*: nothing answered at the rendezvous 127.0.0.1:{port} "
-                                              rf"\(from MASTER_ADDR\) for 2 s \(Connection refused\): rank 0 never"):
+    with pytest.raises(
+        RendezvousError,
+        match=rf"rank 1 on .*: nothing answered at the rendezvous 127.0.0.1:{port} "
+        rf"\(from MASTER_ADDR\) for 2 s \(Connection refused\): rank 0 never",
+    ):
         rendezvous.check("127.0.0.1", port, "MASTER_ADDR", 1, False, 2.0)
     said = capfd.readouterr().err
-    assert len(re.findall(rf"qaccel: rank 1 on .* has waited \d s for the rendezvous at 127.0.0.1:{port} \(from "
-                          r"MASTER_ADDR; Connection refused\): rank 0 is not up yet, or 127.0.0.1 is not its machine\n",
-                          said)) == 1, "said once"
+    assert (
+        len(
+            re.findall(
+                rf"qaccel: rank 1 on .* has waited \d s for the rendezvous at 127.0.0.1:{port} \(from "
+                r"MASTER_ADDR; Connection refused\): rank 0 is not up yet, or 127.0.0.1 is not its machine\n",
+                said,
+            )
+        )
+        == 1
+    ), "said once"
 
 
 def test_a_rank_waits_for_a_late_rank_0_and_goes_on():

@@ -8,7 +8,6 @@ import sys
 
 import pytest
 import torch.distributed as dist
-
 from support.procs import result_lines, run_script, run_torchrun, script_file, slurm_env
 
 pytestmark = pytest.mark.timeout(180)
@@ -26,8 +25,9 @@ def test_a_ddp_body_that_makes_and_destroys_its_group_runs_in_a_plain_launch(tmp
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [result] = result_lines(proc.stdout)
     _trained_together(result)
-    assert result["rank"] == 0 and sorted(result["seen"]) == [0.0, 0.0, 4.0, 4.0, 8.0, 8.0, 12.0, 12.0], \
+    assert result["rank"] == 0 and sorted(result["seen"]) == [0.0, 0.0, 4.0, 4.0, 8.0, 8.0, 12.0, 12.0], (
         "rank 0's shard of the 8 samples (DistributedSampler: every other one), for 2 epochs"
+    )
 
 
 def test_a_ddp_body_that_makes_and_destroys_its_group_runs_under_torchrun(tmp_path):
@@ -36,8 +36,11 @@ def test_a_ddp_body_that_makes_and_destroys_its_group_runs_under_torchrun(tmp_pa
 
 @pytest.mark.slurm
 def test_a_ddp_body_that_makes_and_destroys_its_group_runs_in_a_real_srun_step(tmp_path, slurm_cluster):
-    _each_process_a_rank(slurm_cluster.srun(["-N1", "-n2", sys.executable, str(SCRIPT)], timeout=150,
-                                            env=slurm_env(slurm_cluster), cwd=tmp_path))
+    _each_process_a_rank(
+        slurm_cluster.srun(
+            ["-N1", "-n2", sys.executable, str(SCRIPT)], timeout=150, env=slurm_env(slurm_cluster), cwd=tmp_path
+        )
+    )
 
 
 def _each_process_a_rank(proc) -> None:
@@ -55,7 +58,10 @@ def _asks_for_nccl():
 
 
 def test_a_body_that_asks_for_another_backend_is_told_which_one_qaccel_made(acc):
-    with pytest.raises(ValueError, match=r"init_process_group\(backend='nccl'\) inside distribute\(\): qaccel already "
-                                         r"made this rank's group with backend 'gloo' \(choose it with "
-                                         r"Accelerator\(backend=...\)\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"init_process_group\(backend='nccl'\) inside distribute\(\): qaccel already "
+        r"made this rank's group with backend 'gloo' \(choose it with "
+        r"Accelerator\(backend=...\)\)",
+    ):
         acc.distribute(_asks_for_nccl)()

@@ -54,7 +54,13 @@ def test_a_single_mpi_process_or_a_stray_variable_is_no_rank():
     assert detect({"PMI_RANK": "0"}).kind == "plain"
     assert detect({"RANK": "1", "WORLD_SIZE": "2"}).kind == "plain", "a leftover RANK, no rendezvous"
     assert detect({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1"}).kind == "plain"
-    qaccel_rank = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "5", "QACCEL_RANK_OF": "9"}
+    qaccel_rank = {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "5",
+        "QACCEL_RANK_OF": "9",
+    }
     assert detect(qaccel_rank).kind == "plain", "a process a qaccel rank started"
     elastic = {"TORCHELASTIC_RUN_ID": "qaccel-run-ab12", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
     assert detect({**qaccel_rank, **elastic}).kind == "plain", "a qaccel rank's torchrun variables are no torchrun's"

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from support.procs import run_script, script_env, script_file
 
 pytestmark = pytest.mark.timeout(180)

@@ -21,13 +21,17 @@ def _run(mode: str, tmp_path) -> dict:
     return result["result"]
 
 
-@pytest.mark.parametrize(("mode", "state"), [("named", "PartialState"), ("trainer", "AcceleratorState")],
-                         ids=["a PartialState fn uses", "a transformers Trainer passed to fn"])
+@pytest.mark.parametrize(
+    ("mode", "state"),
+    [("named", "PartialState"), ("trainer", "AcceleratorState")],
+    ids=["a PartialState fn uses", "a transformers Trainer passed to fn"],
+)
 def test_accelerate_state_made_in_the_caller_fails_the_launch_at_once_saying_what_to_do(tmp_path, mode, state):
     component.installed("transformers" if mode == "trainer" else "accelerate")
     failed = _run(mode, tmp_path)
-    assert failed["error"].startswith(f"distribute({'uses_state' if mode == 'named' else 'uses_trainer'}): an "
-                                      f"Accelerate {state} made in the caller"), failed
+    assert failed["error"].startswith(
+        f"distribute({'uses_state' if mode == 'named' else 'uses_trainer'}): an Accelerate {state} made in the caller"
+    ), failed
     assert "make the Accelerator, PartialState or Trainer inside the function you distribute" in failed["error"]
     assert failed["seconds"] < 1, "refused while pickling the call, before any rank started"
 

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from support.procs import script_env, script_file, signal_when, stuck_ranks_and_workers, wait_dead
 
 pytestmark = pytest.mark.timeout(180)
@@ -20,8 +19,13 @@ def _start(tmp_path):
     script = script_file("stuck_workers.py")
     tmpdir = tmp_path / "tmp"  # a killed caller's run directory stays there, not in /tmp, until a next launch
     tmpdir.mkdir()
-    caller = subprocess.Popen([sys.executable, str(script), str(tmp_path), "run"], env=script_env(TMPDIR=str(tmpdir)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    caller = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path), "run"],
+        env=script_env(TMPDIR=str(tmpdir)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         return (caller, *stuck_ranks_and_workers(tmp_path))
     except BaseException:
@@ -58,7 +62,13 @@ def test_killed_caller_leaves_no_rank_or_worker_behind(tmp_path):
 def test_a_caller_told_to_stop_ends_by_the_signal_even_when_its_ranks_ignore_it_and_finish(tmp_path):
     """A caller that got SIGTERM passes it on; ranks that ignore it finish fn, yet the caller must not return their
     result as if nobody had asked it to stop: it ends by the signal, as a process that got SIGTERM does."""
-    proc = signal_when([sys.executable, str(script_file("ranks_ignore_sigterm.py"))], signal.SIGTERM,
-                       "ranks ignore SIGTERM", env=script_env(), cwd=tmp_path, timeout=120)
+    proc = signal_when(
+        [sys.executable, str(script_file("ranks_ignore_sigterm.py"))],
+        signal.SIGTERM,
+        "ranks ignore SIGTERM",
+        env=script_env(),
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert proc.returncode == -signal.SIGTERM, proc.stdout + proc.stderr
     assert "RESULT" not in proc.stdout

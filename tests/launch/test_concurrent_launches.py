@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from support.procs import script_env, script_file
 
 pytestmark = pytest.mark.timeout(180)
@@ -15,7 +14,13 @@ pytestmark = pytest.mark.timeout(180)
 def test_several_scripts_launching_at_the_same_time(tmp_path):
     script = script_file("rank_sum.py")
     procs = [
-        subprocess.Popen([sys.executable, str(script), str(i)], env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, str(script), str(i)],
+            env=script_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for i in range(4)
     ]
     outs = [p.communicate(timeout=150) for p in procs]

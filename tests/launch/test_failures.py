@@ -67,18 +67,24 @@ def test_an_unpicklable_exception_is_reported_by_its_text():
     assert report.exc is None and report.message == "text" and report.type.endswith("Local")
 
 
-@pytest.mark.parametrize("launched, expected", [
-    (True, "[qaccel] raised on rank 1 of 4 (remote traceback above)"),
-    (False, "[qaccel] raised on rank 1 of 4"),
-])
+@pytest.mark.parametrize(
+    "launched, expected",
+    [
+        (True, "[qaccel] raised on rank 1 of 4 (remote traceback above)"),
+        (False, "[qaccel] raised on rank 1 of 4"),
+    ],
+)
 def test_raised_note_for_a_cause(launched, expected):
     assert raised_note(1, 4, "builtins.ValueError", "bad", launched=launched) == expected
 
 
-@pytest.mark.parametrize("launched, tail", [
-    (True, " (remote traceback above)"),
-    (False, ": the cause is most likely in that rank's log"),
-])
+@pytest.mark.parametrize(
+    "launched, tail",
+    [
+        (True, " (remote traceback above)"),
+        (False, ": the cause is most likely in that rank's log"),
+    ],
+)
 def test_raised_note_for_a_symptom_says_where_the_cause_is(launched, tail):
     note = raised_note(0, 2, "builtins.RuntimeError", RESET, launched=launched)
     assert note == "[qaccel] raised on rank 0 of 2 because it lost contact with another rank" + tail

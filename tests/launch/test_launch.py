@@ -145,6 +145,7 @@ def test_peer_blocked_in_barrier_is_stopped_quickly(acc, tmp_path):
     """Rank 0 waits in a barrier that rank 1's death cannot break (on the caller's rendezvous store, as torch's
     store-based barriers wait, for the 60 s of the store's timeout): only the caller stopping it ends it in time.
     (A gloo barrier would raise by itself once rank 1's connection closed.)"""
+
     def fail_while_peer_waits(a):
         _record_pid(tmp_path, a.rank)
         if a.rank == 1:
@@ -273,8 +274,15 @@ def test_everything_a_failing_rank_printed_reaches_the_caller(into, tmp_path):
     env.pop("PYTHONUNBUFFERED", None)
     out_path = tmp_path / "out.txt"
     with open(out_path, "w") as out_file:
-        proc = subprocess.run([sys.executable, str(script)], stdout=subprocess.PIPE if into == "pipe" else out_file,
-                              stderr=subprocess.PIPE, text=True, env=env, timeout=90)
+        proc = subprocess.run(
+            [sys.executable, str(script)],
+            stdout=subprocess.PIPE if into == "pipe" else out_file,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            timeout=90,
+            check=False,
+        )
     stdout = proc.stdout if into == "pipe" else out_path.read_text()
     assert "ValueError: rank 1 fails after printing" in proc.stderr
     for text in ("rank 1 printed a line", "rank 1 printed half a line", "rank 0 printed a line"):
@@ -288,8 +296,14 @@ def test_lines_of_ranks_never_mix_unbuffered(launcher, tmp_path):
     separately."""
     env = script_env(PYTHONUNBUFFERED="1")
     if launcher == "python":
-        proc = subprocess.run([sys.executable, "-u", str(script_file("whole_lines.py"))], capture_output=True,
-                              text=True, env=env, timeout=90)
+        proc = subprocess.run(
+            [sys.executable, "-u", str(script_file("whole_lines.py"))],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=90,
+            check=False,
+        )
     else:
         proc = run_torchrun(script_file("whole_lines.py"), cwd=tmp_path, env=env, timeout=90)
     assert proc.returncode == 0, proc.stderr
@@ -333,7 +347,9 @@ def test_concurrent_launches_from_threads(acc):
 
     def one(i):
         try:
-            results[i] = acc.distribute(lambda a, i: (i, a.all_reduce_dict({"r": a.rank}, op="sum")["r"]), all_results=True)(acc, i)
+            results[i] = acc.distribute(
+                lambda a, i: (i, a.all_reduce_dict({"r": a.rank}, op="sum")["r"]), all_results=True
+            )(acc, i)
         except BaseException as exc:  # noqa: BLE001 - surfaced below
             errors.append(exc)
 
@@ -396,7 +412,11 @@ def _listen_addresses(port: int) -> set[str]:
 
 def test_rendezvous_listens_on_loopback_only(acc):
     def where(a):
-        return os.environ["MASTER_ADDR"], _listen_addresses(int(os.environ["MASTER_PORT"])), os.environ["GLOO_SOCKET_IFNAME"]
+        return (
+            os.environ["MASTER_ADDR"],
+            _listen_addresses(int(os.environ["MASTER_PORT"])),
+            os.environ["GLOO_SOCKET_IFNAME"],
+        )
 
     addr, listening, ifname = acc.distribute(where)(acc)
     assert addr == "127.0.0.1"

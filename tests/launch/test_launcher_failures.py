@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-
 from support.procs import run_torchrun, script_file, slurm_env, wait_dead, wait_for
 
 SCRIPT = script_file("rank_1_fails.py")
@@ -70,8 +69,10 @@ def test_torchrun_names_the_raising_rank_as_root_cause_every_time_and_no_system_
         runs = list(pool.map(lambda i: _torchrun_once(script, tmp_path / f"run{i}", modes[i]), range(len(modes))))
     named = [re.search(r"rank\s*: (\d+) \(local_rank: (\d+)\)", _root_cause(r["proc"].stderr)) for r in runs]
     wrong = [i for i, m in enumerate(named) if m is None or m.groups() != ("1", "1")]
-    assert not wrong, (f"root cause not rank 1 in {len(wrong)} of {len(runs)} runs ({[modes[i] for i in wrong]}): "
-                       f"{[m and m.group(0) for m in named]}\n{runs[wrong[0]]['proc'].stderr[-6000:]}")
+    assert not wrong, (
+        f"root cause not rank 1 in {len(wrong)} of {len(runs)} runs ({[modes[i] for i in wrong]}): "
+        f"{[m and m.group(0) for m in named]}\n{runs[wrong[0]]['proc'].stderr[-6000:]}"
+    )
     for mode, r in zip(modes, runs):
         proc = r["proc"]
         assert proc.returncode != 0
@@ -85,15 +86,21 @@ def test_torchrun_names_the_raising_rank_as_root_cause_every_time_and_no_system_
             assert "SystemExit" not in proc.stderr, proc.stderr[-4000:]
         assert r["after_raise"] < AFTER_RAISE_S, (mode, r["after_raise"], proc.stderr[-4000:])
         assert len(r["pids"]) == 2 and wait_dead(r["pids"], timeout=5) == []
-    print(f"\n{len(runs)} torchrun runs ({RAISE_RUNS} raising, 1 exiting), {PARALLEL} at a time: each took "
-          f"{min(r['took'] for r in runs):.1f}-{max(r['took'] for r in runs):.1f} s, "
-          f"{max(r['after_raise'] for r in runs):.1f} s at most after the raise")
+    print(
+        f"\n{len(runs)} torchrun runs ({RAISE_RUNS} raising, 1 exiting), {PARALLEL} at a time: each took "
+        f"{min(r['took'] for r in runs):.1f}-{max(r['took'] for r in runs):.1f} s, "
+        f"{max(r['after_raise'] for r in runs):.1f} s at most after the raise"
+    )
 
 
 def _no_jobs_left(cluster, timeout: float = 10.0) -> bool:
     """True once squeue lists no job; fails after ``timeout`` s."""
-    return wait_for(lambda: not cluster.run(["squeue", "-h"], timeout=10).stdout.strip(), timeout,
-                    "squeue to list no job", interval=0.2)
+    return wait_for(
+        lambda: not cluster.run(["squeue", "-h"], timeout=10).stdout.strip(),
+        timeout,
+        "squeue to list no job",
+        interval=0.2,
+    )
 
 
 @pytest.mark.slurm
@@ -105,8 +112,9 @@ def test_srun_step_fails_within_seconds_with_the_raising_ranks_traceback(slurm_c
     out.mkdir()
     kill = ["--kill-on-bad-exit=1"] if kill_on_bad_exit else ["--kill-on-bad-exit=0"]
     started = time.time()
-    proc = slurm_cluster.srun(["-N1", "-n2", *kill, sys.executable, str(script), str(out), "raise"],
-                              timeout=90, env=slurm_env(slurm_cluster))
+    proc = slurm_cluster.srun(
+        ["-N1", "-n2", *kill, sys.executable, str(script), str(out), "raise"], timeout=90, env=slurm_env(slurm_cluster)
+    )
     ended = time.time()
     assert proc.returncode != 0
     assert "ValueError: rank 1 fails on purpose" in proc.stderr and USER_LINE in proc.stderr, proc.stderr[-4000:]
@@ -123,6 +131,7 @@ def test_srun_step_fails_within_seconds_with_the_raising_ranks_traceback(slurm_c
 
 
 # Without processes: the error file torch's own classes read, and what is never written to it.
+
 
 def _error(exc_type, *args, cause=None):
     try:
@@ -153,11 +162,17 @@ def test_the_error_file_is_what_torchrun_reads_and_it_wins_over_a_later_peer(tmp
     assert json.loads(path.read_text()) == cause.error_file_data
 
 
-@pytest.mark.parametrize("exc", [
-    SystemExit(0), SystemExit(3), KeyboardInterrupt(),
-    RuntimeError("[gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:1234"),
-    "ValueError from a peer loss",
-], ids=["exit-0", "exit-3", "keyboard-interrupt", "peer-loss", "raised-from-peer-loss"])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        SystemExit(0),
+        SystemExit(3),
+        KeyboardInterrupt(),
+        RuntimeError("[gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:1234"),
+        "ValueError from a peer loss",
+    ],
+    ids=["exit-0", "exit-3", "keyboard-interrupt", "peer-loss", "raised-from-peer-loss"],
+)
 def test_no_error_file_for_an_exit_an_interrupt_or_a_symptom(tmp_path, monkeypatch, exc):
     from qaccel.launch import launcher_report
 

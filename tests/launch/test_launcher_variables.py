@@ -12,14 +12,24 @@ import subprocess
 import sys
 
 import pytest
+from support.procs import free_port, report_results, script_env, script_file
 
 from qaccel.environment import derived_port
-from support.procs import free_port, report_results, script_env, script_file
 
 pytestmark = pytest.mark.timeout(180)
 SCRIPT = script_file("report_ranks.py")
-LAUNCHERS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-             "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_STEP_ID", "QACCEL_RANK_OF")
+LAUNCHERS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "SLURM_PROCID",
+    "SLURM_STEP_ID",
+    "QACCEL_RANK_OF",
+)
 
 
 def _env(**variables: str) -> dict[str, str]:
@@ -30,8 +40,12 @@ def _env(**variables: str) -> dict[str, str]:
 
 
 def _ranks(envs: list[dict[str, str]], tag: str = "launcher") -> list[dict]:
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), tag], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for env in envs]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), tag], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for env in envs
+    ]
     outs = [p.communicate(timeout=120) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, out + err
@@ -66,8 +80,21 @@ def test_pytorchjob_pods_are_one_world_of_one_rank_per_node():
 
 def test_the_deepspeed_launchers_ranks_are_one_world_on_one_node():
     port = str(free_port())
-    results = _ranks([_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_SIZE="2", CROSS_RANK="0",
-                           CROSS_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port) for r in range(2)])
+    results = _ranks(
+        [
+            _env(
+                RANK=str(r),
+                LOCAL_RANK=str(r),
+                WORLD_SIZE="2",
+                LOCAL_SIZE="2",
+                CROSS_RANK="0",
+                CROSS_SIZE="1",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+            )
+            for r in range(2)
+        ]
+    )
     assert _layout(results) == [(0, 0, 0, 2, 1, "0"), (1, 1, 0, 2, 1, "1")]
 
 
@@ -75,28 +102,54 @@ def test_the_deepspeed_launchers_ranks_are_one_world_on_one_node():
 def test_mpich_and_mvapich_ranks_are_one_world(family):
     """MPICH's (and Intel MPI's) and MVAPICH's variables; the rendezvous address passed as mpirun -x would.
     (Without it, on one node, the port is derived from the launcher's daemon: tests/environment/test_mpi.py.)"""
-    names = {"mpich": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-             "mvapich": ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK",
-                         "MV2_COMM_WORLD_LOCAL_SIZE")}[family]
+    names = {
+        "mpich": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+        "mvapich": (
+            "MV2_COMM_WORLD_RANK",
+            "MV2_COMM_WORLD_SIZE",
+            "MV2_COMM_WORLD_LOCAL_RANK",
+            "MV2_COMM_WORLD_LOCAL_SIZE",
+        ),
+    }[family]
     port = str(free_port())
-    results = _ranks([_env(**dict(zip(names, (str(r), "2", str(r), "2"))), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-                      for r in range(2)])
+    results = _ranks(
+        [
+            _env(**dict(zip(names, (str(r), "2", str(r), "2"))), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+            for r in range(2)
+        ]
+    )
     assert _layout(results) == [(0, 0, 0, 2, 1, "0"), (1, 1, 0, 2, 1, "1")], "RANK exported for the code in it"
 
 
 def test_jsrun_ranks_rendezvous_on_the_first_compute_host_at_the_jobs_port():
     job = _free_job()
-    results = _ranks([_env(JSM_NAMESPACE_RANK=str(r), JSM_NAMESPACE_SIZE="2", JSM_NAMESPACE_LOCAL_RANK=str(r),
-                           JSM_NAMESPACE_LOCAL_SIZE="2", LSB_JOBID=job, LSB_MCPU_HOSTS="launchnode 1 127.0.0.1 2")
-                      for r in range(2)])
+    results = _ranks(
+        [
+            _env(
+                JSM_NAMESPACE_RANK=str(r),
+                JSM_NAMESPACE_SIZE="2",
+                JSM_NAMESPACE_LOCAL_RANK=str(r),
+                JSM_NAMESPACE_LOCAL_SIZE="2",
+                LSB_JOBID=job,
+                LSB_MCPU_HOSTS="launchnode 1 127.0.0.1 2",
+            )
+            for r in range(2)
+        ]
+    )
     assert _layout(results) == [(0, 0, 0, 2, 1, "0"), (1, 1, 0, 2, 1, "1")]
 
 
 def test_a_process_with_a_leftover_rank_starts_its_own_ranks():
     """RANK and WORLD_SIZE without a rendezvous address (a shell that kept them) are no launcher's: the script
     starts its own 2 ranks, as a plain python does."""
-    proc = subprocess.run([sys.executable, str(SCRIPT), "leftover"], env=_env(RANK="1", WORLD_SIZE="2"),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "leftover"],
+        env=_env(RANK="1", WORLD_SIZE="2"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [result] = report_results(proc.stdout)
     assert (result["rank"], result["world"], result["sum"]) == (0, 2, 1), "rank 0's result of its own 2 ranks"

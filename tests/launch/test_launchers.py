@@ -13,8 +13,15 @@ from qaccel.launch import caller, cluster, in_place, launchers
 from qaccel.launch.protocol import HandBack
 
 HAND_BACK = HandBack(in_place=lambda result: result, pickled=lambda obj: obj)
-TORCHRUN = Environment(kind=Kind.TORCHRUN, rank=1, local_rank=1, world_size=2, local_world_size=2,
-                       master_addr="127.0.0.1", master_port=29500)
+TORCHRUN = Environment(
+    kind=Kind.TORCHRUN,
+    rank=1,
+    local_rank=1,
+    world_size=2,
+    local_world_size=2,
+    master_addr="127.0.0.1",
+    master_port=29500,
+)
 
 
 def _choose(env: Environment, **chosen) -> launchers.Launcher:

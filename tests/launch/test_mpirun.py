@@ -7,7 +7,6 @@ from __future__ import annotations
 import sys
 
 import pytest
-
 from support.procs import free_port, report_results, run_mpirun, script_file
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.mpi]
@@ -25,7 +24,9 @@ def _mpirun(*args: str) -> list[dict]:
 def test_mpirun_processes_are_one_world_with_the_rendezvous_found_on_their_own():
     results = _mpirun()
     assert [(r["rank"], r["local"], r["node"], r["world"], r["sum"], r["env_rank"]) for r in results] == [
-        (0, 0, 0, 2, 1, "0"), (1, 1, 0, 2, 1, "1")]
+        (0, 0, 0, 2, 1, "0"),
+        (1, 1, 0, 2, 1, "1"),
+    ]
     assert len({r["pid"] for r in results}) == 2
 
 

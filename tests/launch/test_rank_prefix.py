@@ -15,10 +15,10 @@ import warnings
 
 import pytest
 import torch
+from support.procs import wait_dead
 from torch.utils.data import DataLoader, Dataset
 
 from qaccel import Accelerator, RankKilledError
-from support.procs import wait_dead
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -69,8 +69,12 @@ def test_every_kind_of_output_comes_out_prefixed_and_whole(prefixed, capfd):
     for r in (0, 1):
         long_lines = [s for s in segments if s.startswith(f"[rank {r}] line ")]
         assert long_lines == [f"[rank {r}] line {i} of rank {r} " + "x" * 1000 for i in range(LINES)]
-        for line in (f"os.write from rank {r}", f"from a subprocess of rank {r}",
-                     f"item {r} from a DataLoader worker of rank {r}", f"unfinished line of rank {r}"):
+        for line in (
+            f"os.write from rank {r}",
+            f"from a subprocess of rank {r}",
+            f"item {r} from a DataLoader worker of rank {r}",
+            f"unfinished line of rank {r}",
+        ):
             assert f"[rank {r}] {line}\n" in out
         assert f"[rank {r}] one\r[rank {r}] two\r[rank {r}] three\n" in out
         assert f"[rank {r}] on stderr from rank {r}\n" in err and "on stderr" not in out
@@ -151,21 +155,39 @@ def test_ranks_started_with_spawn_are_prefixed_too(capfd):
     out, err = capfd.readouterr()
     assert sorted(out.splitlines()) == ["[rank 0] spawned rank 0 says hello", "[rank 1] spawned rank 1 says hello"]
     assert sorted(line for line in err.splitlines() if "spawned" in line) == [
-        "[rank 0] spawned rank 0 on stderr", "[rank 1] spawned rank 1 on stderr"]
+        "[rank 0] spawned rank 0 on stderr",
+        "[rank 1] spawned rank 1 on stderr",
+    ]
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
 def test_under_torchrun_or_srun_it_warns_on_rank_0_and_names_their_options(monkeypatch, launcher):
     for rank in (0, 1):
         if launcher == "torchrun":
-            variables = {"TORCHELASTIC_RUN_ID": "x", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-                         "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0"}
+            variables = {
+                "TORCHELASTIC_RUN_ID": "x",
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "LOCAL_WORLD_SIZE": "2",
+                "GROUP_RANK": "0",
+            }
         else:
-            variables = {"SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0",
-                         "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_ID": "0",
-                         "SLURM_STEP_NUM_NODES": "1", "SLURM_NNODES": "1", "SLURM_STEP_TASKS_PER_NODE": "2",
-                         "SLURM_TASKS_PER_NODE": "2", "SLURM_NODELIST": "localhost",
-                         "SLURM_STEP_NODELIST": "localhost", "SLURM_JOB_ID": "4242"}
+            variables = {
+                "SLURM_PROCID": str(rank),
+                "SLURM_LOCALID": str(rank),
+                "SLURM_NODEID": "0",
+                "SLURM_NTASKS": "2",
+                "SLURM_STEP_NUM_TASKS": "2",
+                "SLURM_STEP_ID": "0",
+                "SLURM_STEP_NUM_NODES": "1",
+                "SLURM_NNODES": "1",
+                "SLURM_STEP_TASKS_PER_NODE": "2",
+                "SLURM_TASKS_PER_NODE": "2",
+                "SLURM_NODELIST": "localhost",
+                "SLURM_STEP_NODELIST": "localhost",
+                "SLURM_JOB_ID": "4242",
+            }
         for key, value in variables.items():
             monkeypatch.setenv(key, value)
         with warnings.catch_warnings(record=True) as caught:
@@ -175,9 +197,11 @@ def test_under_torchrun_or_srun_it_warns_on_rank_0_and_names_their_options(monke
         messages = [str(w.message) for w in caught if "rank_prefix" in str(w.message)]
         if rank == 0:
             assert messages == [
-                f"Accelerator(rank_prefix=True) prefixes the output of a plain launch only; under {launcher} ask the "
-                "launcher: torchrun --tee 3 with TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[rank ${rank}] ' in its "
-                "environment, or srun --label"]
+                (
+                    f"Accelerator(rank_prefix=True) prefixes the output of a plain launch only; under {launcher} ask the "
+                    "launcher: torchrun --tee 3 with TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[rank ${rank}] ' in its "
+                    "environment, or srun --label"
+                )
+            ]
         else:
             assert messages == []
-

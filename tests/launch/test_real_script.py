@@ -17,14 +17,24 @@ import time
 import uuid
 
 import pytest
-
 from support.procs import (
-    REPO, marked_pids, once_per_session, result_lines, run_script, run_torchrun, signal_when, slurm_env, torchrun_cmd,
-    wait_dead, wait_for, wait_for_text,
+    REPO,
+    marked_pids,
+    once_per_session,
+    result_lines,
+    run_script,
+    run_torchrun,
+    signal_when,
+    slurm_env,
+    torchrun_cmd,
+    wait_dead,
+    wait_for,
+    wait_for_text,
 )
 from support.real_train import REAL, checked, real_env
 
 pytestmark = pytest.mark.timeout(300)
+
 
 def _plain_run(tmp_path_factory):
     """An uninterrupted plain launch, checked: its parameters' hash and the checkpoints it left."""
@@ -61,7 +71,9 @@ def test_srun_runs_the_real_script_to_the_same_parameters(reference, slurm_clust
     env = slurm_env(slurm_cluster)
     env["OMP_NUM_THREADS"] = "1"
     env.pop("PYTHONUNBUFFERED", None)
-    proc = slurm_cluster.srun(["-N1", "-n2", "python", str(REAL), "--ckpt", str(tmp_path / "ckpt")], timeout=200, env=env)
+    proc = slurm_cluster.srun(
+        ["-N1", "-n2", "python", str(REAL), "--ckpt", str(tmp_path / "ckpt")], timeout=200, env=env
+    )
     assert checked(proc)["hash"] == reference
 
 
@@ -69,8 +81,17 @@ def test_torchrun_restarts_resume_bitwise(reference, tmp_path):
     """Attempt 0 dies before the first checkpoint, attempt 1 after it (and resumes from it); attempt 2 must end
     with the uninterrupted run's parameters. Each restart must rendezvous anew: the dead attempt's addresses
     stay in torchrun's store (a restart that rendezvouses on them hangs or fails with 'Connection refused')."""
-    proc = run_torchrun(REAL, "--ckpt", str(tmp_path / "ckpt"), "--crash-at", "0:3,1:2",
-                        torchrun_args=("--max-restarts", "2"), env=real_env(), cwd=tmp_path, timeout=250)
+    proc = run_torchrun(
+        REAL,
+        "--ckpt",
+        str(tmp_path / "ckpt"),
+        "--crash-at",
+        "0:3,1:2",
+        torchrun_args=("--max-restarts", "2"),
+        env=real_env(),
+        cwd=tmp_path,
+        timeout=250,
+    )
     result = checked(proc)
     assert (result["attempt"], result["resumed"], result["trained"]) == ("2", True, 12), "from step 6 to 18"
     assert "rank 1 crashes at epoch 0 batch 3 on purpose" in proc.stderr
@@ -82,8 +103,9 @@ def test_torchrun_resumes_past_a_damaged_newest_checkpoint_bitwise(reference, tm
     """A run of 2 epochs leaves checkpoints at steps 6 and 12; the newest is cut short (a bad copy, a quota hit
     during rsync). The rerun of 3 epochs skips it with one warning, resumes every rank from step 6, and ends with
     the uninterrupted run's parameters."""
-    first = run_torchrun(REAL, "--ckpt", str(tmp_path / "ckpt"), "--epochs", "2", env=real_env(), cwd=tmp_path,
-                         timeout=200)
+    first = run_torchrun(
+        REAL, "--ckpt", str(tmp_path / "ckpt"), "--epochs", "2", env=real_env(), cwd=tmp_path, timeout=200
+    )
     assert first.returncode == 0, first.stderr
     damaged = tmp_path / "ckpt" / "checkpoint_00000012" / "optimizer_0.pt"
     damaged.write_bytes(damaged.read_bytes()[:100])
@@ -99,8 +121,18 @@ def test_torchrun_resumes_past_a_damaged_newest_checkpoint_bitwise(reference, tm
 def test_plain_max_restarts_resume_bitwise(reference, tmp_path):
     """Accelerator(max_restarts=2) does for a plain launch what torchrun --max-restarts does, with the same
     attempt numbers (acc.restart_count) and the failure printed before each restart."""
-    proc = run_script(REAL, "--ckpt", str(tmp_path / "ckpt"), "--crash-at", "0:3,1:2", "--max-restarts", "2",
-                      env=real_env(), cwd=tmp_path, timeout=250)
+    proc = run_script(
+        REAL,
+        "--ckpt",
+        str(tmp_path / "ckpt"),
+        "--crash-at",
+        "0:3,1:2",
+        "--max-restarts",
+        "2",
+        env=real_env(),
+        cwd=tmp_path,
+        timeout=250,
+    )
     result = checked(proc)
     assert (result["attempt"], result["resumed"], result["trained"]) == ("2", True, 12), "from step 6 to 18"
     assert "RuntimeError: rank 1 crashes at epoch 0 batch 3 on purpose" in proc.stderr
@@ -111,8 +143,18 @@ def test_plain_max_restarts_resume_bitwise(reference, tmp_path):
 
 
 def test_plain_max_restarts_used_up_raises_the_last_failure(tmp_path):
-    proc = run_script(REAL, "--ckpt", str(tmp_path / "ckpt"), "--crash-at", "0:1,0:2", "--max-restarts", "1",
-                      env=real_env(), cwd=tmp_path, timeout=200)
+    proc = run_script(
+        REAL,
+        "--ckpt",
+        str(tmp_path / "ckpt"),
+        "--crash-at",
+        "0:1,0:2",
+        "--max-restarts",
+        "1",
+        env=real_env(),
+        cwd=tmp_path,
+        timeout=200,
+    )
     assert proc.returncode == 1, proc.stderr
     last = proc.stderr.rsplit("Traceback (most recent call last)", 1)[1]
     assert "RuntimeError: rank 1 crashes at epoch 0 batch 2 on purpose" in last
@@ -134,7 +176,7 @@ def _stopped_then_resumed(cmd, sig, tmp_path, env, exitcode):
     saved = stopped[0].split(" after saving state to ")[1]
     assert saved.startswith(str(tmp_path / "ckpt" / "checkpoint_")) and os.path.isdir(saved), stopped
     assert 6 < int(saved[-8:]) < 12, "stopped in the middle of the second epoch (steps 7 to 12)"
-    second = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=200)
+    second = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=200, check=False)
     for rank in range(2):
         assert f"rank {rank} resumed from {saved} at epoch" in second.stderr, second.stderr
     assert checked(second)["trained"] == 18 - int(saved[-8:]), "the second run took only the steps left"
@@ -146,13 +188,20 @@ SLOW = ("--step-sleep", "0.25")  # 18 steps: about 5 s of training, so the signa
 
 def test_sigterm_to_a_plain_launch_saves_and_a_rerun_resumes_bitwise(reference, tmp_path):
     cmd = [sys.executable, str(REAL), "--ckpt", str(tmp_path / "ckpt"), *SLOW]
-    second = _stopped_then_resumed(cmd, signal.SIGTERM, tmp_path, real_env(), exitcode=128 + signal.SIGTERM)  # Preempted: a SystemExit
+    second = _stopped_then_resumed(
+        cmd, signal.SIGTERM, tmp_path, real_env(), exitcode=128 + signal.SIGTERM
+    )  # Preempted: a SystemExit
     assert checked(second)["hash"] == reference
 
 
 def test_sigterm_to_torchrun_saves_and_a_rerun_resumes_bitwise(reference, tmp_path):
-    cmd = [*torchrun_cmd(tmp_path / "logs", "--standalone", "--nproc_per_node", "2"), str(REAL),
-           "--ckpt", str(tmp_path / "ckpt"), *SLOW]
+    cmd = [
+        *torchrun_cmd(tmp_path / "logs", "--standalone", "--nproc_per_node", "2"),
+        str(REAL),
+        "--ckpt",
+        str(tmp_path / "ckpt"),
+        *SLOW,
+    ]
     second = _stopped_then_resumed(cmd, signal.SIGTERM, tmp_path, real_env(), exitcode=1)  # torchrun's own code
     assert checked(second)["hash"] == reference
 
@@ -167,14 +216,22 @@ def test_slurm_usr1_warning_saves_requeues_and_resumes_bitwise(reference, slurm_
     job = slurm_cluster.sbatch(
         REPO / "slurm" / "requeue.sbatch",
         ["--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1", f"--output={out}"],
-        env=env, cwd=tmp_path, script_args=[str(REAL), "--ckpt", str(tmp_path / "ckpt"), *SLOW],
+        env=env,
+        cwd=tmp_path,
+        script_args=[str(REAL), "--ckpt", str(tmp_path / "ckpt"), *SLOW],
     )
     wait_for_text(out, "rank 1 epoch 1 loss", timeout=120)
     assert slurm_cluster.run(["scancel", "--signal=USR1", "--batch", str(job)]).returncode == 0
     # SLURM holds a requeued job ~2 minutes (BeginTime) before it may start; as the cluster's admin, start it now
-    wait_for(lambda: slurm_cluster.job_info(job).get("Restarts") == "1"
-             and slurm_cluster.job_info(job).get("JobState") == "PENDING", 60,
-             lambda: f"the requeued job to be pending; job output:\n{out.read_text()}", interval=0.2)
+    wait_for(
+        lambda: (
+            slurm_cluster.job_info(job).get("Restarts") == "1"
+            and slurm_cluster.job_info(job).get("JobState") == "PENDING"
+        ),
+        60,
+        lambda: f"the requeued job to be pending; job output:\n{out.read_text()}",
+        interval=0.2,
+    )
     # slurmd refuses a launch whose credential is not newer, in whole seconds, than the kill of the job's previous
     # start ("Job N already killed, do not launch batch job": slurm_cred_revoked): a requeued job started in the
     # same second ends FAILED 1:0 (about 1 run in 6 here). SLURM's own hold never meets this; wait it out.
@@ -183,8 +240,11 @@ def test_slurm_usr1_warning_saves_requeues_and_resumes_bitwise(reference, slurm_
     slurm_cluster.wait_job(job, timeout=150)
     info = slurm_cluster.job_info(job)
     text = out.read_text()
-    assert (info.get("JobState"), info.get("ExitCode"), info.get("Restarts")) == ("COMPLETED", "0:0", "1"), \
-        (info, text, slurm_cluster.log_tails())  # a requeued start that failed at once says why there
+    assert (info.get("JobState"), info.get("ExitCode"), info.get("Restarts")) == ("COMPLETED", "0:0", "1"), (
+        info,
+        text,
+        slurm_cluster.log_tails(),
+    )  # a requeued start that failed at once says why there
     assert text.count("requeue.sbatch: job") == 2, text
     stopped = [line for line in text.splitlines() if line.startswith("qaccel: stopped by SIGUSR1")]
     assert len(stopped) == 1 and stopped[0].endswith("; the SLURM job was requeued and will resume from it"), text
@@ -194,7 +254,6 @@ def test_slurm_usr1_warning_saves_requeues_and_resumes_bitwise(reference, slurm_
     assert (result["rank"], result["world"], result["workers"]) == (0, 2, [0, 1]), result
     assert result["hash"] == reference and result["resumed"], result
     assert result["trained"] == 18 - int(saved[-8:]), "the requeued run took only the steps left"
-
 
 
 def _ids_by_epoch(record):
@@ -210,8 +269,17 @@ def _ids_by_epoch(record):
 def _split_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("split_reference")
     (tmp / "record").mkdir()
-    proc = run_script(REAL, "--ckpt", str(tmp / "ckpt"), "--split-batches", "--record", str(tmp / "record"),
-                      env=real_env(), cwd=tmp, timeout=200)
+    proc = run_script(
+        REAL,
+        "--ckpt",
+        str(tmp / "ckpt"),
+        "--split-batches",
+        "--record",
+        str(tmp / "record"),
+        env=real_env(),
+        cwd=tmp,
+        timeout=200,
+    )
     return checked(proc)["params"]
 
 
@@ -229,29 +297,42 @@ def _resumed_on_2(second, record, split_params):
     assert len(resumed) == 1 and "(written by 4 ranks) on 2 ranks at epoch " in resumed[0], second.stderr
     assert resumed[0].endswith("; global batch 8 kept (split_batches)")
     seen = _ids_by_epoch(record)
-    assert {epoch: sorted(ids) for epoch, ids in seen.items()} == {epoch: list(range(96)) for epoch in range(3)}, \
+    assert {epoch: sorted(ids) for epoch, ids in seen.items()} == {epoch: list(range(96)) for epoch in range(3)}, (
         "every sample of every epoch once, across the two worlds"
+    )
     assert max(abs(a - b) for a, b in zip(result["params"], split_params)) < 1e-5
 
 
-def test_sigterm_to_4_ranks_and_a_rerun_on_2_takes_every_sample_once_and_ends_as_a_straight_run(tmp_path,
-                                                                                               split_params):
+def test_sigterm_to_4_ranks_and_a_rerun_on_2_takes_every_sample_once_and_ends_as_a_straight_run(tmp_path, split_params):
     """The global batch kept (split_batches): a plain launch of 4 ranks stopped by SIGTERM, resumed on 2."""
     (tmp_path / "record").mkdir()
     common = ["--ckpt", str(tmp_path / "ckpt"), "--split-batches", "--record", str(tmp_path / "record")]
-    first = signal_when([sys.executable, str(REAL), *common, "--nprocs", "4", *SLOW], signal.SIGTERM,
-                        "rank 1 epoch 1 loss", env=real_env(), cwd=tmp_path, timeout=150)
+    first = signal_when(
+        [sys.executable, str(REAL), *common, "--nprocs", "4", *SLOW],
+        signal.SIGTERM,
+        "rank 1 epoch 1 loss",
+        env=real_env(),
+        cwd=tmp_path,
+        timeout=150,
+    )
     assert first.returncode == 128 + signal.SIGTERM, first.stderr
     second = run_script(REAL, *common, env=real_env(), cwd=tmp_path, timeout=200)
     _resumed_on_2(second, tmp_path / "record", split_params)
 
 
 def test_sigterm_to_torchrun_of_4_and_a_torchrun_of_2_take_every_sample_once_and_end_as_a_straight_run(
-        tmp_path, split_params):
+    tmp_path, split_params
+):
     (tmp_path / "record").mkdir()
     common = [str(REAL), "--ckpt", str(tmp_path / "ckpt"), "--split-batches", "--record", str(tmp_path / "record")]
-    first = signal_when([*torchrun_cmd(tmp_path / "logs", "--standalone", "--nproc_per_node", "4"), *common, *SLOW],
-                        signal.SIGTERM, "rank 1 epoch 1 loss", env=real_env(), cwd=tmp_path, timeout=150)
+    first = signal_when(
+        [*torchrun_cmd(tmp_path / "logs", "--standalone", "--nproc_per_node", "4"), *common, *SLOW],
+        signal.SIGTERM,
+        "rank 1 epoch 1 loss",
+        env=real_env(),
+        cwd=tmp_path,
+        timeout=150,
+    )
     assert first.returncode != 0, first.stderr
     second = run_torchrun(common[0], *common[1:], env=real_env(), cwd=tmp_path, timeout=200)
     _resumed_on_2(second, tmp_path / "record", split_params)
@@ -259,7 +340,8 @@ def test_sigterm_to_torchrun_of_4_and_a_torchrun_of_2_take_every_sample_once_and
 
 @pytest.mark.slurm
 def test_slurm_job_requeued_onto_fewer_tasks_takes_every_sample_once_and_ends_as_a_straight_run(
-        slurm_cluster, split_params, tmp_path):
+    slurm_cluster, split_params, tmp_path
+):
     """slurm/requeue.sbatch, asking for 1 or 2 nodes of 2 tasks, starts on 2 (both free), gets the USR1 warning and
     requeues itself; while it is pending, its request is lowered to 1 node of 2 tasks (as a user does to start
     sooner on what is free): the requeued job's 2 ranks resume the 4 ranks' checkpoint."""
@@ -270,14 +352,29 @@ def test_slurm_job_requeued_onto_fewer_tasks_takes_every_sample_once_and_ends_as
     job = slurm_cluster.sbatch(
         REPO / "slurm" / "requeue.sbatch",
         ["--nodes=1-2", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1", f"--output={out}"],
-        env=env, cwd=tmp_path, script_args=[str(REAL), "--ckpt", str(tmp_path / "ckpt"), "--split-batches",
-                                            "--record", str(tmp_path / "record"), *SLOW],
+        env=env,
+        cwd=tmp_path,
+        script_args=[
+            str(REAL),
+            "--ckpt",
+            str(tmp_path / "ckpt"),
+            "--split-batches",
+            "--record",
+            str(tmp_path / "record"),
+            *SLOW,
+        ],
     )
     wait_for_text(out, "rank 3 epoch 1 loss", timeout=120)
     assert slurm_cluster.run(["scancel", "--signal=USR1", "--batch", str(job)]).returncode == 0
-    wait_for(lambda: slurm_cluster.job_info(job).get("Restarts") == "1"
-             and slurm_cluster.job_info(job).get("JobState") == "PENDING", 60,
-             lambda: f"the requeued job to be pending; job output:\n{out.read_text()}", interval=0.2)
+    wait_for(
+        lambda: (
+            slurm_cluster.job_info(job).get("Restarts") == "1"
+            and slurm_cluster.job_info(job).get("JobState") == "PENDING"
+        ),
+        60,
+        lambda: f"the requeued job to be pending; job output:\n{out.read_text()}",
+        interval=0.2,
+    )
     assert slurm_cluster.job_info(job).get("NumTasks") == "4"  # fixed by the first start
     for update in ("NumTasks=2", "NumNodes=1-1"):  # in this order: 4 tasks need 2 nodes
         assert slurm_cluster.run(["scontrol", "update", f"JobId={job}", update]).returncode == 0
@@ -286,8 +383,11 @@ def test_slurm_job_requeued_onto_fewer_tasks_takes_every_sample_once_and_ends_as
     slurm_cluster.wait_job(job, timeout=150)
     info = slurm_cluster.job_info(job)
     text = out.read_text()
-    assert (info.get("JobState"), info.get("ExitCode"), info.get("NumTasks")) == ("COMPLETED", "0:0", "2"), \
-        (info, text, slurm_cluster.log_tails())
+    assert (info.get("JobState"), info.get("ExitCode"), info.get("NumTasks")) == ("COMPLETED", "0:0", "2"), (
+        info,
+        text,
+        slurm_cluster.log_tails(),
+    )
     stdout = "\n".join(line for line in text.splitlines() if line.startswith("RESULT "))
     second = subprocess.CompletedProcess([], 0, stdout, text)
     _resumed_on_2(second, tmp_path / "record", split_params)

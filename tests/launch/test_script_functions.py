@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from support.procs import run_script, script_file
 
 pytestmark = pytest.mark.timeout(180)

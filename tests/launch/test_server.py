@@ -23,11 +23,17 @@ pytestmark = pytest.mark.timeout(120)
 def _facts(mode: str) -> tuple[dict, str]:
     env = script_env()
     env.pop("PYTHONUNBUFFERED", None)  # stdout into a pipe is then block-buffered, as for most users' logs
-    proc = subprocess.run([sys.executable, str(script_file("server_start.py")), mode], capture_output=True,
-                          text=True, env=env, timeout=100)
+    proc = subprocess.run(
+        [sys.executable, str(script_file("server_start.py")), mode],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=100,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     line = next(line for line in proc.stdout.splitlines() if line.startswith("FACTS "))
-    return json.loads(line[len("FACTS "):]), proc.stdout
+    return json.loads(line[len("FACTS ") :]), proc.stdout
 
 
 def _fresh_interpreter(command: list[str]) -> bool:
@@ -62,7 +68,7 @@ def _preloaded(facts):
 def test_a_caller_whose_openmp_pool_ran_has_it_stopped_and_forks_the_server():
     """The seed's order: data built with parallel torch ops, then the Accelerator. The pool's threads are ended
     (and counted gone) before the fork; ranks run parallel ops on more threads than the machine has cores."""
-    facts, stdout = _facts("openmp")
+    facts, _stdout = _facts("openmp")
     assert facts["caller_threads"] > 2 or len(os.sched_getaffinity(0)) == 1, "OpenMP's and OpenBLAS's pools ran"
     assert not _fresh_interpreter(facts["command"]) and facts["command"][1].endswith("server_start.py")
     assert facts["server_threads"] == 1
@@ -76,8 +82,14 @@ def test_a_child_forked_after_an_openmp_pool_ran_hangs_unless_the_pool_was_stopp
     """Why the pool is stopped: without it, the child waits for ever in its first parallel region."""
     if len(os.sched_getaffinity(0)) < 2:
         component.unavailable("torch starts no OpenMP pool on one core: there is no pool to leave behind")
-    proc = subprocess.run([sys.executable, str(script_file("fork_after_openmp.py")), after], capture_output=True,
-                          text=True, env=script_env(), timeout=60)
+    proc = subprocess.run(
+        [sys.executable, str(script_file("fork_after_openmp.py")), after],
+        capture_output=True,
+        text=True,
+        env=script_env(),
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == ("finished" if after == "paused" else "hung"), proc.stdout
 
@@ -101,8 +113,14 @@ def _two_cores() -> None:
 
 def _quick(mode: str, tmp_path) -> dict:
     out = tmp_path / "facts.json"
-    proc = subprocess.run([sys.executable, str(script_file("quick_server.py")), mode, str(out)], capture_output=True,
-                          text=True, env=script_env(), timeout=100)
+    proc = subprocess.run(
+        [sys.executable, str(script_file("quick_server.py")), mode, str(out)],
+        capture_output=True,
+        text=True,
+        env=script_env(),
+        timeout=100,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(out.read_text())
 
@@ -133,8 +151,10 @@ def test_with_fewer_cores_than_ranks_the_first_launch_waits_for_the_server(tmp_p
 def test_a_first_launch_that_fails_leaves_the_server_resumed(tmp_path):
     facts = _quick("raise", tmp_path)
     assert facts["runs"][0] == "the first launch fails"
-    assert all(rank["dynamo_at_start"] and rank["parent"] == facts["server"] and rank["server_state"] in "RS"
-               for rank in facts["runs"][1]), facts["runs"][1]
+    assert all(
+        rank["dynamo_at_start"] and rank["parent"] == facts["server"] and rank["server_state"] in "RS"
+        for rank in facts["runs"][1]
+    ), facts["runs"][1]
 
 
 @pytest.mark.parametrize("mode", ["hang", "hang_late"])
@@ -143,17 +163,26 @@ def test_a_killed_caller_leaves_no_server_behind_not_even_a_paused_one(tmp_path,
     server), the quick server and the ranks all end; also when the server ran late, the launch already made."""
     _two_cores()
     out = tmp_path / "facts.json"
-    proc = subprocess.Popen([sys.executable, str(script_file("quick_server.py")), mode, str(out)],
-                            env=script_env(), start_new_session=True, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script_file("quick_server.py")), mode, str(out)],
+        env=script_env(),
+        start_new_session=True,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     pids: list[int] = []
     try:
-        wait_for(lambda: all(Path(f"{out}.{rank}").exists() for rank in (0, 1)), 60, "both ranks to start",
-                 interval=0.1)
+        wait_for(
+            lambda: all(Path(f"{out}.{rank}").exists() for rank in (0, 1)), 60, "both ranks to start", interval=0.1
+        )
         time.sleep(0.2)  # the files are written whole
         ranks = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
         assert ranks[0]["server_state"] == "T" and ranks[0]["parent"] != ranks[0]["server"], ranks
-        roles = {ranks[0]["server"]: "paused server", ranks[0]["parent"]: "quick server",
-                 **{rank["pid"]: f"rank {i}" for i, rank in enumerate(ranks)}}
+        roles = {
+            ranks[0]["server"]: "paused server",
+            ranks[0]["parent"]: "quick server",
+            **{rank["pid"]: f"rank {i}" for i, rank in enumerate(ranks)},
+        }
         pids = list(roles)
         proc.kill()
         proc.wait(10)
@@ -173,8 +202,14 @@ def test_ranks_write_to_fd_1_whatever_object_the_caller_made_its_stdout(caller, 
     write to fd 1 with their prefix, as the ranks of a fresh-interpreter server do."""
     log = tmp_path / "log"
     args = [str(log)] + (["threaded"] if caller == "threaded" else [])
-    proc = subprocess.run([sys.executable, str(script_file("replaced_streams.py")), *args], capture_output=True,
-                          text=True, env=script_env(), timeout=100)
+    proc = subprocess.run(
+        [sys.executable, str(script_file("replaced_streams.py")), *args],
+        capture_output=True,
+        text=True,
+        env=script_env(),
+        timeout=100,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "[rank 0] rank 0 says hello\n" in proc.stdout and "[rank 1] rank 1 says hello\n" in proc.stdout, proc.stdout
     assert log.read_text() == "caller starts\ncaller ends\n", "the caller's lines went through its tee, once each"
@@ -198,7 +233,7 @@ def test_a_jupyter_kernel_has_threads_and_gets_a_fresh_interpreter_server(tmp_pa
         """
     text = run_in_kernel([cell], tmp_path)
     line = next(line for line in text.splitlines() if line.startswith("FACTS "))
-    facts = json.loads(line[len("FACTS "):])
+    facts = json.loads(line[len("FACTS ") :])
     assert facts["threads"] > 1 and _fresh_interpreter(facts["command"]), facts
     assert facts["ranks"] == [[0, facts["server"]], [1, facts["server"]]]
 
@@ -206,11 +241,13 @@ def test_a_jupyter_kernel_has_threads_and_gets_a_fresh_interpreter_server(tmp_pa
 def test_importing_qaccel_in_a_jupyter_kernel_starts_the_server_that_its_first_launch_uses(tmp_path):
     """A kernel's server is a fresh interpreter (≈ 1.6 s of imports): started by the import cell, it is ready for a
     later cell's launch instead of making that launch wait."""
-    cells = ["""
+    cells = [
+        """
         import json, multiprocessing.forkserver, os, sys
         import qaccel
         at_import = multiprocessing.forkserver._forkserver._forkserver_pid
-        """, """
+        """,
+        """
         acc = qaccel.Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
 
         def parent():
@@ -220,9 +257,10 @@ def test_importing_qaccel_in_a_jupyter_kernel_starts_the_server_that_its_first_l
             command = f.read().split(chr(0))
         print("FACTS " + json.dumps({"at_import": at_import, "command": command,
                                      "parents": acc.distribute(parent, all_results=True)()}))
-        """]
+        """,
+    ]
     text = run_in_kernel(cells, tmp_path)
-    facts = json.loads(next(line for line in text.splitlines() if line.startswith("FACTS "))[len("FACTS "):])
+    facts = json.loads(next(line for line in text.splitlines() if line.startswith("FACTS "))[len("FACTS ") :])
     assert facts["at_import"] is not None and _fresh_interpreter(facts["command"]), facts
     assert facts["parents"] == [[facts["at_import"], False]] * 2, "the kernel's IPython is not imported in ranks"
     assert "cannot be copied" not in text, "the kernel's own logger stays the kernel's"
@@ -242,6 +280,8 @@ except ChildProcessError:
 print(multiprocessing.forkserver._forkserver._forkserver_pid, multiprocessing.resource_tracker._resource_tracker._pid,
       children)
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=script_env(), timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=script_env(), timeout=60, check=False
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["None", "None", "none"], proc.stdout

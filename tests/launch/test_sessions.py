@@ -10,11 +10,11 @@ import weakref
 
 import pytest
 import torch
+from scripts.sessions import Counter, session
+from support.procs import free_job_id, result_lines, run_torchrun, script_file, slurm_env, srun_env
 from torch.utils.data import DataLoader, TensorDataset
 
 from qaccel import Accelerator
-from scripts.sessions import Counter, session
-from support.procs import free_job_id, result_lines, run_torchrun, script_file, slurm_env, srun_env
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -60,8 +60,16 @@ def test_a_second_session_under_torchrun_starts_clean(tmp_path):
 
 def test_a_second_session_in_srun_tasks_starts_clean(tmp_path):
     job = free_job_id()
-    procs = [subprocess.Popen([sys.executable, str(SESSIONS), str(tmp_path)], env=srun_env(r, job),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SESSIONS), str(tmp_path)],
+            env=srun_env(r, job),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [err for _, err in outs]
     results = sorted((r for out, _ in outs for r in result_lines(out)), key=lambda r: r["rank"])
@@ -147,8 +155,17 @@ def test_later_sessions_under_torchrun_never_crash_in_dataloader_workers(tmp_pat
 
 def test_later_sessions_in_srun_tasks_never_crash_in_dataloader_workers(tmp_path):
     job = free_job_id()
-    procs = [subprocess.Popen([sys.executable, str(LATER), str(tmp_path)], env=srun_env(r, job), cwd=tmp_path,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(LATER), str(tmp_path)],
+            env=srun_env(r, job),
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     try:
         outs = [p.communicate(timeout=240) for p in procs]
     finally:
@@ -159,8 +176,12 @@ def test_later_sessions_in_srun_tasks_never_crash_in_dataloader_workers(tmp_path
 
 @pytest.mark.slurm
 def test_later_sessions_under_a_real_srun_never_crash_in_dataloader_workers(slurm_cluster, tmp_path):
-    proc = slurm_cluster.srun(["-N1", "-n2", sys.executable, str(LATER), str(tmp_path)], timeout=240,
-                              env=slurm_env(slurm_cluster), cwd=tmp_path)
+    proc = slurm_cluster.srun(
+        ["-N1", "-n2", sys.executable, str(LATER), str(tmp_path)],
+        timeout=240,
+        env=slurm_env(slurm_cluster),
+        cwd=tmp_path,
+    )
     _check_later_sessions([proc.returncode], proc.stdout, proc.stderr)
 
 
@@ -171,6 +192,7 @@ def _nothing():
 def test_sessions_that_make_groups_prefix_tracebacks_once(monkeypatch):
     """torch's init_process_group wraps sys.excepthook to prefix a traceback's lines with [rankN]:, at every call:
     without care, a script's N-th session would print its uncaught error with N prefixes."""
+
     def original(*args):  # the hook the script had (restored after the test)
         sys.__excepthook__(*args)
 

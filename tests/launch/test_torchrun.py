@@ -7,7 +7,6 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-
 from support.procs import report_results, script_env, script_file, torchrun_cmd
 
 pytestmark = pytest.mark.timeout(180)
@@ -17,7 +16,12 @@ def test_torchrun_standalone_runs_in_place(tmp_path):
     script = script_file("report_ranks.py")
     proc = subprocess.run(
         [*torchrun_cmd(tmp_path / "torchelastic", "--standalone", "--nproc_per_node", "2"), str(script), "tr"],
-        capture_output=True, text=True, timeout=150, env=script_env(), cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=script_env(),
+        cwd=tmp_path,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr
     results = sorted(report_results(proc.stdout), key=lambda r: r["rank"])
@@ -33,7 +37,12 @@ def test_existing_process_group_is_reused_and_not_destroyed(tmp_path):
     script = script_file("user_process_group.py")
     proc = subprocess.run(
         [*torchrun_cmd(tmp_path / "torchelastic", "--standalone", "--nproc_per_node", "2"), str(script)],
-        capture_output=True, text=True, timeout=150, env=script_env(), cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=script_env(),
+        cwd=tmp_path,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("OUT 3 True 2.0") == 2

@@ -11,9 +11,15 @@ import subprocess
 import sys
 
 import pytest
-
-from support.procs import (result_lines, run_script, run_torchrun, script_env, script_file, stuck_ranks_and_workers,
-                           wait_dead)
+from support.procs import (
+    result_lines,
+    run_script,
+    run_torchrun,
+    script_env,
+    script_file,
+    stuck_ranks_and_workers,
+    wait_dead,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -32,8 +38,13 @@ def test_dataset_and_pool_functions_defined_in_the_script_reach_the_ranks_childr
 def test_dataloader_workers_die_with_their_rank_when_another_rank_fails(tmp_path):
     """Stopped by its caller (Ctrl-C, SIGKILL), the same ranks and workers: tests/launch/test_caller_stops.py."""
     script = script_file("stuck_workers.py")
-    caller = subprocess.Popen([sys.executable, str(script), str(tmp_path), "fail"], env=script_env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    caller = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path), "fail"],
+        env=script_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         ranks, workers = stuck_ranks_and_workers(tmp_path)
         _, err = caller.communicate(timeout=30)

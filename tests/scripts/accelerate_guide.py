@@ -43,16 +43,17 @@ def main():
     out = sys.argv[1]
     accelerator = Accelerator(cpu=True, step_scheduler_with_optimizer=True)  # Accelerate's default
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Conv2d(1, 8, 3), torch.nn.ReLU(), torch.nn.Flatten(),
-                                torch.nn.Linear(8 * 6 * 6, 10))
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 8, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 10)
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    train = DataLoader(Digits(512, 1), batch_size=16, shuffle=True, num_workers=2,
-                       generator=torch.Generator().manual_seed(7))
+    train = DataLoader(
+        Digits(512, 1), batch_size=16, shuffle=True, num_workers=2, generator=torch.Generator().manual_seed(7)
+    )
     evaluation = DataLoader(Digits(300, 2), batch_size=32, num_workers=2)
     # sized on the unprepared loader, as Accelerate's guides size it: step_scheduler_with_optimizer=True below
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=3 * len(train))
-    model, optimizer, train, evaluation, scheduler = accelerator.prepare(model, optimizer, train, evaluation,
-                                                                         scheduler)
+    model, optimizer, train, evaluation, scheduler = accelerator.prepare(model, optimizer, train, evaluation, scheduler)
     for epoch in range(3):
         model.train()
         for images, labels in train:
@@ -76,8 +77,19 @@ def main():
         weights = accelerator.unwrap_model(model).state_dict()
         accelerator.save(weights, f"{out}/model.pt")
         digest = hashlib.sha256(b"".join(w.numpy().tobytes() for w in weights.values())).hexdigest()
-        print("RESULT " + json.dumps({"accuracy": correct / seen, "seen": seen, "hash": digest,
-                                      "lr": scheduler.get_last_lr()[0], "steps": scheduler.last_epoch}), flush=True)
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "accuracy": correct / seen,
+                    "seen": seen,
+                    "hash": digest,
+                    "lr": scheduler.get_last_lr()[0],
+                    "steps": scheduler.last_epoch,
+                }
+            ),
+            flush=True,
+        )
     accelerator.end_training()
 
 

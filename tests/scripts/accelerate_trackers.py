@@ -13,8 +13,9 @@ from qaccel import Accelerator
 from qaccel.utils import ProjectConfiguration
 
 folder, kill_at = sys.argv[1], int(sys.argv[2])
-accelerator = Accelerator(cpu=True, log_with=["tensorboard", "wandb"],
-                          project_config=ProjectConfiguration(project_dir=folder))
+accelerator = Accelerator(
+    cpu=True, log_with=["tensorboard", "wandb"], project_config=ProjectConfiguration(project_dir=folder)
+)
 accelerator.init_trackers("job", config={"lr": 0.1}, init_kwargs={"wandb": {"tags": ["torchrun"]}})
 model = torch.nn.Linear(2, 1)
 model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -31,5 +32,5 @@ for step in range(accelerator.step, 6):
     if step == kill_at and accelerator.is_main_process:
         os.kill(os.getpid(), signal.SIGKILL)
 if accelerator.is_main_process:
-    print("RESULT", '{"wandb_id": "%s"}' % accelerator.get_tracker("wandb", unwrap=True).id, flush=True)
+    print("RESULT", '{{"wandb_id": "{}"}}'.format(accelerator.get_tracker("wandb", unwrap=True).id), flush=True)
 accelerator.end_training()

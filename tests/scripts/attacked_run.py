@@ -37,7 +37,9 @@ def train(acc, checkpoints, release, fail):
     x = torch.ones(4, 3) * (acc.rank + 1)
     for _ in range(8):
         while not os.path.exists(release):
-            time.sleep(0.05)  # a secret on the line a rank waits at, which where it is would show: sk-attacked-run-0123456789
+            time.sleep(
+                0.05
+            )  # a secret on the line a rank waits at, which where it is would show: sk-attacked-run-0123456789
         loss = model(x).pow(2).mean()
         optimizer.zero_grad()
         acc.backward(loss)

@@ -69,11 +69,11 @@ def main(acc, args):
 
     size, digest = search()
     reference = find_executable_batch_size(starting_batch_size=size)(
-        lambda batch_size: train_at(acc, f"{args.out}/reference", batch_size, args.fits, RuntimeError))()
+        lambda batch_size: train_at(acc, f"{args.out}/reference", batch_size, args.fits, RuntimeError)
+    )()
     everyone = acc.gather_object([{"rank": acc.rank, "tried": tried, "size": size, "hash": digest}])
     if acc.is_main_process:
-        print("RESULT " + json.dumps({"ranks": everyone, "reference": reference, "world": acc.world_size}),
-              flush=True)
+        print("RESULT " + json.dumps({"ranks": everyone, "reference": reference, "world": acc.world_size}), flush=True)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,12 @@
 sets OMP_NUM_THREADS to $LATE_THREADS, and the second prints what the ranks see of both. Run by
 tests/launch/test_caller_environment.py."""
 
-import os, torch
+import os
+
+import torch
+
 from qaccel import Accelerator
+
 if __name__ == "__main__":
     acc = Accelerator(nprocs=2, compute_setup="cpu")
     print(acc.distribute(torch.get_num_threads, all_results=True)(), flush=True)

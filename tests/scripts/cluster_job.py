@@ -29,8 +29,14 @@ def report(acc, tag):
     """Every rank: where it ran, and an all-reduce across the nodes."""
     total = acc.all_reduce_dict({"ranks": float(acc.rank + 1)}, op="sum")["ranks"]
     print(f"rank {acc.rank} on {os.environ.get('SLURMD_NODENAME')} says hello", flush=True)
-    return {"rank": acc.rank, "world": acc.world_size, "node": os.environ.get("SLURMD_NODENAME"), "sum": total,
-            "tag": tag, "torch": torch.__version__}
+    return {
+        "rank": acc.rank,
+        "world": acc.world_size,
+        "node": os.environ.get("SLURMD_NODENAME"),
+        "sum": total,
+        "tag": tag,
+        "torch": torch.__version__,
+    }
 
 
 def raises(acc):
@@ -45,7 +51,7 @@ class Squares(Dataset):
 
     def __getitem__(self, i):
         x = torch.tensor([i / 64.0, (i % 7) / 7.0])
-        return x, (x ** 2).sum(dim=0, keepdim=True)
+        return x, (x**2).sum(dim=0, keepdim=True)
 
 
 def train(acc, ckpt, pause=0.2):
@@ -81,9 +87,16 @@ def fit(where, folder):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    config = TrainConfig(nprocs=2, compute_setup="cpu", max_iter=1, log_folder=f"{folder}/{where}", verbose=False,
-                         cluster=SlurmCluster(nodes=2, time="00:10:00", cpus_per_task=1, folder=f"{folder}/jobs")
-                         if where == "cluster" else None)
+    config = TrainConfig(
+        nprocs=2,
+        compute_setup="cpu",
+        max_iter=1,
+        log_folder=f"{folder}/{where}",
+        verbose=False,
+        cluster=SlurmCluster(nodes=2, time="00:10:00", cpus_per_task=1, folder=f"{folder}/jobs")
+        if where == "cluster"
+        else None,
+    )
     trainer = Trainer(model, optimizer, config, "mse", DataLoader(Squares(), batch_size=8))
     model, _ = trainer.fit()
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
@@ -101,12 +114,20 @@ def sleeps(acc):
 
 if __name__ == "__main__":
     mode, folder = sys.argv[1], sys.argv[2]
-    acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=60,
-                      cluster=SlurmCluster(nodes=2, tasks_per_node=1, time="00:10:00", cpus_per_task=1, folder=folder))
+    acc = Accelerator(
+        nprocs=2,
+        compute_setup="cpu",
+        timeout=60,
+        cluster=SlurmCluster(nodes=2, tasks_per_node=1, time="00:10:00", cpus_per_task=1, folder=folder),
+    )
     if mode == "results":  # then a lambda, submitted, with every rank's output shown
         print("RESULT " + json.dumps(acc.distribute(report, all_results=True)(acc, "all")), flush=True)
-        every = Accelerator(nprocs=2, compute_setup="cpu", timeout=60, cluster=SlurmCluster(
-            nodes=2, time="00:10:00", cpus_per_task=1, folder=folder, output="all"))
+        every = Accelerator(
+            nprocs=2,
+            compute_setup="cpu",
+            timeout=60,
+            cluster=SlurmCluster(nodes=2, time="00:10:00", cpus_per_task=1, folder=folder, output="all"),
+        )
         job = every.submit(lambda a: report(a, "lambda"), every)
         print(f"JOB {job.job_id} {job.state}", flush=True)
         print("RESULT " + json.dumps(job.results()), flush=True)
@@ -120,13 +141,22 @@ if __name__ == "__main__":
     elif mode == "sleeps":
         acc.distribute(sleeps)(acc)
     elif mode == "gpu":  # decided on the node, whose torch sees none of the GPUs SLURM gives it
-        gpu = Accelerator(nprocs=2, timeout=60, cluster=SlurmCluster(nodes=1, tasks_per_node=2, gpus_per_node=2,
-                                                                     time="00:10:00", folder=folder))
+        gpu = Accelerator(
+            nprocs=2,
+            timeout=60,
+            cluster=SlurmCluster(nodes=1, tasks_per_node=2, gpus_per_node=2, time="00:10:00", folder=folder),
+        )
         print(f"STATE {gpu.state.device} / {gpu.state.backend}", flush=True)
         gpu.distribute(report)(gpu, "gpu")
     elif mode == "gpu-per-task":
-        bound = Accelerator(nprocs=2, compute_setup="cpu", timeout=60, cluster=SlurmCluster(
-            nodes=1, tasks_per_node=2, gpus_per_node=2, sbatch={"gpus-per-task": 1}, time="00:10:00", folder=folder))
+        bound = Accelerator(
+            nprocs=2,
+            compute_setup="cpu",
+            timeout=60,
+            cluster=SlurmCluster(
+                nodes=1, tasks_per_node=2, gpus_per_node=2, sbatch={"gpus-per-task": 1}, time="00:10:00", folder=folder
+            ),
+        )
         print("RESULT " + json.dumps(bound.distribute(visible, all_results=True)()), flush=True)
     elif mode == "train":
         print("RESULT " + json.dumps(acc.distribute(train)(acc, sys.argv[3])), flush=True)

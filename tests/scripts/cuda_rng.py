@@ -3,10 +3,15 @@ they must draw what the caller draws, with CUDA not yet initialised in them. Pri
 ok>``. Run on a GPU by tests/test_cuda.py."""
 
 import torch
+
 from qaccel import Accelerator
+
+
 def draw():
     fresh = not torch.cuda.is_initialized()
     return fresh, torch.rand(3, device="cuda").tolist()
+
+
 if __name__ == "__main__":
     acc = Accelerator(nprocs=2, compute_setup="cpu")
     torch.manual_seed(0)

@@ -21,8 +21,9 @@ acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
 
 def train(explicit):
     if explicit:
-        dist.init_process_group("gloo", init_method="env://", rank=int(os.environ["RANK"]),
-                                world_size=int(os.environ["WORLD_SIZE"]))
+        dist.init_process_group(
+            "gloo", init_method="env://", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"])
+        )
     else:
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

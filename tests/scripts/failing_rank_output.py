@@ -3,7 +3,10 @@ in a barrier until the caller stops it. Run by tests/launch/test_launch.py witho
 wrote must reach the caller's output."""
 
 import sys
+
 from qaccel import Accelerator
+
+
 def work(acc):
     print(f"rank {acc.rank} printed a line")
     sys.stderr.write(f"rank {acc.rank} wrote to stderr\n")
@@ -12,5 +15,7 @@ def work(acc):
         print("rank 1 printed half a line", end="")
         raise ValueError("rank 1 fails after printing")
     acc.wait_for_everyone()  # rank 0 waits here, inside gloo, until the caller stops it
+
+
 if __name__ == "__main__":
     Accelerator(nprocs=2, compute_setup="cpu").distribute(work)(Accelerator(nprocs=2, compute_setup="cpu"))

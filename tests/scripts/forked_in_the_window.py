@@ -5,12 +5,18 @@ Prints whether SIGTERM was blocked in the child, then the child's exit status an
 in the parent. Run by tests/train/test_resume.py.
 """
 
-import os, signal
+import os
+import signal
+
+
 def early():  # registered before qaccel's hook, so it runs first in the child, as a signal sent at the fork would
     print(signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, []), flush=True)
     os.kill(os.getpid(), signal.SIGTERM)
+
+
 os.register_at_fork(after_in_child=early)
 from qaccel.train import stopping
+
 stopping.arm({signal.SIGTERM})
 pid = os.fork()
 if pid == 0:

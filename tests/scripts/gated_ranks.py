@@ -4,9 +4,14 @@ kills the caller with SIGKILL; quick: the ranks do not wait.
 Usage: gated_ranks.py live|killed|quick GATE. Run by tests/launch/test_run_directory.py.
 """
 
-import os, signal, sys, time
+import os
+import signal
+import sys
+import time
 from pathlib import Path
+
 from qaccel import Accelerator
+
 
 def work(mode, caller, gate):
     if mode == "killed" and int(os.environ["RANK"]) == 0:
@@ -14,6 +19,7 @@ def work(mode, caller, gate):
     while mode != "quick" and not Path(gate).exists():
         time.sleep(0.05)
     return mode
+
 
 if __name__ == "__main__":
     mode, gate = sys.argv[1], sys.argv[2]

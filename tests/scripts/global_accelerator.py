@@ -2,5 +2,6 @@
 ranks' (rank, world size). Run by tests/launch/test_script_functions.py."""
 
 import trainlib
+
 if __name__ == "__main__":
     print(trainlib.acc.distribute(trainlib.train, all_results=True)())

@@ -8,8 +8,12 @@ can be asked where they are (SIGUSR2); each rank returns whether a child it fork
 The words in capitals in comments mark the lines that tests/comm/test_hangs.py expects the reports to name.
 """
 
-import os, signal, sys, time
+import os
+import signal
+import sys
+import time
 from pathlib import Path
+
 from qaccel import Accelerator
 
 MODE, OUT = sys.argv[1], Path(sys.argv[2])
@@ -29,7 +33,7 @@ def train(acc):
     if MODE == "usr2":
         print(f"ready {acc.rank}", file=sys.stderr, flush=True)
         # one line, so that the answer names it whether the signal lands in the sleep or in the check
-        while acc.rank == 1 and not (OUT / "go").exists(): time.sleep(0.05)  # noqa: E701  RANK1_POLLS
+        while acc.rank == 1 and not (OUT / "go").exists(): time.sleep(0.05)  # RANK1_POLLS  # fmt: skip
         acc.wait_for_everyone()  # USR2_RANK0
         return forked_child_ignores_sigusr2()
     if acc.rank == 1:

@@ -13,7 +13,7 @@ from qaccel import Accelerator
 
 acc = Accelerator(nprocs=2, compute_setup="cpu")  # the server is forked now, before the library is imported
 sys.path.insert(0, sys.argv[1])
-import libwarn  # noqa: E402
+import libwarn
 
 warnings.filterwarnings("error", category=libwarn.LibWarning)
 

@@ -2,14 +2,25 @@
 rank prints one line ``RESULT {json}``. Run as srun tasks without a real SLURM by
 tests/launch/test_slurm_variables.py."""
 
-import json, os
+import json
+import os
+
 from qaccel import Accelerator
+
 acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=30)
+
 
 def report():
     total = acc.all_reduce_dict({"r": acc.rank}, op="sum")["r"]
-    return {"rank": acc.rank, "local": acc.local_rank, "node": acc.node_rank, "world": acc.world_size, "sum": total,
-            "env_rank": os.environ.get("RANK")}
+    return {
+        "rank": acc.rank,
+        "local": acc.local_rank,
+        "node": acc.node_rank,
+        "world": acc.world_size,
+        "sum": total,
+        "env_rank": os.environ.get("RANK"),
+    }
+
 
 if __name__ == "__main__":
     first = acc.distribute(report)()

@@ -53,7 +53,12 @@ def drop_to(uid: int, gid: int) -> None:
 
 
 def whoami():
-    return {"uid": os.getuid(), "euid": os.geteuid(), "groups": os.getgroups(), "root_readable": os.access("/root", os.R_OK)}
+    return {
+        "uid": os.getuid(),
+        "euid": os.geteuid(),
+        "groups": os.getgroups(),
+        "root_readable": os.access("/root", os.R_OK),
+    }
 
 
 def _dump(store):
@@ -74,7 +79,7 @@ def store_attack(port: str, world: str):
     for key in before:
         for mark in ("qaccel_stop/", "qaccel_where/", "cpu//", "cuda//"):
             if mark in key:
-                prefixes.add(key[:key.index(mark)])
+                prefixes.add(key[: key.index(mark)])
     done = []
     for prefix in sorted(prefixes):
         for session in (1, 2):
@@ -148,8 +153,15 @@ def read(path: str):
         return {"error": errno.errorcode.get(exc.errno, str(exc.errno))}
 
 
-COMMANDS = {"whoami": whoami, "store": store_attack, "sockets": sockets, "squat": squat, "plant": plant,
-            "list": relist, "read": read}
+COMMANDS = {
+    "whoami": whoami,
+    "store": store_attack,
+    "sockets": sockets,
+    "squat": squat,
+    "plant": plant,
+    "list": relist,
+    "read": read,
+}
 
 if __name__ == "__main__":
     drop_to(int(sys.argv[1]), int(sys.argv[2]))

@@ -34,8 +34,16 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    config = TrainConfig(nprocs=2, max_iter=3, compute_setup="cpu", log_folder=sys.argv[1], checkpoint_every=1,
-                         val_every=1, tracking_tool="csv", verbose=False)
+    config = TrainConfig(
+        nprocs=2,
+        max_iter=3,
+        compute_setup="cpu",
+        log_folder=sys.argv[1],
+        checkpoint_every=1,
+        val_every=1,
+        tracking_tool="csv",
+        verbose=False,
+    )
     trainer = Trainer(model, optimizer, config, "mse", loader(64, shuffle=True), loader(32))
     trainer.fit()
     metrics = trainer.test(loader(20))

@@ -20,10 +20,10 @@ MODE, OUT = sys.argv[1], sys.argv[2]
 if MODE == "one_core":
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 if MODE == "hang_late":  # as on a loaded machine, the server is not scheduled before the launch: it could be paused
-    late = [True]        # before it armed its death with the caller
+    late = [True]  # before it armed its death with the caller
     os.register_at_fork(after_in_parent=late.clear, after_in_child=lambda: late and time.sleep(1))
 
-from qaccel import Accelerator  # noqa: E402
+from qaccel import Accelerator
 
 acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
 PRELOADING = multiprocessing.forkserver._forkserver._forkserver_pid  # the server Accelerator() started
@@ -35,8 +35,12 @@ def state(pid):
 
 
 def train(mode):
-    seen = {"dynamo_at_start": "torch._dynamo" in sys.modules, "parent": os.getppid(),
-            "server_state": state(PRELOADING), "pid": os.getpid()}
+    seen = {
+        "dynamo_at_start": "torch._dynamo" in sys.modules,
+        "parent": os.getppid(),
+        "server_state": state(PRELOADING),
+        "pid": os.getpid(),
+    }
     if mode.startswith("hang"):
         with open(f"{OUT}.{acc.rank}", "w") as f:
             json.dump({**seen, "server": PRELOADING}, f)
@@ -70,5 +74,6 @@ if __name__ == "__main__":
     first_server_reaped = first is None or first == PRELOADING or reaped(first)  # as soon as the launch returned
     runs.append(acc.distribute(train, all_results=True)("again"))
     with open(OUT, "w") as f:
-        json.dump({"server": PRELOADING, "caller": os.getpid(), "runs": runs,
-                   "first_server_reaped": first_server_reaped}, f)
+        json.dump(
+            {"server": PRELOADING, "caller": os.getpid(), "runs": runs, "first_server_reaped": first_server_reaped}, f
+        )

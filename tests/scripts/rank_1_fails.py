@@ -5,17 +5,22 @@ Usage: rank_1_fails.py OUT_DIR raise|exit (raise: a ValueError; exit: sys.exit(3
 tests/launch/test_launcher_failures.py.
 """
 
-import os, sys, time
+import os
+import sys
+import time
 from pathlib import Path
+
 from qaccel import Accelerator
 
 acc = Accelerator(compute_setup="cpu")  # the default timeout (30 min): a peer left waiting would hang the test
 out, mode = Path(sys.argv[1]), sys.argv[2]
 
+
 def mark(name, text):
     tmp = out / f".{name}.tmp"
     tmp.write_text(text)
     os.replace(tmp, out / name)  # whole or not at all: the test reads it after a kill
+
 
 def work():
     mark(f"pid{acc.rank}", str(os.getpid()))
@@ -27,6 +32,7 @@ def work():
         raise ValueError("rank 1 fails on purpose")
     acc.wait_for_everyone()  # rank 0 waits here and sees the connection break
     return total
+
 
 if __name__ == "__main__":
     acc.distribute(work)()

@@ -68,7 +68,7 @@ def train(args, acc):
                 raise RuntimeError(f"rank 1 crashes at epoch {epoch} batch {i} on purpose")
             if args.record:
                 with open(os.path.join(args.record, f"rank{acc.rank}_of_{acc.world_size}_{os.getpid()}"), "a") as f:
-                    f.write(json.dumps({"epoch": epoch, "ids": index[:len(index) - acc.padding_in_batch].tolist()}))
+                    f.write(json.dumps({"epoch": epoch, "ids": index[: len(index) - acc.padding_in_batch].tolist()}))
                     f.write("\n")
             loss = torch.nn.functional.mse_loss(model(x), y)
             optimizer.zero_grad()
@@ -107,8 +107,14 @@ if __name__ == "__main__":
     parser.add_argument("--split-batches", action="store_true")
     parser.add_argument("--record", default="")
     args = parser.parse_args()
-    acc = Accelerator(nprocs=args.nprocs, compute_setup="cpu", timeout=60, max_restarts=args.max_restarts,
-                      strategy=args.strategy, split_batches=args.split_batches)
+    acc = Accelerator(
+        nprocs=args.nprocs,
+        compute_setup="cpu",
+        timeout=60,
+        max_restarts=args.max_restarts,
+        strategy=args.strategy,
+        split_batches=args.split_batches,
+    )
     result = acc.distribute(train)(args, acc)
     if acc.is_main_process:
         os.write(1, f"RESULT {json.dumps(result)}\n".encode())  # one write: ranks may share the pipe

@@ -22,7 +22,17 @@ if __name__ == "__main__":
     try:
         acc.distribute(nothing)(acc)
     except Exception as exc:  # noqa: BLE001 - what every rank raised is the result
-        print("RESULT " + json.dumps({"rank": int(os.environ["RANK"]), "type": type(exc).__name__, "message": str(exc),
-                                      "seconds": time.monotonic() - started}), flush=True)
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "rank": int(os.environ["RANK"]),
+                    "type": type(exc).__name__,
+                    "message": str(exc),
+                    "seconds": time.monotonic() - started,
+                }
+            ),
+            flush=True,
+        )
         sys.exit(1)
     print("RESULT " + json.dumps({"rank": acc.rank, "type": None}), flush=True)

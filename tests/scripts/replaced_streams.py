@@ -12,7 +12,7 @@ import time
 
 class Tee:
     def __init__(self, stream, path):
-        self.stream, self.file = stream, open(path, "a")
+        self.stream, self.file = stream, open(path, "a")  # noqa: SIM115 - a tee, open for the process
 
     def write(self, text):
         self.file.write(text)
@@ -30,7 +30,7 @@ sys.stdout = Tee(sys.stdout, sys.argv[1])
 if sys.argv[2:] == ["threaded"]:
     threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
 
-from qaccel import Accelerator  # noqa: E402
+from qaccel import Accelerator
 
 acc = Accelerator(nprocs=2, compute_setup="cpu", rank_prefix=True)
 

@@ -6,17 +6,32 @@ shell without a real SLURM (tests/launch/test_slurm_variables.py), and under mpi
 (tests/launch/test_mpirun.py) and on two simulated ones (tests/cluster/test_two_hosts.py, hence ``host``).
 """
 
-import json, os, socket, sys
+import json
+import os
+import socket
+import sys
+
 import torch.distributed as dist
+
 from qaccel import Accelerator
 
 acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
 
+
 def work(tag):
     total = acc.all_reduce_dict({"r": acc.rank}, op="sum")["r"]
-    return {"rank": acc.rank, "local": acc.local_rank, "node": acc.node_rank, "world": acc.world_size,
-            "sum": total, "tag": tag, "pid": os.getpid(), "env_rank": os.environ.get("RANK"),
-            "host": socket.gethostname()}
+    return {
+        "rank": acc.rank,
+        "local": acc.local_rank,
+        "node": acc.node_rank,
+        "world": acc.world_size,
+        "sum": total,
+        "tag": tag,
+        "pid": os.getpid(),
+        "env_rank": os.environ.get("RANK"),
+        "host": socket.gethostname(),
+    }
+
 
 if __name__ == "__main__":
     out = acc.distribute(work)(sys.argv[1])

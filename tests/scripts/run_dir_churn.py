@@ -5,7 +5,11 @@ Usage: run_dir_churn.py make|remove DEADLINE RUN_DIR_PY, where RUN_DIR_PY is the
 loaded alone (no torch import). Run by tests/launch/test_run_directory.py.
 """
 
-import importlib.util, os, sys, time
+import importlib.util
+import os
+import sys
+import time
+
 spec = importlib.util.spec_from_file_location("run_dir", sys.argv[3])
 run_dir = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(run_dir)

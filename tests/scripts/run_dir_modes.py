@@ -2,9 +2,12 @@
 that holds it; then the script prints what is left in that folder. Run with a long TMPDIR by
 tests/launch/test_run_directory.py."""
 
-import stat, tempfile
+import stat
+import tempfile
 from pathlib import Path
+
 from qaccel import Accelerator
+
 
 def look(fail):
     dirs = list(Path(tempfile.gettempdir()).glob("qaccel-runs-*/run-*"))
@@ -12,6 +15,7 @@ def look(fail):
     if fail:
         raise RuntimeError(f"failing on purpose {modes}")
     return modes
+
 
 if __name__ == "__main__":
     acc = Accelerator(nprocs=2, compute_setup="cpu")

@@ -37,19 +37,28 @@ signal.signal(signal.SIGTERM, lambda signum, frame: print("the caller's handler"
 print("written before", end="")  # not flushed yet: stdout is a pipe
 THREADS = len(os.listdir("/proc/self/task"))
 
-from qaccel import Accelerator  # noqa: E402
+from qaccel import Accelerator
 
 acc = Accelerator(nprocs=2, compute_setup="cpu")
 
 
 def facts():
-    preloaded = {"gc_enabled": gc.isenabled(), "frozen": gc.get_freeze_count(),
-                 "dynamo": "torch._dynamo" in sys.modules}  # before this function imports anything
+    preloaded = {
+        "gc_enabled": gc.isenabled(),
+        "frozen": gc.get_freeze_count(),
+        "dynamo": "torch._dynamo" in sys.modules,
+    }  # before this function imports anything
     torch.set_num_threads(RANK_THREADS)
     product = torch.ones(512, 512) @ torch.ones(512, 512)  # parallel ops in the rank: MKL's, then ATen's
     total = float((torch.ones(1 << 20) * 2).sum())
-    return {"sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, "product": float(product[0, 0]),
-            "total": total, "threads": torch.get_num_threads(), "parent": os.getppid(), **preloaded}
+    return {
+        "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+        "product": float(product[0, 0]),
+        "total": total,
+        "threads": torch.get_num_threads(),
+        "parent": os.getppid(),
+        **preloaded,
+    }
 
 
 if __name__ == "__main__":
@@ -59,9 +68,17 @@ if __name__ == "__main__":
     with open(f"/proc/{server}/cmdline") as cmdline:
         command = cmdline.read().split("\0")
     print()
-    print("FACTS " + json.dumps({
-        "caller_threads": THREADS, "caller_threads_at_launch": len(os.listdir("/proc/self/task")),
-        "server": server, "command": command,
-        "server_threads": len(os.listdir(f"/proc/{server}/task")), "ranks": ranks[0] + ranks[1],
-        "caller_after": after,
-    }))
+    print(
+        "FACTS "
+        + json.dumps(
+            {
+                "caller_threads": THREADS,
+                "caller_threads_at_launch": len(os.listdir("/proc/self/task")),
+                "server": server,
+                "command": command,
+                "server_threads": len(os.listdir(f"/proc/{server}/task")),
+                "ranks": ranks[0] + ranks[1],
+                "caller_after": after,
+            }
+        )
+    )

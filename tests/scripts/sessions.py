@@ -24,7 +24,7 @@ class Counter:
 def session(acc, ckpt, load):
     """Prepare and register one of each, optionally load the last session's checkpoint, take one micro-step."""
     model = torch.nn.Linear(2, 1)
-    model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model, _optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     counter = Counter()
     acc.register_for_checkpointing(counter)
     if load:

@@ -93,8 +93,11 @@ def train(args, acc):
         log.info("rank %d saves epoch %d (validation loss %.6f)", acc.rank, epoch + 1, val_loss)
         acc.save_state()
     params = torch.cat([p.detach().reshape(-1) for p in acc.unwrap_model(model).parameters()])
-    return {"hash": hashlib.sha256(params.numpy().tobytes()).hexdigest(), "step": acc.step,
-            "resumed": resumed is not None}
+    return {
+        "hash": hashlib.sha256(params.numpy().tobytes()).hexdigest(),
+        "step": acc.step,
+        "resumed": resumed is not None,
+    }
 
 
 if __name__ == "__main__":

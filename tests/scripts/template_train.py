@@ -5,7 +5,9 @@ all-reduced sum, the trained weights and its own arguments.
 FAIL_RANK makes that rank raise first; TRAIN_TIMEOUT sets the ranks' timeout (default 60 s).
 """
 
-import json, os, sys
+import json
+import os
+import sys
 
 import torch
 
@@ -30,10 +32,18 @@ def train():
         loss.backward()
         optimizer.step()
     rank_sum = acc.all_reduce_dict({"rank": acc.rank}, op="sum")["rank"]
-    return {"rank": acc.rank, "local_rank": acc.local_rank, "node_rank": acc.node_rank,
-            "world_size": acc.world_size, "rank_sum": rank_sum, "kind": KIND,
-            "weight": acc.unwrap_model(model).weight.flatten().tolist(),
-            "slurm_node": os.environ.get("SLURMD_NODENAME"), "argv": sys.argv[1:], "pid": os.getpid()}
+    return {
+        "rank": acc.rank,
+        "local_rank": acc.local_rank,
+        "node_rank": acc.node_rank,
+        "world_size": acc.world_size,
+        "rank_sum": rank_sum,
+        "kind": KIND,
+        "weight": acc.unwrap_model(model).weight.flatten().tolist(),
+        "slurm_node": os.environ.get("SLURMD_NODENAME"),
+        "argv": sys.argv[1:],
+        "pid": os.getpid(),
+    }
 
 
 if __name__ == "__main__":

@@ -47,7 +47,12 @@ def slow(trainer, config, tracker):
         with open(os.environ["BATCH_LOG"], "a") as log:
             log.write(f"{start} {trainer.global_step}\n")
     first_attempt = trainer.accelerator.restart_count == 0
-    if len(sys.argv) > 4 and first_attempt and trainer.accelerator.rank == 1 and trainer.global_step == int(sys.argv[4]):
+    if (
+        len(sys.argv) > 4
+        and first_attempt
+        and trainer.accelerator.rank == 1
+        and trainer.global_step == int(sys.argv[4])
+    ):
         raise RuntimeError(f"failing on purpose at batch {trainer.global_step}")
 
 
@@ -64,10 +69,23 @@ if __name__ == "__main__":
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
     where = {"root_folder": folder[5:]} if folder.startswith("root=") else {"log_folder": folder}
-    config = TrainConfig(nprocs=2, max_iter=epochs, compute_setup="cpu", **where, checkpoint_every=1,
-                         write_every=1, val_every=1, tracking_tool=os.environ.get("TRACKING", "tensorboard"), verbose=False, seed=3,
-                         callbacks=[Callback("train_batch_end", 1, slow), Callback("train_epoch_end", 1, epoch_done),
-                                    WriteMetrics("train_batch_end", 1)])
+    config = TrainConfig(
+        nprocs=2,
+        max_iter=epochs,
+        compute_setup="cpu",
+        **where,
+        checkpoint_every=1,
+        write_every=1,
+        val_every=1,
+        tracking_tool=os.environ.get("TRACKING", "tensorboard"),
+        verbose=False,
+        seed=3,
+        callbacks=[
+            Callback("train_batch_end", 1, slow),
+            Callback("train_epoch_end", 1, epoch_done),
+            WriteMetrics("train_batch_end", 1),
+        ],
+    )
     train = DataLoader(Points(96), batch_size=8, shuffle=True, num_workers=2)
     val = DataLoader(Points(32), batch_size=8, num_workers=2)
     trainer = Trainer(model, optimizer, config, "mse", train, val, lr_scheduler=scheduler)

@@ -5,17 +5,29 @@ Usage: two_hosts.py FAIL_RANK (-1: no rank fails; else that rank raises ValueErr
 tests/cluster/test_two_hosts.py.
 """
 
-import json, os, socket, sys
+import json
+import os
+import socket
+import sys
+
 from qaccel import Accelerator
 
 acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
+
 
 def info(fail_rank):
     if acc.rank == fail_rank:
         raise ValueError(f"boom on rank {acc.rank}")
     total = acc.all_reduce_dict({"r": acc.rank}, op="sum")["r"]
-    return dict(rank=acc.rank, local_rank=acc.local_rank, node_rank=acc.node_rank, world=acc.world_size,
-                sum=total, host=socket.gethostname())
+    return {
+        "rank": acc.rank,
+        "local_rank": acc.local_rank,
+        "node_rank": acc.node_rank,
+        "world": acc.world_size,
+        "sum": total,
+        "host": socket.gethostname(),
+    }
+
 
 if __name__ == "__main__":
     for session in range(2):  # a second session in the same process must work too

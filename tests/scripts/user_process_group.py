@@ -2,8 +2,13 @@
 still there and usable after distribute(). Each rank writes one line ``OUT <sum> <initialized> <all-reduced one>``.
 Run by tests/launch/test_torchrun.py."""
 
-import os, torch, torch.distributed as dist
+import os
+
+import torch
+import torch.distributed as dist
+
 from qaccel import Accelerator
+
 if __name__ == "__main__":
     dist.init_process_group("gloo")
     acc = Accelerator(compute_setup="cpu")

@@ -19,9 +19,13 @@ DETECT = "from qaccel.environment import detect; print(detect().kind)"
 
 def report():
     child = subprocess.run([sys.executable, "-c", DETECT], capture_output=True, text=True, check=True)
-    return {"added": sorted(set(os.environ) - CALLER), "threads": os.environ.get("OMP_NUM_THREADS"),
-            "elastic": dist.is_torchelastic_launched(), "child_kind": child.stdout.strip(),
-            "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}
+    return {
+        "added": sorted(set(os.environ) - CALLER),
+        "threads": os.environ.get("OMP_NUM_THREADS"),
+        "elastic": dist.is_torchelastic_launched(),
+        "child_kind": child.stdout.strip(),
+        "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
+    }
 
 
 if __name__ == "__main__":

@@ -18,22 +18,26 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import ModuleType
-from typing import Callable, Iterator, Mapping, NoReturn, Sequence
+from typing import NoReturn
 
 import pytest
 
 Announce = Callable[[str], None]
 
-SLURM_NEEDS_ROOT = ("SLURM is not installed, and installing it (apt-get) needs root; "
-                    "-m 'not slurm' leaves these tests out")
-MPI_NEEDS_ROOT = ("Open MPI (mpirun) is not installed, and installing it (apt-get install openmpi-bin) needs root; "
-                  "-m 'not mpi' leaves these tests out")
-TWO_HOSTS_NEED_ROOT = ("two simulated hosts need root (network namespaces); "
-                       "-m 'not two_hosts' leaves these tests out")
+SLURM_NEEDS_ROOT = (
+    "SLURM is not installed, and installing it (apt-get) needs root; -m 'not slurm' leaves these tests out"
+)
+MPI_NEEDS_ROOT = (
+    "Open MPI (mpirun) is not installed, and installing it (apt-get install openmpi-bin) needs root; "
+    "-m 'not mpi' leaves these tests out"
+)
+TWO_HOSTS_NEED_ROOT = "two simulated hosts need root (network namespaces); -m 'not two_hosts' leaves these tests out"
 TWO_HOST_TOOLS = {"ip": "iproute2", "unshare": "util-linux"}
-SMALL_DISK_NEEDS_ROOT = ("a small file system that fills up (tmpfs) needs root to mount; "
-                         "-m 'not small_disk' leaves these tests out")
+SMALL_DISK_NEEDS_ROOT = (
+    "a small file system that fills up (tmpfs) needs root to mount; -m 'not small_disk' leaves these tests out"
+)
 
 
 def in_ci(environ: Mapping[str, str] = os.environ) -> bool:
@@ -121,10 +125,10 @@ def two_hosts_missing(announce: Announce) -> str | None:
     except RuntimeError as e:
         return f"cannot simulate two hosts: {e}"
     probe = f"qaccelprobe{os.getpid()}"  # root in a container may still be refused network namespaces
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=30)
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=30, check=False)
     if made.returncode != 0:
         return f"cannot simulate two hosts: `ip netns add` failed: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "delete", probe], capture_output=True, timeout=30)
+    subprocess.run(["ip", "netns", "delete", probe], capture_output=True, timeout=30, check=False)
     return None
 
 
@@ -144,14 +148,19 @@ def small_disk_missing(announce: Announce) -> str | None:
 def small_disk(path: str | os.PathLike, size: int) -> Iterator[str]:
     """A tmpfs of ``size`` bytes mounted on ``path`` (created if needed) for the block; root only."""
     os.makedirs(path, exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
-                             capture_output=True, text=True, timeout=30)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     if mounted.returncode != 0:
         raise RuntimeError(f"mount -t tmpfs failed: {mounted.stderr.strip()}")
     try:
         yield str(path)
     finally:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
+        subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30, check=False)
 
 
 def report(environ: Mapping[str, str] = os.environ) -> list[str]:
@@ -174,16 +183,28 @@ def report(environ: Mapping[str, str] = os.environ) -> list[str]:
     else:
         hosts = "root, ip and unshare found"
     disk = "root: mounts a tmpfs" if root else f"not root: {cannot}"
-    mpi = "mpirun found" if shutil.which("mpirun") else (
-        "Open MPI not installed: installing it with apt-get (root) before the first test" if root
-        else f"Open MPI not installed and not root: {cannot}")
+    mpi = (
+        "mpirun found"
+        if shutil.which("mpirun")
+        else (
+            "Open MPI not installed: installing it with apt-get (root) before the first test"
+            if root
+            else f"Open MPI not installed and not root: {cannot}"
+        )
+    )
     other = "root: makes a second unix account (useradd)" if root else f"not root: {cannot}"
-    return [f"slurm tests: {slurm}", f"two_hosts tests: {hosts}", f"small_disk tests: {disk}", f"mpi tests: {mpi}",
-            f"other_user tests: {other}"]
+    return [
+        f"slurm tests: {slurm}",
+        f"two_hosts tests: {hosts}",
+        f"small_disk tests: {disk}",
+        f"mpi tests: {mpi}",
+        f"other_user tests: {other}",
+    ]
 
 
-def apt_get_install(packages: Sequence[str], missing: Callable[[], list[str]], announce: Announce,
-                    timeout: float = 600.0) -> None:
+def apt_get_install(
+    packages: Sequence[str], missing: Callable[[], list[str]], announce: Announce, timeout: float = 600.0
+) -> None:
     """Install ``packages`` with apt-get if ``missing()`` names anything, saying so first through ``announce``.
 
     pytest-xdist workers may all get here: one installs while the others wait on a lock, then find nothing missing.
@@ -200,14 +221,18 @@ def apt_get_install(packages: Sequence[str], missing: Callable[[], list[str]], a
         start = time.monotonic()
         env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
         install = ["apt-get", "install", "-y", "--no-install-recommends", *packages]
-        r = subprocess.run(install, env=env, capture_output=True, text=True, timeout=timeout)
+        r = subprocess.run(install, env=env, capture_output=True, text=True, timeout=timeout, check=False)
         if r.returncode != 0:
-            u = subprocess.run(["apt-get", "update"], env=env, capture_output=True, text=True, timeout=timeout)
-            r = subprocess.run(install, env=env, capture_output=True, text=True, timeout=timeout)
+            u = subprocess.run(
+                ["apt-get", "update"], env=env, capture_output=True, text=True, timeout=timeout, check=False
+            )
+            r = subprocess.run(install, env=env, capture_output=True, text=True, timeout=timeout, check=False)
             if r.returncode != 0:
                 out = r.stdout + r.stderr
-                raise RuntimeError(f"{' '.join(install)} failed (rc={r.returncode}) after apt-get update "
-                                   f"(rc={u.returncode}):\n{out if len(out) <= 3000 else '...' + out[-3000:]}")
+                raise RuntimeError(
+                    f"{' '.join(install)} failed (rc={r.returncode}) after apt-get update "
+                    f"(rc={u.returncode}):\n{out if len(out) <= 3000 else '...' + out[-3000:]}"
+                )
         announce(f"apt-get install {' '.join(packages)}: done in {time.monotonic() - start:.0f} s")
 
 

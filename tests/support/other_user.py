@@ -15,12 +15,12 @@ import pwd
 import shutil
 import subprocess
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from .procs import script_env, script_file
 
 NAME = "qaccel-other"
-NEEDS_ROOT = ("a second unix account (useradd) needs root; -m 'not other_user' leaves these tests out")
+NEEDS_ROOT = "a second unix account (useradd) needs root; -m 'not other_user' leaves these tests out"
 ATTACKER = script_file("other_user.py")
 
 
@@ -37,8 +37,13 @@ def missing(announce: Callable[[str], None]) -> str | None:
     if useradd is None:
         return "no useradd to make a second unix account with"
     announce(f"making a second unix account {NAME!r} (useradd) for the tests that try a run as another user")
-    made = subprocess.run([useradd, "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", NAME],
-                          capture_output=True, text=True, timeout=60, check=False)
+    made = subprocess.run(
+        [useradd, "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", NAME],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     if made.returncode not in (0, 9):  # 9: made meanwhile by another pytest-xdist worker
         return f"useradd {NAME} failed (rc={made.returncode}): {made.stderr.strip()}"
     return None
@@ -57,7 +62,8 @@ def command(*args: str) -> list[str]:
 def run(*args: str, timeout: float = 60) -> dict:
     """Run tests/scripts/other_user.py as the second account; what it printed, as JSON."""
     env = {k: v for k, v in script_env().items() if not k.startswith(("QACCEL", "MASTER_", "TORCHELASTIC"))}
-    done = subprocess.run(command(*args), capture_output=True, text=True, timeout=timeout, env=env, cwd="/",
-                          check=False)
+    done = subprocess.run(
+        command(*args), capture_output=True, text=True, timeout=timeout, env=env, cwd="/", check=False
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])

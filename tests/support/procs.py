@@ -68,6 +68,7 @@ def wait_for(condition, timeout: float, what, *, interval: float = 0.05):
 def wait_for_text(path: Path, *needles: str, timeout: float = 30.0, proc: subprocess.Popen | None = None) -> str:
     """The text of the file ``path`` once it holds every one of ``needles`` (a missing file holds nothing yet).
     Fails after ``timeout`` s, or as soon as ``proc``, the process that writes it, has ended without them."""
+
     def read() -> str:
         return Path(path).read_text() if Path(path).exists() else ""
 
@@ -139,8 +140,18 @@ def marked_pids(mark: str) -> list[int]:
     return pids
 
 
-def signal_when(cmd: list[str], sig: int, ready: str, *, env: dict, cwd: Path, timeout: float = 120,
-                then: str | None = None, send=None, delay: float = 0.0):
+def signal_when(
+    cmd: list[str],
+    sig: int,
+    ready: str,
+    *,
+    env: dict,
+    cwd: Path,
+    timeout: float = 120,
+    then: str | None = None,
+    send=None,
+    delay: float = 0.0,
+):
     """Run ``cmd``, send it ``sig`` ``delay`` s after its stderr shows ``ready``, and wait for it to end; a
     CompletedProcess with text output. Output goes through files in ``cwd``, so nothing blocks on a full pipe. With
     ``then``, the result's ``then_s`` says how many seconds after the signal the text ``then`` came on stderr (None:
@@ -182,12 +193,14 @@ def stuck_ranks_and_workers(out: Path, timeout: float = 60) -> tuple[list[int], 
 
 def _files(directory: Path, pattern: str, count: int, timeout: float) -> list[Path]:
     """The files matching ``pattern`` in ``directory`` once there are ``count`` of them."""
+
     def found() -> list[Path] | None:
         files = list(Path(directory).glob(pattern))
         return files if len(files) >= count else None
 
-    return wait_for(found, timeout,
-                    lambda: f"{count} {pattern} in {directory}: {sorted(p.name for p in Path(directory).iterdir())}")
+    return wait_for(
+        found, timeout, lambda: f"{count} {pattern} in {directory}: {sorted(p.name for p in Path(directory).iterdir())}"
+    )
 
 
 def run_mpirun(*args: str, **extra: str) -> subprocess.CompletedProcess:
@@ -224,6 +237,7 @@ def run_script(path: Path, *args: str, cwd, timeout: float = 120, env: dict | No
         timeout=timeout,
         env=env or script_env(),
         cwd=cwd,
+        check=False,
     )
 
 
@@ -233,18 +247,29 @@ def torchrun_cmd(log_dir: Path, *torchrun_args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--log-dir", str(log_dir), *torchrun_args]
 
 
-def run_torchrun(script: Path, *args: str, cwd, nprocs: int = 2, torchrun_args: tuple = (), timeout: float = 150,
-                 env: dict | None = None):
+def run_torchrun(
+    script: Path,
+    *args: str,
+    cwd,
+    nprocs: int = 2,
+    torchrun_args: tuple = (),
+    timeout: float = 150,
+    env: dict | None = None,
+):
     """Run ``torchrun --standalone --nproc_per_node nprocs script args`` to completion, its log dir removed after.
 
     On timeout torchrun gets SIGTERM, which it passes on to its workers (each in a session of its own, out of
     reach of a kill of torchrun alone), then the TimeoutExpired is raised.
     """
     with tempfile.TemporaryDirectory(prefix="torchrun-logs-", ignore_cleanup_errors=True) as log_dir:
-        cmd = [*torchrun_cmd(Path(log_dir), "--standalone", "--nproc_per_node", str(nprocs), *torchrun_args),
-               str(script), *args]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=env or script_env(), cwd=cwd)
+        cmd = [
+            *torchrun_cmd(Path(log_dir), "--standalone", "--nproc_per_node", str(nprocs), *torchrun_args),
+            str(script),
+            *args,
+        ]
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or script_env(), cwd=cwd
+        )
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -267,7 +292,11 @@ def result_lines(stdout: str) -> list:
 
 def report_results(stdout):
     """The JSON objects of the ``RESULT`` lines of tests/scripts/report_ranks.py, in order."""
-    return [json.loads(line.split(" ", 1)[1].rsplit(" initialized_after", 1)[0]) for line in stdout.splitlines() if line.startswith("RESULT")]
+    return [
+        json.loads(line.split(" ", 1)[1].rsplit(" initialized_after", 1)[0])
+        for line in stdout.splitlines()
+        if line.startswith("RESULT")
+    ]
 
 
 def free_job_id() -> str:
@@ -293,10 +322,20 @@ def slurm_env(cluster) -> dict:
 def srun_env(rank: int, job_id: str, **extra: str) -> dict:
     """The environment srun gives task ``rank`` of a 2-task step on one node (without a real SLURM)."""
     env = script_env(
-        SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_NTASKS="2",
-        SLURM_STEP_NUM_TASKS="2", SLURM_STEP_ID="0", SLURM_STEP_NUM_NODES="1", SLURM_NNODES="1",
-        SLURM_STEP_TASKS_PER_NODE="2", SLURM_TASKS_PER_NODE="2", SLURM_NODELIST="localhost",
-        SLURM_STEP_NODELIST="localhost", SLURM_JOB_ID=job_id, SLURM_JOB_NAME="train",
+        SLURM_PROCID=str(rank),
+        SLURM_LOCALID=str(rank),
+        SLURM_NODEID="0",
+        SLURM_NTASKS="2",
+        SLURM_STEP_NUM_TASKS="2",
+        SLURM_STEP_ID="0",
+        SLURM_STEP_NUM_NODES="1",
+        SLURM_NNODES="1",
+        SLURM_STEP_TASKS_PER_NODE="2",
+        SLURM_TASKS_PER_NODE="2",
+        SLURM_NODELIST="localhost",
+        SLURM_STEP_NODELIST="localhost",
+        SLURM_JOB_ID=job_id,
+        SLURM_JOB_NAME="train",
     )
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
         env.pop(key, None)

@@ -29,6 +29,7 @@ kill (by pid) anything left over and verifies that nothing remains.
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import os
 import re
@@ -39,8 +40,9 @@ import tempfile
 import time
 import uuid
 import weakref
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
+from typing import Self
 
 from .component import apt_get_install
 from .procs import alive, free_port, wait_dead
@@ -55,9 +57,19 @@ _SBIN_DIRS = ("/usr/sbin", "/usr/local/sbin", "/sbin")
 # other allocation or change their defaults; stripped from the env we hand out.
 _STRIP_PREFIXES = ("SLURM_", "SBATCH_", "SALLOC_", "SRUN_", "SQUEUE_", "SINFO_", "SCONTROL_")
 _QUEUED_STATES = {
-    "PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED",
-    "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT",
-    "STOPPED", "RESV_DEL_HOLD",
+    "PENDING",
+    "RUNNING",
+    "CONFIGURING",
+    "COMPLETING",
+    "SUSPENDED",
+    "REQUEUED",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "RESIZING",
+    "SIGNALING",
+    "STAGE_OUT",
+    "STOPPED",
+    "RESV_DEL_HOLD",
 }
 
 
@@ -154,9 +166,17 @@ class LocalSlurm:
 
     BIN_CHECK = (*DAEMON_BINARIES, "srun")
 
-    def __init__(self, nodes: int = 2, cpus_per_node: int = 2, *, gpus_per_node: int = 2,
-                 startup_timeout: float = 30.0, attempts: int = 3,
-                 keep_dir: bool = False, die_with_parent: bool = True):
+    def __init__(
+        self,
+        nodes: int = 2,
+        cpus_per_node: int = 2,
+        *,
+        gpus_per_node: int = 2,
+        startup_timeout: float = 30.0,
+        attempts: int = 3,
+        keep_dir: bool = False,
+        die_with_parent: bool = True,
+    ):
         if nodes < 1:
             raise ValueError("nodes must be >= 1")
         self.nodes = nodes
@@ -204,14 +224,14 @@ class LocalSlurm:
         assert self.root is not None
         return self.root / "log"
 
-    def __enter__(self) -> "LocalSlurm":
+    def __enter__(self) -> Self:
         self.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def start(self) -> "LocalSlurm":
+    def start(self) -> LocalSlurm:
         if self._procs:
             raise SlurmError("already started")
         missing = missing_binaries()
@@ -229,8 +249,7 @@ class LocalSlurm:
         env["PATH"] = os.pathsep.join(path + [d for d in _SBIN_DIRS if d not in path])
         self._env = env
         # runs at interpreter exit (or GC) if stop() was never called
-        self._finalizer = weakref.finalize(self, LocalSlurm._emergency_stop,
-                                           self._procs, self._marker)
+        self._finalizer = weakref.finalize(self, LocalSlurm._emergency_stop, self._procs, self._marker)
         try:
             self._start_munge()
             last_err = None
@@ -243,13 +262,10 @@ class LocalSlurm:
                     self._stop_slurm_daemons(grace=0.0)
                     self._reset_slurm_dirs(attempt)
             else:
-                raise SlurmError(f"SLURM bring-up failed {self.attempts} times "
-                                 f"(port clashes?):\n{last_err}")
+                raise SlurmError(f"SLURM bring-up failed {self.attempts} times (port clashes?):\n{last_err}")
         except BaseException:
-            try:
+            with contextlib.suppress(Exception):  # the start's own error is the one to raise
                 self.stop()
-            except Exception:
-                pass
             raise
         self.bringup_s = time.monotonic() - t0
         return self
@@ -266,7 +282,7 @@ class LocalSlurm:
         if ctld is not None and ctld.poll() is None:
             try:
                 self._cancel_all_jobs(timeout=8.0)
-            except Exception as e:  # keep going: the daemons must die regardless
+            except Exception as e:  # noqa: BLE001 - keep going: the daemons must die regardless
                 problems.append(f"cancelling jobs: {e}")
         self._stop_slurm_daemons()
         self._terminate("munged")
@@ -297,53 +313,72 @@ class LocalSlurm:
         me = os.getpid()
         out = []
         for d in os.listdir("/proc"):
-            if d.isdigit() and int(d) != me and _env_has(int(d), self._marker):
-                if alive(int(d)):
-                    out.append(int(d))
+            if d.isdigit() and int(d) != me and _env_has(int(d), self._marker) and alive(int(d)):
+                out.append(int(d))
         return out
 
-    def run(self, cmd: list[str], timeout: float = 60.0, *, env: dict | None = None,
-            cwd: str | os.PathLike | None = None, check: bool = False
-            ) -> subprocess.CompletedProcess:
+    def run(
+        self,
+        cmd: list[str],
+        timeout: float = 60.0,
+        *,
+        env: dict | None = None,
+        cwd: str | os.PathLike | None = None,
+        check: bool = False,
+    ) -> subprocess.CompletedProcess:
         """Run any command with this cluster's env (plus ``env`` overrides)."""
         full_env = self.env
         if env:
             full_env.update(env)
         try:
-            r = subprocess.run(cmd, env=full_env, cwd=cwd, capture_output=True, text=True,
-                               timeout=timeout)
+            r = subprocess.run(cmd, env=full_env, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False)
         except subprocess.TimeoutExpired as e:
-            raise SlurmError(f"{cmd} timed out after {timeout}s\nstdout: "
-                             f"{_tail(_s(e.stdout))}\nstderr: {_tail(_s(e.stderr))}\n"
-                             + self.log_tails()) from None
+            raise SlurmError(
+                f"{cmd} timed out after {timeout}s\nstdout: "
+                f"{_tail(_s(e.stdout))}\nstderr: {_tail(_s(e.stderr))}\n" + self.log_tails()
+            ) from None
         if check and r.returncode != 0:
-            raise SlurmError(f"{cmd} failed rc={r.returncode}\nstdout: {_tail(r.stdout)}\n"
-                             f"stderr: {_tail(r.stderr)}\n" + self.log_tails())
+            raise SlurmError(
+                f"{cmd} failed rc={r.returncode}\nstdout: {_tail(r.stdout)}\n"
+                f"stderr: {_tail(r.stderr)}\n" + self.log_tails()
+            )
         return r
 
-    def srun(self, args: list[str], timeout: float = 60.0, *, env: dict | None = None,
-             cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+    def srun(
+        self, args: list[str], timeout: float = 60.0, *, env: dict | None = None, cwd: str | os.PathLike | None = None
+    ) -> subprocess.CompletedProcess:
         """``srun *args`` (text stdout/stderr captured; not checked)."""
         return self.run(["srun", *args], timeout, env=env, cwd=cwd)
 
-    def sbatch(self, script_path: str | os.PathLike, args: list[str] = (), *,
-               env: dict | None = None, cwd: str | os.PathLike | None = None,
-               script_args: list[str] = ()) -> int:
+    def sbatch(
+        self,
+        script_path: str | os.PathLike,
+        args: list[str] = (),
+        *,
+        env: dict | None = None,
+        cwd: str | os.PathLike | None = None,
+        script_args: list[str] = (),
+    ) -> int:
         """Submit a batch script; output goes to ``<root>/jobs/<jobid>.out`` (stdout and
         stderr together) unless ``args`` give --output.  ``args`` are sbatch options,
         ``script_args`` the batch script's own arguments (after its path).  Returns the job id."""
         assert self.root is not None, "cluster not started"
         jobs = self.root / "jobs"
         jobs.mkdir(exist_ok=True)
-        cmd = ["sbatch", "--parsable", f"--output={jobs}/%j.out", *args, str(script_path),
-               *script_args]
+        cmd = ["sbatch", "--parsable", f"--output={jobs}/%j.out", *args, str(script_path), *script_args]
         r = self.run(cmd, 30.0, env=env, cwd=cwd, check=True)
         return int(r.stdout.strip().split(";")[0])
 
-    def sbatch_wait(self, script_path: str | os.PathLike, timeout: float = 60.0,
-                    args: list[str] = (), *, env: dict | None = None,
-                    cwd: str | os.PathLike | None = None,
-                    script_args: list[str] = ()) -> tuple[int, str]:
+    def sbatch_wait(
+        self,
+        script_path: str | os.PathLike,
+        timeout: float = 60.0,
+        args: list[str] = (),
+        *,
+        env: dict | None = None,
+        cwd: str | os.PathLike | None = None,
+        script_args: list[str] = (),
+    ) -> tuple[int, str]:
         """Submit, poll ``squeue`` every 0.2 s until the job has left the queue, and
         return ``(job_id, output_text)``.  On timeout the job is cancelled and
         SlurmError is raised with the daemons' log tails."""
@@ -363,13 +398,13 @@ class LocalSlurm:
                 return  # finished and already purged
             dead = [n for n, p in self._procs.items() if p.poll() is not None]
             if dead:
-                raise SlurmError(f"while waiting for job {job_id}: {dead} died\n"
-                                 + self.log_tails())
+                raise SlurmError(f"while waiting for job {job_id}: {dead} died\n" + self.log_tails())
             if time.monotonic() > deadline:
                 self.run(["scancel", str(job_id)], 15.0)
-                raise SlurmError(f"job {job_id} still {state} after {timeout}s\n"
-                                 f"output so far:\n{_tail(self.job_output(job_id))}\n"
-                                 + self.log_tails())
+                raise SlurmError(
+                    f"job {job_id} still {state} after {timeout}s\n"
+                    f"output so far:\n{_tail(self.job_output(job_id))}\n" + self.log_tails()
+                )
             time.sleep(0.2)
 
     def job_output(self, job_id: int) -> str:
@@ -420,13 +455,16 @@ class LocalSlurm:
     def _spawn(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
         if self.die_with_parent and shutil.which("setpriv"):
             cmd = ["setpriv", "--pdeathsig", "TERM", "--", *cmd]
-        out = open(self.log_dir / f"{name}.stdout", "ab")
-        try:
-            p = subprocess.Popen(cmd, env=env or self._env, stdin=subprocess.DEVNULL,
-                                 stdout=out, stderr=subprocess.STDOUT,
-                                 start_new_session=True, cwd=self.root)
-        finally:
-            out.close()
+        with open(self.log_dir / f"{name}.stdout", "ab") as out:  # the daemon keeps its own copy of the fd
+            p = subprocess.Popen(
+                cmd,
+                env=env or self._env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=self.root,
+            )
         self._procs[name] = p
         return p
 
@@ -438,16 +476,25 @@ class LocalSlurm:
         os.chmod(self.root, 0o755)
         self.log_dir.mkdir()
         key = mdir / "munge.key"
-        r = subprocess.run([_which("mungekey"), "-c", "-k", str(key)],
-                           capture_output=True, text=True, timeout=30)
+        r = subprocess.run(
+            [_which("mungekey"), "-c", "-k", str(key)], capture_output=True, text=True, timeout=30, check=False
+        )
         if r.returncode != 0:
             raise SlurmError(f"mungekey failed: {r.stdout}{r.stderr}")
         os.chmod(key, 0o600)
         self.munge_socket = mdir / "munge.socket.2"
-        self._spawn("munged", [
-            _which("munged"), "-F", f"--key-file={key}", f"--socket={self.munge_socket}",
-            f"--pid-file={mdir / 'munged.pid'}", f"--log-file={self.log_dir / 'munged.log'}",
-            f"--seed-file={mdir / 'munged.seed'}"])
+        self._spawn(
+            "munged",
+            [
+                _which("munged"),
+                "-F",
+                f"--key-file={key}",
+                f"--socket={self.munge_socket}",
+                f"--pid-file={mdir / 'munged.pid'}",
+                f"--log-file={self.log_dir / 'munged.log'}",
+                f"--seed-file={mdir / 'munged.seed'}",
+            ],
+        )
         deadline = time.monotonic() + 10
         while not self.munge_socket.exists():
             if self._procs["munged"].poll() is not None or time.monotonic() > deadline:
@@ -480,50 +527,60 @@ class LocalSlurm:
             (R / "dev").mkdir(exist_ok=True)
             for i in range(self.gpus_per_node):  # SLURM wants character devices: /dev/null's name will do
                 (R / "dev" / f"gpu{i}").symlink_to("/dev/null")
-            (R / "gres.conf").write_text("AutoDetect=off\n" + "".join(
-                f"NodeName={n} Name=gpu File={R}/dev/gpu[0-{self.gpus_per_node - 1}]\n" for n in self.node_names))
+            (R / "gres.conf").write_text(
+                "AutoDetect=off\n"
+                + "".join(
+                    f"NodeName={n} Name=gpu File={R}/dev/gpu[0-{self.gpus_per_node - 1}]\n" for n in self.node_names
+                )
+            )
         node_lines = [
             f"NodeName={n} NodeAddr=127.0.0.1 NodeHostname=localhost Port={p} {gres}"
             f"CPUs={self.cpus_per_node} Sockets=1 CoresPerSocket={self.cpus_per_node} "
             f"ThreadsPerCore=1 RealMemory=1000 State=UNKNOWN"
-            for n, p in zip(self.node_names, self.node_ports)]
-        self.conf.write_text("\n".join([
-            f"ClusterName={self.cluster_name}",
-            "SlurmctldHost=localhost(127.0.0.1)",
-            f"SlurmUser={self.user}",
-            f"SlurmdUser={self.user}",
-            f"SlurmctldPort={self.ctld_port}",
-            "AuthType=auth/munge",
-            "CredType=cred/munge",
-            f"AuthInfo=socket={self.munge_socket}",
-            f"StateSaveLocation={R}/state",
-            f"SlurmdSpoolDir={R}/spool/%n",
-            f"SlurmctldPidFile={R}/slurmctld.pid",
-            f"SlurmdPidFile={R}/slurmd-%n.pid",
-            f"SlurmctldLogFile={R}/log/slurmctld.log",
-            f"SlurmdLogFile={R}/log/slurmd-%n.log",
-            "ProctrackType=proctrack/linuxproc",
-            "TaskPlugin=task/none",
-            "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_Core",
-            # use the configured CPUs/memory even if this machine has fewer
-            "SlurmdParameters=config_overrides",
-            "MpiDefault=none",
-            *(["GresTypes=gpu"] if self.gpus_per_node else []),
-            "SwitchType=switch/none",
-            "ReturnToService=2",
-            "SchedulerType=sched/backfill",
-            "SchedulerParameters=batch_sched_delay=0,sched_min_interval=0",
-            "KillWait=2",
-            f"FirstJobId={self._first_job_id()}",
-            "MinJobAge=120",
-            "MailProg=/bin/true",
-            "AccountingStorageType=accounting_storage/none",
-            "JobAcctGatherType=jobacct_gather/none",
-            "JobCompType=jobcomp/none",
-            *node_lines,
-            "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
-            ""]))
+            for n, p in zip(self.node_names, self.node_ports)
+        ]
+        self.conf.write_text(
+            "\n".join(
+                [
+                    f"ClusterName={self.cluster_name}",
+                    "SlurmctldHost=localhost(127.0.0.1)",
+                    f"SlurmUser={self.user}",
+                    f"SlurmdUser={self.user}",
+                    f"SlurmctldPort={self.ctld_port}",
+                    "AuthType=auth/munge",
+                    "CredType=cred/munge",
+                    f"AuthInfo=socket={self.munge_socket}",
+                    f"StateSaveLocation={R}/state",
+                    f"SlurmdSpoolDir={R}/spool/%n",
+                    f"SlurmctldPidFile={R}/slurmctld.pid",
+                    f"SlurmdPidFile={R}/slurmd-%n.pid",
+                    f"SlurmctldLogFile={R}/log/slurmctld.log",
+                    f"SlurmdLogFile={R}/log/slurmd-%n.log",
+                    "ProctrackType=proctrack/linuxproc",
+                    "TaskPlugin=task/none",
+                    "SelectType=select/cons_tres",
+                    "SelectTypeParameters=CR_Core",
+                    # use the configured CPUs/memory even if this machine has fewer
+                    "SlurmdParameters=config_overrides",
+                    "MpiDefault=none",
+                    *(["GresTypes=gpu"] if self.gpus_per_node else []),
+                    "SwitchType=switch/none",
+                    "ReturnToService=2",
+                    "SchedulerType=sched/backfill",
+                    "SchedulerParameters=batch_sched_delay=0,sched_min_interval=0",
+                    "KillWait=2",
+                    f"FirstJobId={self._first_job_id()}",
+                    "MinJobAge=120",
+                    "MailProg=/bin/true",
+                    "AccountingStorageType=accounting_storage/none",
+                    "JobAcctGatherType=jobacct_gather/none",
+                    "JobCompType=jobcomp/none",
+                    *node_lines,
+                    "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
+                    "",
+                ]
+            )
+        )
 
     def _start_slurm(self) -> None:
         self._write_conf()
@@ -546,8 +603,14 @@ class LocalSlurm:
                         raise _RetryablePortError(msg)
                     raise SlurmError(msg)
             try:  # short timeout: a port thief that accepts but never answers must not stall us
-                r = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], env=self._env,
-                                   capture_output=True, text=True, timeout=3)
+                r = subprocess.run(
+                    ["sinfo", "-h", "-N", "-o", "%N %t"],
+                    env=self._env,
+                    capture_output=True,
+                    text=True,
+                    timeout=3,
+                    check=False,
+                )
             except subprocess.TimeoutExpired:
                 r = subprocess.CompletedProcess([], 1, "", "sinfo timed out")
             states = r.stdout.strip()
@@ -557,7 +620,8 @@ class LocalSlurm:
             if time.monotonic() > deadline:
                 raise SlurmError(
                     f"nodes not idle after {self.startup_timeout}s; sinfo: {states!r} "
-                    f"{r.stderr.strip()!r}\n{self.log_tails()}")
+                    f"{r.stderr.strip()!r}\n{self.log_tails()}"
+                )
             time.sleep(0.05)
 
     def _cancel_all_jobs(self, timeout: float) -> None:

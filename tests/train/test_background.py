@@ -15,12 +15,12 @@ import weakref
 
 import pytest
 import torch
+from support.states import FailsWhenTold
 from torch.utils.data import DataLoader, TensorDataset
 
 from qaccel import Accelerator, Preempted
 from qaccel.train import background
 from qaccel.train.checkpoint import MARKER_FILE, newest_checkpoint
-from support.states import FailsWhenTold
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -79,8 +79,9 @@ def _save_then_spoil(acc, folder, background):
 def _staged_memory(acc):
     """Where this rank's staging memory is (under DDP, only rank 0 copies anything)."""
     staging = acc._registry().staging
-    return [] if staging is None else [(t.to_local() if hasattr(t, "to_local") else t).data_ptr()
-                                      for t in staging.staged]
+    return (
+        [] if staging is None else [(t.to_local() if hasattr(t, "to_local") else t).data_ptr() for t in staging.staged]
+    )
 
 
 def _resume_and_train(acc, folder):
@@ -97,14 +98,16 @@ def test_a_background_save_writes_the_state_at_the_call_and_resumes_as_a_blockin
     blocking = acc.distribute(_save_then_spoil)(acc, str(tmp_path / "blocking"), False)
     background = acc.distribute(_save_then_spoil)(acc, str(tmp_path / "background"), True)
     assert blocking == (str(tmp_path / "blocking"), True, None, True), "a blocking save is complete when it returns"
-    assert background == (str(tmp_path / "background"), False, str(tmp_path / "background"), True), \
+    assert background == (str(tmp_path / "background"), False, str(tmp_path / "background"), True), (
         "returned before the files were written, its copy in the memory of the save before; complete once waited for"
+    )
     if kind != "fsdp":
         for name in ("model_0.pt", "optimizer_0.pt", "random_states_0.pt"):
             saved = [torch.load(tmp_path / which / name, weights_only=True) for which in ("blocking", "background")]
             assert _equal(*saved), name
-    (state, step), (expected, expected_step) = (acc.distribute(_resume_and_train)(acc, str(tmp_path / which))
-                                                for which in ("background", "blocking"))
+    (state, step), (expected, expected_step) = (
+        acc.distribute(_resume_and_train)(acc, str(tmp_path / which)) for which in ("background", "blocking")
+    )
     assert step == expected_step == 6
     assert state.keys() == expected.keys() and all(torch.equal(state[k], expected[k]) for k in expected)
 
@@ -155,11 +158,15 @@ def test_a_failed_background_save_is_raised_on_every_rank_at_the_same_step(acc, 
     assert notes[0] == f"[qaccel] while writing {target}.tmp-" + notes[0].split(".tmp-")[1], "the file"
     assert notes[0].endswith("/registered_0.pt")
     assert (kind_1, message_1, notes_1) == (kind, message, notes), "the same error and notes on every rank"
-    assert notes[1] == "[qaccel] save_state() failed on rank 0 while writing the checkpoint, and every rank raised " \
-                       "it; the previous checkpoint stands"
+    assert (
+        notes[1] == "[qaccel] save_state() failed on rank 0 while writing the checkpoint, and every rank raised "
+        "it; the previous checkpoint stands"
+    )
     for said in (notes[-1], notes_1[-1]):
-        assert said == f"[qaccel] raised by the background save of {target} (save_state at step 2); the " \
-                       "checkpoint before it stands"
+        assert (
+            said == f"[qaccel] raised by the background save of {target} (save_state at step 2); the "
+            "checkpoint before it stands"
+        )
     assert waited is None, "raised once, then forgotten"
     assert os.listdir(folder) == ["checkpoint_00000001"] and first == str(folder / "checkpoint_00000001")
 
@@ -182,8 +189,10 @@ def test_a_disk_that_fills_up_during_a_background_save_is_raised_on_every_rank(s
     assert ranks[0][1][0] == ranks[1][1][0], "the same step on every rank"
     for first, (_, kind_, message, notes) in ranks:
         assert kind_ == "OSError", message
-        assert message.startswith(f"[Errno {errno.ENOSPC}] save_state() could not write {folder}/checkpoint_00000002:"
-                                  " the disk is full while writing "), message
+        assert message.startswith(
+            f"[Errno {errno.ENOSPC}] save_state() could not write {folder}/checkpoint_00000002:"
+            " the disk is full while writing "
+        ), message
         assert "the previous checkpoint stands" in message and "checkpoint_00000002.tmp-" in message
         assert notes[-1].startswith(f"[qaccel] raised by the background save of {folder}/checkpoint_00000002")
     assert os.listdir(folder) == ["checkpoint_00000001"], "the previous checkpoint, and nothing half-written"
@@ -204,7 +213,7 @@ def _killed_while_writing(acc, folder):
 
 
 def _load(acc, folder):
-    model, optimizer = _setup(acc, seed=1)
+    _model, _optimizer = _setup(acc, seed=1)
     return acc.load_state(folder), acc.step
 
 

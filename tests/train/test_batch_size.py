@@ -21,6 +21,7 @@ def _oom_above(limit, tried):
         if batch_size > limit:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
         return batch_size * scale
+
     return train
 
 
@@ -33,8 +34,9 @@ def test_one_process_retries_at_nine_tenths_and_keeps_the_size_for_the_next_call
 
 def test_the_decorator_form_a_reducer_of_yours_and_running_out_at_zero():
     tried = []
-    train = find_executable_batch_size(starting_batch_size=8, reduce_batch_size_fn=lambda: len(tried) and 8 >> len(tried))(
-        _oom_above(1, tried))
+    train = find_executable_batch_size(
+        starting_batch_size=8, reduce_batch_size_fn=lambda: len(tried) and 8 >> len(tried)
+    )(_oom_above(1, tried))
     assert train() == 1 and tried == [8, 4, 2, 1]
     with pytest.raises(RuntimeError, match="No executable batch size found, reached zero"):
         find_executable_batch_size(_oom_above(0, []), starting_batch_size=3)()
@@ -48,19 +50,26 @@ def test_errors_name_what_is_wrong():
 
     def fails(batch_size):
         raise ValueError("not memory")
+
     with pytest.raises(ValueError, match="not memory"):
         find_executable_batch_size(fails)()
 
 
-@pytest.mark.parametrize(("error", "reduce"), [
-    (torch.OutOfMemoryError("anything"), True),
-    (RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"), True),
-    (RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried"), True),
-    (RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed"), True),
-    (RuntimeError("CUDA out of memory.", "a second argument"), False),
-    (ValueError("CUDA out of memory."), False),
-    (RuntimeError("Connection closed by peer"), False),
-])
+@pytest.mark.parametrize(
+    ("error", "reduce"),
+    [
+        (torch.OutOfMemoryError("anything"), True),
+        (RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"), True),
+        (
+            RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried"),
+            True,
+        ),
+        (RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed"), True),
+        (RuntimeError("CUDA out of memory.", "a second argument"), False),
+        (ValueError("CUDA out of memory."), False),
+        (RuntimeError("Connection closed by peer"), False),
+    ],
+)
 def test_which_errors_mean_out_of_memory(error, reduce):
     assert should_reduce_batch_size(error) is reduce
 
@@ -73,8 +82,9 @@ def _agreed(proc, calls=1):
     assert result["world"] == 2
     assert [r["tried"] for r in result["ranks"]] == [TRIED, TRIED], "every rank tried the same sizes"
     assert {r["size"] for r in result["ranks"]} == {40}
-    assert {r["hash"] for r in result["ranks"]} == {result["reference"]}, \
+    assert {r["hash"] for r in result["ranks"]} == {result["reference"]}, (
         "the retried run trains as one started at 40: nothing of the failed attempts is left"
+    )
 
 
 @pytest.mark.timeout(120)
@@ -99,8 +109,14 @@ def test_ranks_agree_under_torchrun_when_the_search_is_the_first_thing_on_the_ra
 @pytest.mark.slurm
 @pytest.mark.timeout(150)
 def test_ranks_agree_on_the_size_under_srun(tmp_path, slurm_cluster):
-    _agreed(slurm_cluster.srun(["-N1", "-n2", "python", str(SCRIPT), str(tmp_path / "out")], timeout=120,
-                               env=slurm_env(slurm_cluster), cwd=tmp_path))
+    _agreed(
+        slurm_cluster.srun(
+            ["-N1", "-n2", "python", str(SCRIPT), str(tmp_path / "out")],
+            timeout=120,
+            env=slurm_env(slurm_cluster),
+            cwd=tmp_path,
+        )
+    )
 
 
 @pytest.mark.timeout(120)

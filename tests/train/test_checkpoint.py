@@ -6,12 +6,12 @@ import os
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
-
-from qaccel import Accelerator, CheckpointError, ProjectConfiguration
 from support import component
 from support.pagecache import cached_in, droppable
 from support.states import Counter
+from torch.utils.data import DataLoader, TensorDataset
+
+from qaccel import Accelerator, CheckpointError, ProjectConfiguration
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -161,8 +161,12 @@ def test_a_save_that_died_between_its_renames_is_recovered(acc, tmp_path):
 def test_a_users_folders_named_like_what_a_save_leaves_survive_saves_and_pruning(tmp_path):
     single = Accelerator(compute_setup="cpu")
     single.prepare(torch.nn.Linear(2, 1))
-    mine = [tmp_path / "ckpt.tmp-mine", tmp_path / "ckpt.old-notes", tmp_path / "runs" / "checkpoint_00000000.tmp-a",
-            tmp_path / "runs" / "checkpoint_00000000.old-backup"]
+    mine = [
+        tmp_path / "ckpt.tmp-mine",
+        tmp_path / "ckpt.old-notes",
+        tmp_path / "runs" / "checkpoint_00000000.tmp-a",
+        tmp_path / "runs" / "checkpoint_00000000.old-backup",
+    ]
     for folder in mine:
         folder.mkdir(parents=True)
         (folder / "notes.txt").write_text("mine")
@@ -171,7 +175,10 @@ def test_a_users_folders_named_like_what_a_save_leaves_survive_saves_and_pruning
         single.save_state(str(tmp_path / "runs"), keep=1)  # prunes what killed saves left beside its checkpoints
     assert all((folder / "notes.txt").read_text() == "mine" for folder in mine), "only what a save made goes"
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [
-        "checkpoint_00000000", "checkpoint_00000000.old-backup", "checkpoint_00000000.tmp-a"]
+        "checkpoint_00000000",
+        "checkpoint_00000000.old-backup",
+        "checkpoint_00000000.tmp-a",
+    ]
 
 
 def test_loading_into_different_objects_is_refused(tmp_path):
@@ -222,8 +229,11 @@ def test_project_dir_holds_the_checkpoints_that_save_load_and_resume_without_a_f
     resumed, saved, loaded, step = acc.distribute(_in_the_project)(acc, 1)  # a second run continues the project
     assert resumed == str(folder / "checkpoint_00000002") and saved == [str(folder / "checkpoint_00000003")]
     assert step == 3
-    with pytest.raises(ValueError, match=r"needs a directory, a resume\(directory\) call before it, or "
-                                         r"Accelerator\(project_dir=...\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"needs a directory, a resume\(directory\) call before it, or "
+        r"Accelerator\(project_dir=...\)",
+    ):
         Accelerator(compute_setup="cpu").save_state()
 
 
@@ -247,8 +257,11 @@ def test_accelerates_project_configuration_keeps_its_total_limit_of_numbered_che
     assert saved == [str(folder / f"checkpoint_0000000{step}") for step in (1, 2, 3)] and loaded == saved[-1]
     assert sorted(p.name for p in folder.iterdir()) == ["checkpoint_00000002", "checkpoint_00000003"], "total_limit"
     assert project_dir == str(tmp_path / "p")
-    with pytest.raises(ValueError, match=r"ProjectConfiguration\(iteration=4\) is not in qaccel: numbered "
-                                         r"checkpoints are named by the optimizer step"):
+    with pytest.raises(
+        ValueError,
+        match=r"ProjectConfiguration\(iteration=4\) is not in qaccel: numbered "
+        r"checkpoints are named by the optimizer step",
+    ):
         Accelerator(project_config=ProjectConfiguration(iteration=4))
     with pytest.raises(ValueError, match=r"ProjectConfiguration\(total_limit=2\) contradicts keep_checkpoints=3"):
         Accelerator(keep_checkpoints=3, project_config=ProjectConfiguration(total_limit=2))

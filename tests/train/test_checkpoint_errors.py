@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.states import Unwritable
 from torch.utils.data import DataLoader, TensorDataset
 
 from qaccel import Accelerator, CheckpointError, consolidate, storage
 from qaccel.train import checkpoint
-from support.states import Unwritable
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -63,7 +63,7 @@ def _checkpoints(acc, folder):
 
 
 def _resume(acc, folder):
-    model, optimizer, loader = _prepared(acc)
+    model, _optimizer, _loader = _prepared(acc)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loaded = acc.resume(folder)
@@ -110,8 +110,11 @@ def test_resume_skips_a_damaged_newest_checkpoint_on_every_rank(acc, tmp_path, d
     assert [r[:3] for r in ranks] == [("checkpoint_00000002", 2, seen[0])] * 2, "the same older checkpoint everywhere"
     [said] = ranks[0][3]
     assert ranks[1][3] == [], "one warning, from rank 0"
-    assert str(newest) in said and victim.name in said and {"cut short": "bytes long", "changed": "checksum",
-                                                              "missing": "is missing"}[damage] in said
+    assert (
+        str(newest) in said
+        and victim.name in said
+        and {"cut short": "bytes long", "changed": "checksum", "missing": "is missing"}[damage] in said
+    )
 
     # load_state() given that checkpoint raises on every rank, naming it and the file, and loads nothing
     ranks = acc.distribute(_load_explicitly, all_results=True)(acc, str(newest))
@@ -172,16 +175,19 @@ def _save_one(acc, path):
     acc.save_state(path)
 
 
-@pytest.mark.parametrize("other, wanted", [
-    ({"width": 16}, "its '0.weight' has shape [8, 4], the model's [16, 4]"),
-    ({"extra": True}, "it holds no '3.weight'"),
-])
+@pytest.mark.parametrize(
+    "other, wanted",
+    [
+        ({"width": 16}, "its '0.weight' has shape [8, 4], the model's [16, 4]"),
+        ({"extra": True}, "it holds no '3.weight'"),
+    ],
+)
 def test_loading_another_models_checkpoint_names_the_parameter_and_loads_nothing(acc, tmp_path, other, wanted):
     path = str(tmp_path / "ckpt")
     acc.distribute(_save_one)(acc, path)
 
     def load_into_other(acc):
-        model, optimizer, loader = _prepared(acc, **other)
+        model, _optimizer, loader = _prepared(acc, **other)
         before = (_params(model), loader.state_dict())
         result = _outcome(acc.load_state, path)
         return result, before == (_params(model), loader.state_dict())
@@ -190,14 +196,16 @@ def test_loading_another_models_checkpoint_names_the_parameter_and_loads_nothing
     assert ranks[0] == ranks[1], "the same error on every rank"
     (kind, message, file), untouched = ranks[0]
     assert kind == "CheckpointError" and untouched
-    assert message == (f"checkpoint {path} was not written for this run's model 0 (prepared model number 0): "
-                       f"{wanted}; nothing was loaded")
+    assert message == (
+        f"checkpoint {path} was not written for this run's model 0 (prepared model number 0): "
+        f"{wanted}; nothing was loaded"
+    )
     assert file == os.path.join(path, "model_0.pt")
 
 
 def test_a_smaller_model_than_saved_is_named_too(single, tmp_path):
     path = str(tmp_path / "ckpt")
-    model, optimizer, loader = _prepared(single, extra=True)
+    _model, _optimizer, _loader = _prepared(single, extra=True)
     single.save_state(path)
     fresh = Accelerator(nprocs=1, compute_setup="cpu")
     _prepared(fresh)
@@ -211,7 +219,7 @@ def test_a_sharded_checkpoint_of_another_model_is_refused_on_every_rank(tmp_path
     acc.distribute(_save_one)(acc, path)
 
     def load_wider(acc):
-        model, _, _ = _prepared(acc, width=16)
+        _model, _, _ = _prepared(acc, width=16)
         return _outcome(acc.load_state, path)
 
     ranks = acc.distribute(load_wider, all_results=True)(acc)
@@ -245,8 +253,11 @@ def test_consolidate_and_load_state_say_what_is_there_instead_of_a_checkpoint(si
     (tmp_path / "notes" / "a.txt").write_text("x")
     (tmp_path / "file.pt").write_bytes(b"x")
     out = str(tmp_path / "out.pt")
-    with pytest.raises(FileNotFoundError, match=r"notes is not a qaccel checkpoint: it holds no qaccel_state.json .* "
-                                                r"it holds a.txt$"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"notes is not a qaccel checkpoint: it holds no qaccel_state.json .* "
+        r"it holds a.txt$",
+    ):
         consolidate(tmp_path / "notes", out)
     with pytest.raises(FileNotFoundError, match="file.pt: it is a file; give the checkpoint's folder"):
         consolidate(tmp_path / "file.pt", out)
@@ -326,8 +337,10 @@ def test_a_disk_that_fills_up_during_save_state_is_named_on_every_rank(small_dis
     first = ranks[0][0]
     for rank, (_, (kind, message, _)) in enumerate(ranks):
         assert kind == "OSError", (rank, message)
-        assert message.startswith(f"[Errno {errno.ENOSPC}] save_state() could not write {folder}/checkpoint_00000002: "
-                                  "the disk is full while writing "), message
+        assert message.startswith(
+            f"[Errno {errno.ENOSPC}] save_state() could not write {folder}/checkpoint_00000002: "
+            "the disk is full while writing "
+        ), message
         assert f"MiB free of 2.0 MiB on the file system holding {folder} now; the previous checkpoint stands" in message
         assert "checkpoint_00000002.tmp-" in message, "the file (or the shards' folder) being written"
     assert "(the partial checkpoint, " in ranks[0][1][1]
@@ -352,8 +365,11 @@ class _Fails:
     def state_dict(self):
         if self.where == "state_dict":
             raise ValueError("this object cannot say its state")
-        return {"n": self.n, "payload": Unwritable("the device went away")} if self.where == "unwritable" else {
-            "n": self.n}
+        return (
+            {"n": self.n, "payload": Unwritable("the device went away")}
+            if self.where == "unwritable"
+            else {"n": self.n}
+        )
 
     def load_state_dict(self, state):
         if self.where == "load_state_dict":
@@ -428,33 +444,59 @@ def test_every_failure_of_a_save_or_a_load_is_raised_on_every_rank_and_training_
     (tmp_path / "mine" / "notes.txt").write_text("the user's")
     acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=20)
     (outcomes, loaded, step), (outcomes_1, _, step_1) = acc.distribute(_every_failure, all_results=True)(
-        acc, str(tmp_path))
+        acc, str(tmp_path)
+    )
     assert outcomes == outcomes_1, "the same error, words and notes on every rank"
     assert (loaded, step, step_1) == ("after", 11, 11), "every failure was followed by a step, and training went on"
     saving = "and every rank raised it; the previous checkpoint stands"
     expected = {
         "folder": ("NotADirectoryError", f"[qaccel] save_state() failed on rank 0 while making its folder, {saving}"),
-        "not a checkpoint": ("FileExistsError", f"[qaccel] save_state() failed on rank 0 while making its folder, "
-                                                f"{saving}"),
+        "not a checkpoint": (
+            "FileExistsError",
+            f"[qaccel] save_state() failed on rank 0 while making its folder, {saving}",
+        ),
         "collecting": ("ValueError", f"[qaccel] save_state() failed on rank 0 while collecting the state, {saving}"),
         "writing": ("OSError", f"[qaccel] save_state() failed on rank 0 while writing the checkpoint, {saving}"),
         "marker": ("OSError", f"[qaccel] save_state() failed on rank 0 while writing the checkpoint, {saving}"),
         "rename": ("OSError", f"[qaccel] save_state() failed on rank 0 while writing the checkpoint, {saving}"),
-        "pruning": ("PermissionError", "[qaccel] save_state() failed on rank 0 while removing older checkpoints, and "
-                                       f"every rank raised it; the new checkpoint {tmp_path}/numbered/checkpoint_00000007"
-                                       " is complete"),
-        "finding": ("PermissionError", f"[qaccel] load_state() failed on rank 0 while looking for a checkpoint in "
-                                       f"{tmp_path}/after, and every rank raised it"),
-        "reading": ("MemoryError", f"[qaccel] load_state() failed on rank 1 while reading {tmp_path}/after, and every "
-                                   "rank raised it; nothing was loaded"),
-        "applying": ("KeyError", f"[qaccel] load_state() failed on rank 1 while loading {tmp_path}/after into the "
-                                 "prepared objects, and every rank raised it; they may hold part of it: load again"),
+        "pruning": (
+            "PermissionError",
+            (
+                "[qaccel] save_state() failed on rank 0 while removing older checkpoints, and "
+                f"every rank raised it; the new checkpoint {tmp_path}/numbered/checkpoint_00000007"
+                " is complete"
+            ),
+        ),
+        "finding": (
+            "PermissionError",
+            (
+                f"[qaccel] load_state() failed on rank 0 while looking for a checkpoint in "
+                f"{tmp_path}/after, and every rank raised it"
+            ),
+        ),
+        "reading": (
+            "MemoryError",
+            (
+                f"[qaccel] load_state() failed on rank 1 while reading {tmp_path}/after, and every "
+                "rank raised it; nothing was loaded"
+            ),
+        ),
+        "applying": (
+            "KeyError",
+            (
+                f"[qaccel] load_state() failed on rank 1 while loading {tmp_path}/after into the "
+                "prepared objects, and every rank raised it; they may hold part of it: load again"
+            ),
+        ),
     }
     assert {name: (kind, notes[-1]) for name, (kind, _, notes) in outcomes.items()} == expected
     assert outcomes["writing"][1] == "the device went away" and outcomes["writing"][2][0].startswith(
-        f"[qaccel] while writing {tmp_path}/new.tmp-"), "the file it was writing, on every rank"
-    assert outcomes["not a checkpoint"][1].startswith(f"[Errno 17] save_state() replaces its folder whole, and "
-                                                      f"{tmp_path}/mine is not a qaccel checkpoint (it holds notes.txt)")
+        f"[qaccel] while writing {tmp_path}/new.tmp-"
+    ), "the file it was writing, on every rank"
+    assert outcomes["not a checkpoint"][1].startswith(
+        f"[Errno 17] save_state() replaces its folder whole, and "
+        f"{tmp_path}/mine is not a qaccel checkpoint (it holds notes.txt)"
+    )
     assert (tmp_path / "mine" / "notes.txt").read_text() == "the user's", "nothing of the user's is lost"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a file", "after", "mine", "numbered"], "no partial one"
     assert sorted(p.name for p in (tmp_path / "numbered").iterdir()) == ["checkpoint_00000006", "checkpoint_00000007"]
@@ -465,5 +507,6 @@ def test_a_single_process_says_what_failed_without_ranks(single, tmp_path):
     single.prepare(torch.nn.Linear(2, 2))
     with pytest.raises(NotADirectoryError) as info:
         single.save_state(tmp_path / "a file" / "checkpoint")
-    assert info.value.__notes__ == ["[qaccel] save_state() failed while making its folder; the previous checkpoint "
-                                    "stands"]
+    assert info.value.__notes__ == [
+        "[qaccel] save_state() failed while making its folder; the previous checkpoint stands"
+    ]

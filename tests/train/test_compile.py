@@ -20,8 +20,9 @@ def _train(dynamo_backend, strategy="ddp", mixed_precision="no"):
 
     from qaccel import Accelerator
 
-    acc = Accelerator(compute_setup="cpu", dynamo_backend=dynamo_backend, strategy=strategy,
-                      mixed_precision=mixed_precision)
+    acc = Accelerator(
+        compute_setup="cpu", dynamo_backend=dynamo_backend, strategy=strategy, mixed_precision=mixed_precision
+    )
     torch.manual_seed(0)
     user_module = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     model, optimizer = acc.prepare(user_module, torch.optim.SGD(user_module.parameters(), lr=0.05))
@@ -35,8 +36,13 @@ def _train(dynamo_backend, strategy="ddp", mixed_precision="no"):
         optimizer.zero_grad()
         losses.append(loss.item())
         graphs.append(counters["stats"]["unique_graphs"])
-    return {"losses": losses, "graphs": graphs, "compiled": "compile" in vars(acc.unwrap_model(model)).get("_qaccel_forward_layers", {}),
-            "unwrapped": acc.unwrap_model(model) is user_module, "prepared": type(model).__name__}
+    return {
+        "losses": losses,
+        "graphs": graphs,
+        "compiled": "compile" in vars(acc.unwrap_model(model)).get("_qaccel_forward_layers", {}),
+        "unwrapped": acc.unwrap_model(model) is user_module,
+        "prepared": type(model).__name__,
+    }
 
 
 @pytest.mark.timeout(240)
@@ -81,8 +87,9 @@ def test_unwrap_model_can_take_autocast_off_in_place(single):
     acc = Accelerator(compute_setup="cpu", mixed_precision="bf16")
     model = acc.prepare(user_module)
     x = torch.randn(4, 8)
-    assert acc.unwrap_model(model) is user_module and not torch.equal(model(x), torch.nn.functional.linear(
-        x, user_module.weight, user_module.bias)), "kept: the forward runs under bf16 autocast"
+    assert acc.unwrap_model(model) is user_module and not torch.equal(
+        model(x), torch.nn.functional.linear(x, user_module.weight, user_module.bias)
+    ), "kept: the forward runs under bf16 autocast"
     assert acc.unwrap_model(model, keep_fp32_wrapper=False) is user_module
     assert torch.equal(model(x), torch.nn.functional.linear(x, user_module.weight, user_module.bias))
     assert "forward" not in vars(user_module), "the class's forward is back"

@@ -44,8 +44,13 @@ def _train(acc, reads, size, stream=False, epochs=2, workers=2):
     model = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Dropout(0.2), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.02)
     dataset = (LoggedStream if stream else Logged)(size, reads, acc.rank)
-    loader = DataLoader(dataset, batch_size=4, shuffle=not stream, num_workers=workers,
-                        generator=None if stream else torch.Generator().manual_seed(2))
+    loader = DataLoader(
+        dataset,
+        batch_size=4,
+        shuffle=not stream,
+        num_workers=workers,
+        generator=None if stream else torch.Generator().manual_seed(2),
+    )
     model, optimizer, loader = acc.prepare(model, optimizer, loader)
     ids, steps = [], []
     for _ in range(epochs):
@@ -63,8 +68,9 @@ def _same(a, b):
     assert all(torch.equal(x, y) for x, y in zip(a[2], b[2])), "the same training, bitwise"
 
 
-@pytest.mark.parametrize("options", [{}, {"even_batches": False}, {"split_batches": True}],
-                         ids=["padded", "uneven", "split"])
+@pytest.mark.parametrize(
+    "options", [{}, {"even_batches": False}, {"split_batches": True}], ids=["padded", "uneven", "split"]
+)
 def test_dispatched_batches_are_the_ones_each_rank_reads_itself_and_only_rank_0_reads(tmp_path, options):
     own = Accelerator(nprocs=2, compute_setup="cpu", timeout=60, **options)
     dealt = Accelerator(nprocs=2, compute_setup="cpu", timeout=60, dispatch_batches=True, **options)
@@ -74,8 +80,9 @@ def test_dispatched_batches_are_the_ones_each_rank_reads_itself_and_only_rank_0_
         _same(got[rank], expected[rank])
     assert sorted(os.listdir(tmp_path / "dealt")) == ["rank0"], "rank 1 read nothing"
     reads = (tmp_path / "dealt" / "rank0").read_text().split()
-    assert len(reads) == len((tmp_path / "own" / "rank0").read_text().split()) + \
-        len((tmp_path / "own" / "rank1").read_text().split()), "rank 0 read what both read before, no more"
+    assert len(reads) == len((tmp_path / "own" / "rank0").read_text().split()) + len(
+        (tmp_path / "own" / "rank1").read_text().split()
+    ), "rank 0 read what both read before, no more"
 
 
 def test_a_dispatched_stream_deals_each_round_out_and_drops_an_incomplete_last_one(tmp_path):

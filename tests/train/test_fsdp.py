@@ -9,15 +9,15 @@ import sys
 
 import pytest
 import torch
+from support.procs import once_per_session, run_script, run_torchrun, slurm_env
+from support.real_train import REAL, checked, real_env
+from support.states import FailsWhenTold
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from qaccel import Accelerator
 from qaccel.options import FSDP_MIN_PARAMS, Backend, MixedPrecision, Strategy, _check_sharding
 from qaccel.train.sharding import units
-from support.procs import once_per_session, run_script, run_torchrun, slurm_env
-from support.real_train import REAL, checked, real_env
-from support.states import FailsWhenTold
 
 EPOCHS = 3
 
@@ -88,12 +88,20 @@ def runs():
     """One 3-epoch run each: FSDP2 on 2 ranks (size policy: each Linear of 16+ parameters a unit, the head not),
     the same with sync_each_batch, 1 process with the doubled batch, DDP on 2 ranks; all accumulate 2 micro-steps
     and clip."""
-    fsdp = Accelerator(nprocs=2, compute_setup="cpu", timeout=60, strategy="fsdp", fsdp_min_params=16,
-                       gradient_accumulation_steps=2)
+    fsdp = Accelerator(
+        nprocs=2, compute_setup="cpu", timeout=60, strategy="fsdp", fsdp_min_params=16, gradient_accumulation_steps=2
+    )
     one = Accelerator(nprocs=1, compute_setup="cpu", gradient_accumulation_steps=2)
     ddp = Accelerator(nprocs=2, compute_setup="cpu", timeout=60, gradient_accumulation_steps=2)
-    each = Accelerator(nprocs=2, compute_setup="cpu", timeout=60, strategy="fsdp", fsdp_min_params=16,
-                       gradient_accumulation_steps=2, sync_each_batch=True)
+    each = Accelerator(
+        nprocs=2,
+        compute_setup="cpu",
+        timeout=60,
+        strategy="fsdp",
+        fsdp_min_params=16,
+        gradient_accumulation_steps=2,
+        sync_each_batch=True,
+    )
     return {
         "fsdp": fsdp.distribute(_train, all_results=True)(fsdp, 3, True),
         "fsdp sync_each_batch": each.distribute(_train)(each, 3),
@@ -157,8 +165,9 @@ def _bf16(acc):
 
 
 def test_bf16_computes_in_bf16_and_keeps_fp32_parameters_and_gradients():
-    acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=60, strategy="fsdp", mixed_precision="bf16",
-                      fsdp_modules=[Block])
+    acc = Accelerator(
+        nprocs=2, compute_setup="cpu", timeout=60, strategy="fsdp", mixed_precision="bf16", fsdp_modules=[Block]
+    )
     compute, output, params, grads = acc.distribute(_bf16)(acc)
     assert compute == (torch.bfloat16, torch.bfloat16)
     assert output == torch.float32, "the loss is computed from fp32 outputs"
@@ -177,13 +186,16 @@ def test_the_policy_shards_named_classes_or_submodules_by_size_and_never_cuts_a_
     assert units(tied, ("Linear",), 1) == []
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"strategy": "zero3"}, "strategy must be one of 'ddp', 'fsdp'; got 'zero3'"),
-    ({"fsdp_modules": [Block]}, "fsdp_modules and fsdp_min_params apply to strategy='fsdp' only"),
-    ({"strategy": "fsdp", "fsdp_min_params": 0}, "fsdp_min_params must be a positive int"),
-    ({"strategy": "fsdp", "fsdp_modules": Block}, "fsdp_modules must be a non-empty list of module classes"),
-    ({"strategy": "fsdp", "fsdp_modules": [3]}, "fsdp_modules must be a non-empty list of module classes"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"strategy": "zero3"}, "strategy must be one of 'ddp', 'fsdp'; got 'zero3'"),
+        ({"fsdp_modules": [Block]}, "fsdp_modules and fsdp_min_params apply to strategy='fsdp' only"),
+        ({"strategy": "fsdp", "fsdp_min_params": 0}, "fsdp_min_params must be a positive int"),
+        ({"strategy": "fsdp", "fsdp_modules": Block}, "fsdp_modules must be a non-empty list of module classes"),
+        ({"strategy": "fsdp", "fsdp_modules": [3]}, "fsdp_modules must be a non-empty list of module classes"),
+    ],
+)
 def test_bad_strategy_arguments_fail_at_construction(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):
         Accelerator(nprocs=2, compute_setup="cpu", **kwargs)
@@ -307,15 +319,21 @@ def _load(acc, ckpt):
     model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
     acc.register_for_checkpointing(FailsWhenTold("disk full"))
     acc.load_state(ckpt)
-    moments = sorted(round(float(s["exp_avg_sq"].sum()), 6) for s in optimizer.state.values()) \
-        if acc.world_size == 1 or acc.strategy == "ddp" else None
+    moments = (
+        sorted(round(float(s["exp_avg_sq"].sum()), 6) for s in optimizer.state.values())
+        if acc.world_size == 1 or acc.strategy == "ddp"
+        else None
+    )
     return {k: v.clone() for k, v in acc.get_state_dict(model).items()}, acc.step, moments
 
 
 @pytest.mark.parametrize("target", ["one process", "ddp on 2 ranks"])
 def test_a_two_rank_sharded_checkpoint_loads_into_one_process_and_into_ddp(checkpoints, target):
-    acc = Accelerator(nprocs=1, compute_setup="cpu") if target == "one process" else \
-        Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
+    acc = (
+        Accelerator(nprocs=1, compute_setup="cpu")
+        if target == "one process"
+        else Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
+    )
     state, step, moments = acc.distribute(_load)(acc, str(checkpoints["root"] / "full"))
     full_state, full_step = checkpoints["full"]
     assert step == full_step and all(torch.equal(state[k], full_state[k]) for k in full_state)
@@ -347,8 +365,13 @@ def test_save_model_and_consolidate_write_one_plain_file(checkpoints, tmp_path):
     assert all(torch.equal(saved[k], state[k]) for k in state)
 
     out = tmp_path / "consolidated.pt"
-    done = subprocess.run([sys.executable, "-m", "qaccel", "consolidate", str(checkpoints["root"] / "full"), str(out)],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "qaccel", "consolidate", str(checkpoints["root"] / "full"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     assert "checkpoint_00000018" in done.stdout and "model 0" in done.stdout
     consolidated = torch.load(out, weights_only=True)
@@ -364,8 +387,11 @@ def _fsdp_plain_run(tmp_path_factory) -> str:
     tmp = tmp_path_factory.mktemp("fsdp_reference")
     proc = run_script(REAL, "--ckpt", str(tmp / "ckpt"), "--strategy", "fsdp", env=real_env(), cwd=tmp, timeout=200)
     result = checked(proc)
-    assert sorted(os.listdir(tmp / "ckpt" / "checkpoint_00000018" / "sharded")) == \
-        [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert sorted(os.listdir(tmp / "ckpt" / "checkpoint_00000018" / "sharded")) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
     return result["hash"]
 
 
@@ -377,8 +403,19 @@ def fsdp_reference(tmp_path_factory):
 
 @pytest.mark.timeout(300)
 def test_the_real_script_sharded_under_torchrun_restarts_and_resumes_bitwise(fsdp_reference, tmp_path):
-    proc = run_torchrun(REAL, "--ckpt", str(tmp_path / "ckpt"), "--strategy", "fsdp", "--crash-at", "1:2",
-                        torchrun_args=("--max-restarts", "1"), env=real_env(), cwd=tmp_path, timeout=250)
+    proc = run_torchrun(
+        REAL,
+        "--ckpt",
+        str(tmp_path / "ckpt"),
+        "--strategy",
+        "fsdp",
+        "--crash-at",
+        "1:2",
+        torchrun_args=("--max-restarts", "1"),
+        env=real_env(),
+        cwd=tmp_path,
+        timeout=250,
+    )
     result = checked(proc)
     assert (result["attempt"], result["resumed"], result["trained"]) == ("1", True, 12), "from step 6 to 18"
     assert result["hash"] == fsdp_reference
@@ -389,6 +426,9 @@ def test_the_real_script_sharded_under_torchrun_restarts_and_resumes_bitwise(fsd
 def test_the_real_script_sharded_under_srun_ends_alike(fsdp_reference, slurm_cluster, tmp_path):
     env = {**slurm_env(slurm_cluster), "OMP_NUM_THREADS": "1"}
     env.pop("PYTHONUNBUFFERED", None)
-    proc = slurm_cluster.srun(["-N1", "-n2", "python", str(REAL), "--ckpt", str(tmp_path / "ckpt"), "--strategy",
-                               "fsdp"], timeout=200, env=env)
+    proc = slurm_cluster.srun(
+        ["-N1", "-n2", "python", str(REAL), "--ckpt", str(tmp_path / "ckpt"), "--strategy", "fsdp"],
+        timeout=200,
+        env=env,
+    )
     assert checked(proc)["hash"] == fsdp_reference

@@ -23,8 +23,12 @@ def acc():
 
 
 def _dict_epochs(acc, epochs):
-    loader = DictDataLoader({"a": DataLoader(TensorDataset(torch.arange(16.)), batch_size=2, shuffle=True),
-                             "b": DataLoader(TensorDataset(torch.arange(100., 108.)), batch_size=1)})
+    loader = DictDataLoader(
+        {
+            "a": DataLoader(TensorDataset(torch.arange(16.0)), batch_size=2, shuffle=True),
+            "b": DataLoader(TensorDataset(torch.arange(100.0, 108.0)), batch_size=1),
+        }
+    )
     loader = acc.prepare(loader)
     seen = []
     for _ in range(epochs):
@@ -42,12 +46,12 @@ def test_a_dict_of_loaders_gives_each_rank_its_share_of_every_loader_each_epoch(
         a = sorted(x for seen, _, _ in per_rank for step in seen[epoch] for x in step[0])
         b = sorted(x for seen, _, _ in per_rank for step in seen[epoch] for x in step[1])
         assert a == [float(i) for i in range(16)], "each sample of a once"
-        assert b == [100. + i for i in range(8)]
+        assert b == [100.0 + i for i in range(8)]
     assert per_rank[0][0][0] != per_rank[0][0][1], "a reshuffled each epoch"
 
 
 def _stream(acc, epochs, batches):
-    loader = acc.prepare(to_dataloader(torch.arange(12.), batch_size=2, infinite=True))
+    loader = acc.prepare(to_dataloader(torch.arange(12.0), batch_size=2, infinite=True))
     drawn = []
     for _ in range(epochs):
         drawn.append([batch[0].tolist() for batch in itertools.islice(loader, batches)])
@@ -59,16 +63,17 @@ def test_the_ranks_of_an_infinite_loader_read_one_stream_reshuffled_at_every_pas
     first, second = acc.distribute(_stream, all_results=True)(acc, 2, 6)
     for epoch in range(2):
         samples = [x for step in zip(first[epoch], second[epoch]) for batch in step for x in batch]
-        assert sorted(samples[:12]) == sorted(samples[12:]) == [float(i) for i in range(12)], \
+        assert sorted(samples[:12]) == sorted(samples[12:]) == [float(i) for i in range(12)], (
             "two whole passes in the ranks' steps together, no sample twice within one"
+        )
     assert first[0] != first[1], "each epoch its own order"
     torch.manual_seed(1)
     assert acc.distribute(_stream, all_results=True)(acc, 2, 6) == [first, second], "the same seed, the same stream"
 
 
 def test_batches_per_epoch_follows_qadence():
-    finite = DataLoader(TensorDataset(torch.arange(10.)), batch_size=3)
-    infinite = to_dataloader(torch.arange(10.), batch_size=3, infinite=True)
+    finite = DataLoader(TensorDataset(torch.arange(10.0)), batch_size=3)
+    infinite = to_dataloader(torch.arange(10.0), batch_size=3, infinite=True)
     assert batches_per_epoch(finite, None) == 4 and batches_per_epoch(finite, 2) == 2
     assert batches_per_epoch(finite, 9) == 4
     assert batches_per_epoch(infinite, None) == 1 and batches_per_epoch(infinite, 5) == 5

@@ -7,8 +7,9 @@ import copy
 import math
 import warnings
 
-import torch
 import pytest
+import torch
+from support.component import module
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import (
     BatchSampler,
@@ -22,7 +23,6 @@ from torch.utils.data import (
 
 from qaccel import Accelerator
 from qaccel.train.data import BatchShard
-from support.component import module
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -57,8 +57,9 @@ def test_two_ranks_batch_8_equal_one_process_batch_16(acc):
     for params in ranks:
         for got, want in zip(params, single):
             torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
-    assert not torch.equal(single[0], _fit(Accelerator(nprocs=1, compute_setup="cpu"), batch_size=8)[0]), \
+    assert not torch.equal(single[0], _fit(Accelerator(nprocs=1, compute_setup="cpu"), batch_size=8)[0]), (
         "batch 8 in one process must differ, or the comparison above proves nothing"
+    )
 
 
 # ---- data coverage, reshuffling, argument preservation ----
@@ -122,17 +123,38 @@ def _mark_worker(worker_id):
 def _loader_arguments(a):
     g = torch.Generator().manual_seed(3)
     user = DataLoader(
-        TensorDataset(torch.arange(103)), batch_size=5, shuffle=True, drop_last=True, collate_fn=_collate_tagged,
-        num_workers=1, pin_memory=False, worker_init_fn=_mark_worker, generator=g, persistent_workers=True,
-        prefetch_factor=3, timeout=30,
+        TensorDataset(torch.arange(103)),
+        batch_size=5,
+        shuffle=True,
+        drop_last=True,
+        collate_fn=_collate_tagged,
+        num_workers=1,
+        pin_memory=False,
+        worker_init_fn=_mark_worker,
+        generator=g,
+        persistent_workers=True,
+        prefetch_factor=3,
+        timeout=30,
     )
     loader = a.prepare(user)
     batches = list(loader)
     return {
         "type": type(loader.sampler).__name__,
-        "attrs": [getattr(loader, k) == getattr(user, k) for k in (
-            "batch_size", "drop_last", "collate_fn", "num_workers", "pin_memory", "worker_init_fn", "generator",
-            "persistent_workers", "prefetch_factor", "timeout")],
+        "attrs": [
+            getattr(loader, k) == getattr(user, k)
+            for k in (
+                "batch_size",
+                "drop_last",
+                "collate_fn",
+                "num_workers",
+                "pin_memory",
+                "worker_init_fn",
+                "generator",
+                "persistent_workers",
+                "prefetch_factor",
+                "timeout",
+            )
+        ],
         "sizes": {len(b["ids"]) for b in batches},
         "tags": {b["tag"] for b in batches},
         "len": (len(loader), len(batches)),
@@ -203,7 +225,7 @@ def _eval_counts(a, size):
     seen, own = [], []
     for (ids,) in loader:
         seen.append(a.gather_for_metrics(ids))
-        own += ids[:len(ids) - a.padding_in_batch].tolist()
+        own += ids[: len(ids) - a.padding_in_batch].tolist()
     return torch.cat(seen).tolist(), len(loader), own
 
 
@@ -218,16 +240,24 @@ def test_gather_for_metrics_counts_are_exact_and_padding_batches_are_marked(acc,
 # Accelerate's expected shards for split_batches=True (tests/test_data_loader.py): BatchSampler(range(N),
 # batch_size=4, drop_last), 2 ranks; rank 0's batches, then rank 1's.
 SPLIT_SHARDS = {
-    (24, False): ([[0, 1], [4, 5], [8, 9], [12, 13], [16, 17], [20, 21]],
-                  [[2, 3], [6, 7], [10, 11], [14, 15], [18, 19], [22, 23]]),
-    (24, True): ([[0, 1], [4, 5], [8, 9], [12, 13], [16, 17], [20, 21]],
-                 [[2, 3], [6, 7], [10, 11], [14, 15], [18, 19], [22, 23]]),
-    (22, False): ([[0, 1], [4, 5], [8, 9], [12, 13], [16, 17], [20, 21]],
-                  [[2, 3], [6, 7], [10, 11], [14, 15], [18, 19], [0, 1]]),
+    (24, False): (
+        [[0, 1], [4, 5], [8, 9], [12, 13], [16, 17], [20, 21]],
+        [[2, 3], [6, 7], [10, 11], [14, 15], [18, 19], [22, 23]],
+    ),
+    (24, True): (
+        [[0, 1], [4, 5], [8, 9], [12, 13], [16, 17], [20, 21]],
+        [[2, 3], [6, 7], [10, 11], [14, 15], [18, 19], [22, 23]],
+    ),
+    (22, False): (
+        [[0, 1], [4, 5], [8, 9], [12, 13], [16, 17], [20, 21]],
+        [[2, 3], [6, 7], [10, 11], [14, 15], [18, 19], [0, 1]],
+    ),
     (22, True): ([[0, 1], [4, 5], [8, 9], [12, 13], [16, 17]], [[2, 3], [6, 7], [10, 11], [14, 15], [18, 19]]),
     (21, True): ([[0, 1], [4, 5], [8, 9], [12, 13], [16, 17]], [[2, 3], [6, 7], [10, 11], [14, 15], [18, 19]]),
-    (21, False): ([[0, 1], [4, 5], [8, 9], [12, 13], [16, 17], [20, 0]],
-                  [[2, 3], [6, 7], [10, 11], [14, 15], [18, 19], [1, 2]]),
+    (21, False): (
+        [[0, 1], [4, 5], [8, 9], [12, 13], [16, 17], [20, 0]],
+        [[2, 3], [6, 7], [10, 11], [14, 15], [18, 19], [1, 2]],
+    ),
     (20, False): ([[0, 1], [4, 5], [8, 9], [12, 13], [16, 17]], [[2, 3], [6, 7], [10, 11], [14, 15], [18, 19]]),
     (2, False): ([[0, 1]], [[0, 1]]),
     (2, True): ([], []),
@@ -246,13 +276,18 @@ def test_split_batches_shards_as_accelerate_does(size, drop_last):
 # 2 ranks; an incomplete last round, or a short last batch, is filled up with the epoch's first samples.
 _FIRST_3_ROUNDS = ([[0, 1, 2], [6, 7, 8], [12, 13, 14]], [[3, 4, 5], [9, 10, 11], [15, 16, 17]])
 PADDED_SHARDS = {
-    (24, False): ([[0, 1, 2], [6, 7, 8], [12, 13, 14], [18, 19, 20]], [[3, 4, 5], [9, 10, 11], [15, 16, 17],
-                                                                       [21, 22, 23]]),
+    (24, False): (
+        [[0, 1, 2], [6, 7, 8], [12, 13, 14], [18, 19, 20]],
+        [[3, 4, 5], [9, 10, 11], [15, 16, 17], [21, 22, 23]],
+    ),
     (21, False): (_FIRST_3_ROUNDS[0] + [[18, 19, 20]], _FIRST_3_ROUNDS[1] + [[0, 1, 2]]),
     (22, False): (_FIRST_3_ROUNDS[0] + [[18, 19, 20]], _FIRST_3_ROUNDS[1] + [[21, 0, 1]]),
     (20, False): (_FIRST_3_ROUNDS[0] + [[18, 19, 0]], _FIRST_3_ROUNDS[1] + [[1, 2, 3]]),
-    (21, True): _FIRST_3_ROUNDS, (22, True): _FIRST_3_ROUNDS, (20, True): _FIRST_3_ROUNDS,
-    (2, False): ([[0, 1, 0]], [[1, 0, 1]]), (2, True): ([], []),
+    (21, True): _FIRST_3_ROUNDS,
+    (22, True): _FIRST_3_ROUNDS,
+    (20, True): _FIRST_3_ROUNDS,
+    (2, False): ([[0, 1, 0]], [[1, 0, 1]]),
+    (2, True): ([], []),
 }
 
 
@@ -265,7 +300,7 @@ def test_padded_shards_are_accelerates_and_mark_the_padding(size, drop_last):
     if shards[0].padded:  # the padded step's real samples come first, each once, and the marks count the rest
         step = len(got[0]) - 1
         last = got[0][step] + got[1][step]
-        assert sorted(last[:shards[0].padded[step]]) == list(range(size - size % 6, size))
+        assert sorted(last[: shards[0].padded[step]]) == list(range(size - size % 6, size))
         assert sum(shard.padding.get(step, 0) for shard in shards) == 6 - shards[0].padded[step]
 
 
@@ -274,20 +309,27 @@ def test_padded_shards_are_accelerates_and_mark_the_padding(size, drop_last):
 _FULL_3 = ([[0, 1, 2], [6, 7, 8], [12, 13, 14], [18, 19, 20]], [[3, 4, 5], [9, 10, 11], [15, 16, 17], [21, 22, 23]])
 _THREE_ROUNDS = ([[0, 1, 2], [6, 7, 8], [12, 13, 14]], [[3, 4, 5], [9, 10, 11], [15, 16, 17]])
 UNEVEN_SHARDS = {
-    (24, False): _FULL_3, (24, True): _FULL_3,
+    (24, False): _FULL_3,
+    (24, True): _FULL_3,
     (21, False): (_FULL_3[0], _THREE_ROUNDS[1]),
     (22, False): (_FULL_3[0], _THREE_ROUNDS[1] + [[21]]),
     (20, False): (_THREE_ROUNDS[0] + [[18, 19]], _THREE_ROUNDS[1]),
-    (21, True): _THREE_ROUNDS, (22, True): _THREE_ROUNDS, (20, True): _THREE_ROUNDS,
-    (2, False): ([[0, 1]], []), (2, True): ([], []),
+    (21, True): _THREE_ROUNDS,
+    (22, True): _THREE_ROUNDS,
+    (20, True): _THREE_ROUNDS,
+    (2, False): ([[0, 1]], []),
+    (2, True): ([], []),
 }
 _FIVE_SLICES = ([[0, 1], [4, 5], [8, 9], [12, 13], [16, 17]], [[2, 3], [6, 7], [10, 11], [14, 15], [18, 19]])
 UNEVEN_SPLIT_SHARDS = {
-    (24, False): SPLIT_SHARDS[24, False], (24, True): SPLIT_SHARDS[24, True],
+    (24, False): SPLIT_SHARDS[24, False],
+    (24, True): SPLIT_SHARDS[24, True],
     (22, False): (_FIVE_SLICES[0] + [[20, 21]], _FIVE_SLICES[1]),
-    (22, True): _FIVE_SLICES, (21, True): _FIVE_SLICES,
+    (22, True): _FIVE_SLICES,
+    (21, True): _FIVE_SLICES,
     (21, False): (_FIVE_SLICES[0] + [[20]], _FIVE_SLICES[1]),
-    (2, False): ([[0, 1]], []), (2, True): ([], []),
+    (2, False): ([[0, 1]], []),
+    (2, True): ([], []),
 }
 
 
@@ -324,7 +366,7 @@ def _split_counts(a, size):
     seen, own = [], []
     for (ids,) in loader:
         seen.append(a.gather_for_metrics(ids))
-        own += ids[:len(ids) - a.padding_in_batch].tolist()
+        own += ids[: len(ids) - a.padding_in_batch].tolist()
     return torch.cat(seen).tolist(), len(loader), own, loader.batch_size
 
 
@@ -332,14 +374,17 @@ def _split_counts(a, size):
 def test_split_batches_gathers_every_sample_once_and_marks_the_padding(size):
     split = Accelerator(nprocs=2, compute_setup="cpu", split_batches=True)
     (everything, steps, own0, batch_size), (_, _, own1, _) = split.distribute(_split_counts, all_results=True)(
-        split, size)
+        split, size
+    )
     assert everything == list(range(size)), "each step's gathered rows are the loader's batch, in order"
     assert steps == math.ceil(size / 16) and batch_size == 16
     assert sorted(own0 + own1) == list(range(size))
 
 
 def _labels(a):
-    loader = a.prepare(DataLoader(TensorDataset(torch.randn(8, 3), torch.arange(8), torch.ones(8, dtype=torch.bool)), batch_size=4))
+    loader = a.prepare(
+        DataLoader(TensorDataset(torch.randn(8, 3), torch.arange(8), torch.ones(8, dtype=torch.bool)), batch_size=4)
+    )
     x, y, mask = a.prepare_batch(next(iter(loader)))
     return x.dtype, y.dtype, mask.dtype
 
@@ -372,7 +417,14 @@ def _model_facts(a):
 
 def test_model_wrapping_rules(acc):
     for facts in acc.distribute(_model_facts, all_results=True)(acc):
-        assert facts == {"scheduler": True, "ddp": True, "twice": True, "unwrap": True, "frozen": "Linear", "passthrough": True}
+        assert facts == {
+            "scheduler": True,
+            "ddp": True,
+            "twice": True,
+            "unwrap": True,
+            "frozen": "Linear",
+            "passthrough": True,
+        }
 
 
 def test_single_process_model_is_not_wrapped():
@@ -470,23 +522,28 @@ def _prepare_mixed(a):
     after = {name: _whole(t) for name, t in model.state_dict().items()}
     return {
         "dtypes": {name: t.dtype for name, t in after.items()},
-        "values_kept": all(torch.equal(_wide(after[name]), _wide(t.to(after[name].dtype)))
-                           for name, t in before.items()),
+        "values_kept": all(
+            torch.equal(_wide(after[name]), _wide(t.to(after[name].dtype))) for name, t in before.items()
+        ),
         "imaginary": [bool(_wide(after[name]).imag.abs().sum() > 0) for name in ("z", "phase")],
         "same_parameters": all(p is q for p, q in zip(model.parameters(), params)),
-        "optimizer_points_at_them": all(p is q for p, q in zip(optimizer.param_groups[0]["params"],
-                                                               model.parameters())),
+        "optimizer_points_at_them": all(
+            p is q for p, q in zip(optimizer.param_groups[0]["params"], model.parameters())
+        ),
         "discard_warnings": [str(w.message) for w in caught if DISCARDS in str(w.message)],
     }
 
 
-@pytest.mark.parametrize("dtype, real, complex_", [
-    (torch.float64, torch.float64, torch.complex128),
-    (torch.float32, torch.float32, torch.complex64),
-    (torch.float16, torch.float16, torch.complex32),
-    (torch.complex128, torch.float64, torch.complex128),
-    (torch.complex64, torch.float32, torch.complex64),
-])
+@pytest.mark.parametrize(
+    "dtype, real, complex_",
+    [
+        (torch.float64, torch.float64, torch.complex128),
+        (torch.float32, torch.float32, torch.complex64),
+        (torch.float16, torch.float16, torch.complex32),
+        (torch.complex128, torch.float64, torch.complex128),
+        (torch.complex64, torch.float32, torch.complex64),
+    ],
+)
 def test_dtype_keeps_complex_tensors_complex_at_its_precision(dtype, real, complex_):
     with _caught_warnings() as caught:  # what Module.to does, and prepare() must not
         MixedModel().to(dtype=torch.float64)
@@ -495,13 +552,16 @@ def test_dtype_keeps_complex_tensors_complex_at_its_precision(dtype, real, compl
     out = a.distribute(_prepare_mixed)(a)
     assert out["dtypes"] == {"z": complex_, "w": real, "phase": complex_, "count": torch.int64}
     assert out["values_kept"] and out["imaginary"] == [True, True]
-    assert out["same_parameters"] and out["optimizer_points_at_them"], \
+    assert out["same_parameters"] and out["optimizer_points_at_them"], (
         "optimizers point at the Parameter objects: prepare() must keep them"
+    )
     assert out["discard_warnings"] == []
 
 
-@pytest.mark.parametrize("dtype, real, complex_", [(torch.float64, torch.float64, torch.complex128),
-                                                   (torch.complex64, torch.float32, torch.complex64)])
+@pytest.mark.parametrize(
+    "dtype, real, complex_",
+    [(torch.float64, torch.float64, torch.complex128), (torch.complex64, torch.float32, torch.complex64)],
+)
 def test_dtype_keeps_complex_tensors_complex_under_fsdp(dtype, real, complex_):
     a = Accelerator(nprocs=1, compute_setup="cpu", dtype=dtype, strategy="fsdp")
     out = a.distribute(_prepare_mixed)(a)

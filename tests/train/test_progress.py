@@ -9,12 +9,12 @@ import types
 
 import pytest
 import torch
+from support import component
 from torch.utils.data import DataLoader, TensorDataset
 
 from qaccel import Accelerator
-from qaccel.train import progress
 from qaccel.comm.session import RankContext
-from support import component
+from qaccel.train import progress
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -53,8 +53,9 @@ def test_without_tqdm_a_status_line_at_the_end_and_at_most_every_interval(single
         bar.set_postfix(loss=0.25, step=i)
         if i == 3:
             break
-    assert re.fullmatch(rf"early: 3/10 \(30%\), {STATUS}, loss=0.25, step=3\n", capsys.readouterr().err), \
+    assert re.fullmatch(rf"early: 3/10 \(30%\), {STATUS}, loss=0.25, step=3\n", capsys.readouterr().err), (
         "closed at the break: the last line is out before the loop's next statement"
+    )
 
 
 def test_other_ranks_iterate_silently_and_never_import_tqdm(monkeypatch, capsys):
@@ -88,8 +89,12 @@ def _loop(acc, model, loader, desc=None, skip=0):
 def _bars_over_a_prepared_loader(acc):
     model = acc.prepare(torch.nn.Linear(1, 1))
     loader = acc.prepare(DataLoader(TensorDataset(torch.arange(20.0).unsqueeze(1)), batch_size=2, shuffle=True))
-    runs = {"bare": _loop(acc, model, loader), "tqdm": _loop(acc, model, loader, "tqdm"),
-            "bare resumed": _loop(acc, model, loader, skip=2), "resumed": _loop(acc, model, loader, "resumed", skip=2)}
+    runs = {
+        "bare": _loop(acc, model, loader),
+        "tqdm": _loop(acc, model, loader, "tqdm"),
+        "bare resumed": _loop(acc, model, loader, skip=2),
+        "resumed": _loop(acc, model, loader, "resumed", skip=2),
+    }
     for i, _ in enumerate(acc.progress(loader, desc="break")):
         if i == 1:
             break
@@ -107,8 +112,14 @@ def test_rank_0_shows_bars_over_prepared_loaders_and_the_steps_stay_the_same(cap
     """A real launch; rank_prefix tells whose lines are whose. 10 batches of 2 over 2 ranks: 5 steps per rank,
     accumulating 2: gradients sync on steps 2, 4 and on the epoch's last step."""
     component.module("tqdm")
-    acc = Accelerator(nprocs=2, compute_setup="cpu", gradient_accumulation_steps=2, rank_prefix=True, timeout=60,
-                      use_seedable_sampler=True)  # so that set_epoch(0) repeats epoch 0's order
+    acc = Accelerator(
+        nprocs=2,
+        compute_setup="cpu",
+        gradient_accumulation_steps=2,
+        rank_prefix=True,
+        timeout=60,
+        use_seedable_sampler=True,
+    )  # so that set_epoch(0) repeats epoch 0's order
     for runs in acc.distribute(_bars_over_a_prepared_loader, all_results=True)(acc):
         assert [sync for _, sync in runs["bare"]] == [False, True, False, True, True]
         assert runs["tqdm"] == runs["bare"] and runs["fallback"] == runs["bare"]
@@ -119,8 +130,9 @@ def test_rank_0_shows_bars_over_prepared_loaders_and_the_steps_stay_the_same(cap
     assert re.search(r"\[rank 0\] tqdm: 100%\|[^\r\n]*\| 5/5 \[", err)
     assert re.search(r"\[rank 0\] resumed:  40%\|[^\r\n]*\| 2/5 \[", err), "a resumed epoch's bar starts at 2"
     assert re.search(r"\[rank 0\] resumed: 100%\|[^\r\n]*\| 5/5 \[", err)
-    assert re.search(r"\[rank 0\] break:  20%\|[^\r\n]*\| 1/5 \[[^\r\n]*\n\[rank 0\] after the break\n", err), \
+    assert re.search(r"\[rank 0\] break:  20%\|[^\r\n]*\| 1/5 \[[^\r\n]*\n\[rank 0\] after the break\n", err), (
         "the bar is closed at the break"
+    )
     fallback = re.findall(r"\[rank 0\] fallback: [^\n]*\n", err)
     assert len(fallback) == 1 and re.fullmatch(rf"\[rank 0\] fallback: 5/5 \(100%\), {STATUS}\n", fallback[0]), err
     assert re.search(rf"\[rank 0\] fallback break: 1/5 \(20%\), {STATUS}\n", err)

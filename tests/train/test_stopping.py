@@ -21,15 +21,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
-
-from qaccel import Accelerator, Preempted
-
 from support.procs import (
-    marked_pids, once_per_session, result_lines, run_script, script_file, signal_when, slurm_env, torchrun_cmd,
+    marked_pids,
+    once_per_session,
+    result_lines,
+    run_script,
+    script_file,
+    signal_when,
+    slurm_env,
+    torchrun_cmd,
     wait_dead,
 )
 from support.real_train import real_env
+from torch.utils.data import DataLoader, TensorDataset
+
+from qaccel import Accelerator, Preempted
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -49,8 +55,18 @@ def _uninterrupted(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("uninterrupted")
     hashes = {}
     for epochs in (3, 6):
-        proc = run_script(SCRIPT, "--ckpt", str(tmp / f"ckpt{epochs}"), "--epochs", str(epochs), "--eval-s", "0",
-                          env=real_env(), cwd=tmp, timeout=150)
+        proc = run_script(
+            SCRIPT,
+            "--ckpt",
+            str(tmp / f"ckpt{epochs}"),
+            "--epochs",
+            str(epochs),
+            "--eval-s",
+            "0",
+            env=real_env(),
+            cwd=tmp,
+            timeout=150,
+        )
         assert proc.returncode == 0, proc.stderr
         hashes[f"loop {epochs}"] = result_lines(proc.stdout)[0]["hash"]
     proc = run_script(TRAINER, str(tmp / "fit"), "6", env=real_env(), cwd=tmp, timeout=150)
@@ -73,8 +89,9 @@ def _command(launcher: str, script: Path, *args: str, tmp_path: Path) -> list[st
     return [sys.executable, str(script), *args]
 
 
-def _stopped(cmd: list[str], ready: str, env: dict, tmp_path: Path, launcher: str, checkpoint: Path,
-             within_s: float) -> None:
+def _stopped(
+    cmd: list[str], ready: str, env: dict, tmp_path: Path, launcher: str, checkpoint: Path, within_s: float
+) -> None:
     """Send SIGTERM when stderr shows ``ready``: the run must save ``checkpoint`` and stop (said once) within
     ``within_s`` of the signal, exit as a stop and leave nothing running. Under srun, SLURM sends it to every task
     (scancel --signal=TERM, as at a time limit: killing srun itself would make it kill the tasks)."""
@@ -82,22 +99,31 @@ def _stopped(cmd: list[str], ready: str, env: dict, tmp_path: Path, launcher: st
     env = {**env, mark: "1"}
     send = None
     if launcher == "srun":
+
         def send(sig):
-            scancel = subprocess.run(["scancel", f"--signal={sig.name[3:]}", f"--name={tmp_path.name}"], env=env,
-                                     capture_output=True, text=True, timeout=30)
+            scancel = subprocess.run(
+                ["scancel", f"--signal={sig.name[3:]}", f"--name={tmp_path.name}"],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=False,
+            )
             assert scancel.returncode == 0, scancel.stderr
+
     first = signal_when(cmd, signal.SIGTERM, ready, env=env, cwd=tmp_path, timeout=150, then=STOPPED, send=send)
     assert first.returncode == EXIT[launcher], first.stderr
     stops = [line for line in first.stderr.splitlines() if line.startswith(STOPPED)]
     assert stops == [f"{STOPPED}SIGTERM after saving state to {checkpoint}"], first.stderr
-    assert first.then_s is not None and first.then_s < within_s, \
+    assert first.then_s is not None and first.then_s < within_s, (
         f"stopped {first.then_s:.2f} s after the signal; allowed {within_s} s"
+    )
     assert wait_dead(marked_pids(mark), timeout=10) == []
 
 
 def _rerun(cmd: list[str], env: dict, tmp_path: Path, resumed: str) -> str:
     """Run ``cmd`` to its end; it must say ``resumed``. The final parameters' hash."""
-    second = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=150)
+    second = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=150, check=False)
     assert second.returncode == 0, second.stderr
     assert resumed in second.stderr, second.stderr
     return result_lines(second.stdout)[0]["hash"]
@@ -108,8 +134,15 @@ def _loop_stopped_during_evaluation(launcher, epochs, uninterrupted, tmp_path, e
     after step 18 (3 epochs of 6 steps); with 3 epochs, no step comes after it, and the run still ends as a stop."""
     ckpt = tmp_path / "ckpt"
     args = ("--ckpt", str(ckpt), "--epochs", str(epochs))
-    _stopped(_command(launcher, SCRIPT, *args, "--eval-s", str(EVAL_S), tmp_path=tmp_path), "rank 0 evaluates epoch 3",
-             env, tmp_path, launcher, ckpt / "checkpoint_00000018", EVAL_S + AGREE_AND_SAVE_S)
+    _stopped(
+        _command(launcher, SCRIPT, *args, "--eval-s", str(EVAL_S), tmp_path=tmp_path),
+        "rank 0 evaluates epoch 3",
+        env,
+        tmp_path,
+        launcher,
+        ckpt / "checkpoint_00000018",
+        EVAL_S + AGREE_AND_SAVE_S,
+    )
     again = _command(launcher, SCRIPT, *args, "--eval-s", "0", tmp_path=tmp_path)
     final = _rerun(again, env, tmp_path, f"rank 1 resumed from {ckpt / 'checkpoint_00000018'} at epoch 3 step 18")
     assert final == uninterrupted[f"loop {epochs}"]
@@ -127,8 +160,9 @@ def test_a_signal_during_the_last_evaluation_still_ends_the_run_as_a_stop(launch
 
 @pytest.mark.slurm
 @pytest.mark.parametrize("epochs", [6, 3], ids=["mid-run", "last evaluation"])
-def test_a_signal_to_srun_during_an_evaluation_stops_every_task_as_it_ends(epochs, uninterrupted, slurm_cluster,
-                                                                          tmp_path):
+def test_a_signal_to_srun_during_an_evaluation_stops_every_task_as_it_ends(
+    epochs, uninterrupted, slurm_cluster, tmp_path
+):
     env = {**slurm_env(slurm_cluster), "OMP_NUM_THREADS": "1"}
     _loop_stopped_during_evaluation("srun", epochs, uninterrupted, tmp_path, env)
 
@@ -138,11 +172,22 @@ def test_a_signal_while_a_checkpoint_is_written_stops_once_it_is_complete(uninte
     step: the checkpoint replaced whole) before any step of epoch 3; the folder holds only complete checkpoints."""
     ckpt = tmp_path / "ckpt"
     args = ("--ckpt", str(ckpt), "--eval-s", "0")
-    _stopped(_command("python", SCRIPT, *args, "--save-s", str(SAVE_S), tmp_path=tmp_path), "rank 0 saves epoch 2",
-             real_env(), tmp_path, "python", ckpt / "checkpoint_00000012", 2 * SAVE_S + AGREE_AND_SAVE_S)
+    _stopped(
+        _command("python", SCRIPT, *args, "--save-s", str(SAVE_S), tmp_path=tmp_path),
+        "rank 0 saves epoch 2",
+        real_env(),
+        tmp_path,
+        "python",
+        ckpt / "checkpoint_00000012",
+        2 * SAVE_S + AGREE_AND_SAVE_S,
+    )
     assert sorted(p.name for p in ckpt.iterdir()) == ["checkpoint_00000006", "checkpoint_00000012"]
-    final = _rerun(_command("python", SCRIPT, *args, tmp_path=tmp_path), real_env(), tmp_path,
-                   f"rank 0 resumed from {ckpt / 'checkpoint_00000012'} at epoch 2 step 12")
+    final = _rerun(
+        _command("python", SCRIPT, *args, tmp_path=tmp_path),
+        real_env(),
+        tmp_path,
+        f"rank 0 resumed from {ckpt / 'checkpoint_00000012'} at epoch 2 step 12",
+    )
     assert final == uninterrupted["loop 6"]
 
 
@@ -152,19 +197,30 @@ def test_a_signal_during_a_slow_trainer_callback_stops_the_fit_after_that_epoch(
     continues to the uninterrupted one."""
     folder = tmp_path / "fit"
     env = real_env(EPOCH_END_S="0.4")
-    _stopped(_command("python", TRAINER, str(folder), "6", tmp_path=tmp_path), "epoch 3 done", env, tmp_path,
-             "python", folder / "checkpoints" / "checkpoint_00000024", 0.4 + AGREE_AND_SAVE_S)
-    final = _rerun(_command("python", TRAINER, str(folder), "6", tmp_path=tmp_path), real_env(), tmp_path,
-                   f"qaccel: resumed {folder / 'checkpoints' / 'checkpoint_00000024'} after epoch 3 (training epochs "
-                   "4-6 next)")
+    _stopped(
+        _command("python", TRAINER, str(folder), "6", tmp_path=tmp_path),
+        "epoch 3 done",
+        env,
+        tmp_path,
+        "python",
+        folder / "checkpoints" / "checkpoint_00000024",
+        0.4 + AGREE_AND_SAVE_S,
+    )
+    final = _rerun(
+        _command("python", TRAINER, str(folder), "6", tmp_path=tmp_path),
+        real_env(),
+        tmp_path,
+        f"qaccel: resumed {folder / 'checkpoints' / 'checkpoint_00000024'} after epoch 3 (training epochs 4-6 next)",
+    )
     assert final == uninterrupted["fit 6"]
 
 
 def _signalled_after_the_last_step(acc, ckpt, rank_signalled):
     torch.manual_seed(0)
     model = torch.nn.Linear(2, 1)
-    model, optimizer, loader = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                           DataLoader(TensorDataset(torch.randn(16, 2)), batch_size=4))
+    model, optimizer, loader = acc.prepare(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(TensorDataset(torch.randn(16, 2)), batch_size=4)
+    )
     acc.resume(ckpt)
     for _ in range(loader.epoch, 2):
         for (x,) in loader:
@@ -196,9 +252,11 @@ def _stop_armed_in_a_nested_call(acc, ckpt, out):
     acc.resume(ckpt + "-outer")
     handler = signal.getsignal(signal.SIGTERM)
     inner = Accelerator(nprocs=2, compute_setup="cpu", timeout=60)  # each call its own, as each Trainer has
-    seen = {"first": inner.distribute(_signalled_after_the_last_step)(inner, ckpt, -1),
-            "still_armed": signal.getsignal(signal.SIGTERM) == handler,
-            "threads": sorted(t.name for t in threading.enumerate() if t.name == "qaccel-stop")}
+    seen = {
+        "first": inner.distribute(_signalled_after_the_last_step)(inner, ckpt, -1),
+        "still_armed": signal.getsignal(signal.SIGTERM) == handler,
+        "threads": sorted(t.name for t in threading.enumerate() if t.name == "qaccel-stop"),
+    }
     inner = Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
     try:
         inner.distribute(_signalled_after_the_last_step)(inner, ckpt, 1)
@@ -214,5 +272,9 @@ def test_a_stop_armed_in_a_distribute_call_inside_fn_ends_with_that_call(acc, tm
     assert raised.value.checkpoint == str(tmp_path / "c-outer" / "checkpoint_00000000"), "no signal is swallowed"
     for rank in range(2):
         seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert seen == {"first": "finished", "still_armed": True, "threads": ["qaccel-stop"],
-                        "stopped": str(tmp_path / "c" / "checkpoint_00000004")}, seen
+        assert seen == {
+            "first": "finished",
+            "still_armed": True,
+            "threads": ["qaccel-stop"],
+            "stopped": str(tmp_path / "c" / "checkpoint_00000004"),
+        }, seen

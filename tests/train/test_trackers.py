@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from qaccel import Accelerator, ProjectConfiguration
 from support import component
 from support.procs import result_lines, run_torchrun, script_env, script_file
 from support.wandb_records import curve, offline_runs
+
+from qaccel import Accelerator, ProjectConfiguration
 
 TOOLS = ["tensorboard", "wandb", "mlflow", "csv"]
 
@@ -36,8 +36,11 @@ def _offline(monkeypatch, tmp_path):
 def _attempt(folder: str, attempt: int, stop_at: int) -> dict:
     """One attempt of a job: trackers started before resume() (Accelerate's order), a step logged per update with
     10 * attempt + step, a checkpoint at step 2 only, and a stop after ``stop_at``."""
-    acc = Accelerator(compute_setup="cpu", log_with=TOOLS,
-                      project_config=ProjectConfiguration(project_dir=folder, logging_dir=os.path.join(folder, "logs")))
+    acc = Accelerator(
+        compute_setup="cpu",
+        log_with=TOOLS,
+        project_config=ProjectConfiguration(project_dir=folder, logging_dir=os.path.join(folder, "logs")),
+    )
     acc.init_trackers("proj", config={"lr": 0.5, "attempt": attempt})
     model = torch.nn.Linear(2, 1)
     model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.5))
@@ -50,32 +53,43 @@ def _attempt(folder: str, attempt: int, stop_at: int) -> dict:
         optimizer.zero_grad()
         acc.backward(model(torch.ones(4, 2)).sum())
         optimizer.step()
-        acc.log({"loss": 10.0 * attempt + step, "loss_tensor": torch.tensor(float(step)), "pair": {"a": 1, "b": 2}},
-                step=step)
+        acc.log(
+            {"loss": 10.0 * attempt + step, "loss_tensor": torch.tensor(float(step)), "pair": {"a": 1, "b": 2}},
+            step=step,
+        )
         if step == 2:
             acc.save_state()
     acc.log({"last": float(attempt)})  # no step: the step after the last one logged
     writer = acc.get_tracker("tensorboard", unwrap=True)
     writer.add_scalar("by_writer", 7.0, 100 + attempt)
     run = acc.get_tracker("wandb", unwrap=True)
-    seen.update(writer=type(writer).__name__, run=type(run).__module__ + "." + type(run).__name__,
-                mlflow=type(acc.get_tracker("mlflow", unwrap=True)).__name__, wandb_id=run.id if acc.is_main_process else None,
-                wrapped=type(acc.get_tracker("csv")).__name__)
+    seen.update(
+        writer=type(writer).__name__,
+        run=type(run).__module__ + "." + type(run).__name__,
+        mlflow=type(acc.get_tracker("mlflow", unwrap=True)).__name__,
+        wandb_id=run.id if acc.is_main_process else None,
+        wrapped=type(acc.get_tracker("csv")).__name__,
+    )
     run.watch  # noqa: B018 - rank 1's does nothing, and has every attribute
     acc.end_training()
     return seen
 
 
 @pytest.mark.timeout(120)
-def test_two_ranks_write_once_from_rank_0_and_a_resumed_job_continues_its_runs_without_a_step_twice(tmp_path,
-                                                                                                   monkeypatch):
+def test_two_ranks_write_once_from_rank_0_and_a_resumed_job_continues_its_runs_without_a_step_twice(
+    tmp_path, monkeypatch
+):
     folder = str(tmp_path / "project")
     first = Accelerator(nprocs=2, compute_setup="cpu").distribute(_attempt, all_results=True)(folder, 1, 4)
     second = Accelerator(nprocs=2, compute_setup="cpu").distribute(_attempt, all_results=True)(folder, 2, 5)
     for seen in (first, second):
         assert seen[0]["trackers"] == TOOLS and seen[1]["trackers"] == [], "rank 0's trackers only, as Accelerate's"
         assert (seen[0]["writer"], seen[0]["run"], seen[0]["mlflow"], seen[0]["wrapped"]) == (
-            "SummaryWriter", "wandb.sdk.wandb_run.Run", "ActiveRun", "AcceleratorTracker")
+            "SummaryWriter",
+            "wandb.sdk.wandb_run.Run",
+            "ActiveRun",
+            "AcceleratorTracker",
+        )
         assert seen[1]["writer"] == "NoTracker" and seen[1]["wandb_id"] is None
     assert first[0]["wandb_id"] == second[0]["wandb_id"], "one W&B run for the job"
     logs = Path(folder) / "logs"
@@ -112,8 +126,7 @@ def test_two_ranks_write_once_from_rank_0_and_a_resumed_job_continues_its_runs_w
         assert [(int(r["step"]), float(r["loss"])) for r in csv.DictReader(f) if r["loss"]] == loss
 
     wandb_runs = offline_runs(tmp_path / "wandb")
-    assert [(r["id"], r["resume"]) for r in wandb_runs] == [(first[0]["wandb_id"], False),
-                                                            (first[0]["wandb_id"], True)]
+    assert [(r["id"], r["resume"]) for r in wandb_runs] == [(first[0]["wandb_id"], False), (first[0]["wandb_id"], True)]
     assert wandb_runs[0]["config"] == {"lr": 0.5, "attempt": 1} and wandb_runs[1]["config"]["attempt"] == 2
     assert curve(wandb_runs[0], "loss") == [(s, 10 + s) for s in range(5)], "W&B keeps what it was sent"
     assert curve(wandb_runs[1], "loss") == [(s, 20 + s) for s in range(3, 6)], "the resumed run from the checkpoint"
@@ -137,7 +150,8 @@ def test_a_torchrun_job_killed_after_its_checkpoint_continues_its_runs_when_run_
     events = EventAccumulator(str(folder / "job"), size_guidance={"scalars": 0})
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("loss")] == (
-        [(s, 100.0 + s) for s in range(4)] + [(s, float(s)) for s in (4, 5)]), "steps 0-3 of the killed job, once"
+        [(s, 100.0 + s) for s in range(4)] + [(s, float(s)) for s in (4, 5)]
+    ), "steps 0-3 of the killed job, once"
     runs = offline_runs(tmp_path / "wandb")
     # SIGKILL left the killed attempt's offline log empty (wandb-core writes it every 15 s): its id is its folder's
     assert [(r["id"], r["resume"]) for r in runs] == [(result["wandb_id"], False), (result["wandb_id"], True)]
@@ -173,8 +187,7 @@ def test_log_with_takes_accelerates_logger_types_and_tracker_objects_and_names_w
     from accelerate.utils import LoggerType
 
     custom = _Custom()
-    acc = Accelerator(compute_setup="cpu", log_with=["csv",
-                                                     custom], project_dir=tmp_path)
+    acc = Accelerator(compute_setup="cpu", log_with=["csv", custom], project_dir=tmp_path)
     acc.init_trackers("p", config={"lr": 1}, init_kwargs={"mine": {}})
     acc.log({"loss": 1.5}, log_kwargs={"mine": {"commit": True}})
     assert acc.get_tracker("mine", unwrap=True) is custom and acc.trackers[1] is custom
@@ -186,29 +199,45 @@ def test_log_with_takes_accelerates_logger_types_and_tracker_objects_and_names_w
     assert custom.calls == ["start", ("config", {"lr": 1}), ("log", {"loss": 1.5}, None, {"commit": True}), "finish"]
     assert (tmp_path / "p" / "metrics.csv").read_text() == "step,loss\n0,1.5\n"
     assert Accelerator(log_with=LoggerType.MLFLOW)._config.log_with == ("mlflow",)
-    assert set(Accelerator(log_with="all", project_dir=tmp_path)._config.log_with) == {"tensorboard", "wandb",
-                                                                                       "mlflow"}
+    assert set(Accelerator(log_with="all", project_dir=tmp_path)._config.log_with) == {"tensorboard", "wandb", "mlflow"}
     with pytest.raises(ValueError, match="log_with must be one of 'tensorboard', 'wandb', 'mlflow', 'csv', 'all'"):
         Accelerator(log_with=LoggerType.COMETML)
-    with pytest.raises(ValueError, match=r"log_with='tensorboard' writes into <logging_dir>/<project_name>: give "
-                                         r"project_dir=\.\.\., logging_dir=\.\.\."):
+    with pytest.raises(
+        ValueError,
+        match=r"log_with='tensorboard' writes into <logging_dir>/<project_name>: give "
+        r"project_dir=\.\.\., logging_dir=\.\.\.",
+    ):
         Accelerator(log_with="tensorboard")
     with pytest.raises(ValueError, match="init_trackers\\(\\) has no tracker to start"):
         Accelerator().init_trackers("p")
 
 
 def test_a_missing_tracker_package_names_the_pip_command(tmp_path):
-    code = ("import sys\nsys.modules['wandb'] = None\nimport importlib.util\n"
-            "importlib.util.find_spec = lambda name, *a: None if name == 'wandb' else _find(name, *a)\n")
-    code = ("import importlib.util\n_find = importlib.util.find_spec\n" + code +
-            "from qaccel import Accelerator\ntry:\n    Accelerator(log_with='wandb')\n"
-            "except ImportError as exc:\n    print(exc)\n")
+    code = (
+        "import sys\nsys.modules['wandb'] = None\nimport importlib.util\n"
+        "importlib.util.find_spec = lambda name, *a: None if name == 'wandb' else _find(name, *a)\n"
+    )
+    code = (
+        "import importlib.util\n_find = importlib.util.find_spec\n"
+        + code
+        + "from qaccel import Accelerator\ntry:\n    Accelerator(log_with='wandb')\n"
+        "except ImportError as exc:\n    print(exc)\n"
+    )
     import subprocess
 
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=script_env(),
-                          cwd=tmp_path, timeout=60)
-    assert "log_with='wandb' needs the wandb package: pip install wandb (from qaccel's checkout: pip install -e " \
-           "'.[wandb]')" in done.stdout, done.stderr
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=script_env(),
+        cwd=tmp_path,
+        timeout=60,
+        check=False,
+    )
+    assert (
+        "log_with='wandb' needs the wandb package: pip install wandb (from qaccel's checkout: pip install -e "
+        "'.[wandb]')" in done.stdout
+    ), done.stderr
 
 
 class _Finishing:

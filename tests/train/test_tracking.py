@@ -14,12 +14,21 @@ import warnings
 from pathlib import Path
 
 import pytest
-
-from qaccel.trainer import plots
-from qaccel.train.tracking import (Axis, CsvTracker, MlflowTracker, NullTracker, TensorBoardTracker, Tracker,
-                                   TrackingTool, WandbTracker, make_tracker)
 from support import component
 from support.wandb_records import curve, offline_runs
+
+from qaccel.train.tracking import (
+    Axis,
+    CsvTracker,
+    MlflowTracker,
+    NullTracker,
+    TensorBoardTracker,
+    Tracker,
+    TrackingTool,
+    WandbTracker,
+    make_tracker,
+)
+from qaccel.trainer import plots
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -64,8 +73,9 @@ def _read(tool, folder, state):
             content = None
         if content is not None:
             start = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info
-            hparams = {k: v.number_value if v.HasField("number_value") else v.string_value
-                       for k, v in start.hparams.items()}
+            hparams = {
+                k: v.number_value if v.HasField("number_value") else v.string_value for k, v in start.hparams.items()
+            }
         images = {}
         for tag in events.Tags()["images"]:
             images |= {(tag, i.step): i.encoded_image_string for i in events.Images(tag)}
@@ -75,11 +85,14 @@ def _read(tool, folder, state):
 
         client = MlflowClient((folder / "mlruns").absolute().as_uri())
         run = client.get_run(state["run_id"])
-        metrics = {name: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, name))
-                   for name in run.data.metrics}
+        metrics = {
+            name: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, name))
+            for name in run.data.metrics
+        }
         artifacts = Path(run.info.artifact_uri.removeprefix("file://"))
-        images = {(p.stem.rsplit("_", 1)[0], int(p.stem.rsplit("_", 1)[1])): p.read_bytes()
-                  for p in artifacts.glob("*.png")}
+        images = {
+            (p.stem.rsplit("_", 1)[0], int(p.stem.rsplit("_", 1)[1])): p.read_bytes() for p in artifacts.glob("*.png")
+        }
         return metrics, dict(run.data.params), images
     with open(folder / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -90,8 +103,10 @@ def _read(tool, folder, state):
                 metrics.setdefault(name, []).append((int(row["step"]), float(value)))
     hyperparams = folder / "hyperparams.json"
     hparams = json.loads(hyperparams.read_text())["hyperparams"] if hyperparams.exists() else {}
-    images = {(p.stem.rsplit("_", 1)[0], int(p.stem.rsplit("_", 1)[1])): p.read_bytes()
-              for p in (folder / "plots").glob("*.png")}
+    images = {
+        (p.stem.rsplit("_", 1)[0], int(p.stem.rsplit("_", 1)[1])): p.read_bytes()
+        for p in (folder / "plots").glob("*.png")
+    }
     return metrics, hparams, images
 
 
@@ -108,8 +123,10 @@ def test_metrics_hyperparams_and_a_figure_read_back_while_the_run_lives_and_afte
     _write(tracker, range(1, 6), 10)
     tracker.log_hyperparams({"lr": 0.25, "layers": [4, 4], "optimizer": "adam"}, {"train_loss": 15.0})
     tracker.log_figure("curve", _figure(), 3)
-    expected = {"train_loss": [(s, 10.0 + s) for s in range(1, 6)],
-                "train_accuracy": [(s, 10.5 + s) for s in range(1, 6)]}
+    expected = {
+        "train_loss": [(s, 10.0 + s) for s in range(1, 6)],
+        "train_accuracy": [(s, 10.5 + s) for s in range(1, 6)],
+    }
 
     for moment in ("open", "closed"):
         metrics, hparams, images = _read(tool, tmp_path, tracker.state())
@@ -125,12 +142,18 @@ def _read_batches(tool, folder, state):
     if tool == "tensorboard":
         return _read(tool, folder / "batches", state)[0]
     if tool == "mlflow":
-        return {name.removeprefix("batch/"): values for name, values in _read(tool, folder, state)[0].items()
-                if name.startswith("batch/")}
+        return {
+            name.removeprefix("batch/"): values
+            for name, values in _read(tool, folder, state)[0].items()
+            if name.startswith("batch/")
+        }
     with open(folder / "batches.csv", newline="") as f:
-        return {name: [(int(row["step"]), float(row[name])) for row in csv.DictReader(io.StringIO(f.read()))
-                       if row[name] != ""]
-                for name in ["train_loss"]}
+        return {
+            name: [
+                (int(row["step"]), float(row[name])) for row in csv.DictReader(io.StringIO(f.read())) if row[name] != ""
+            ]
+            for name in ["train_loss"]
+        }
 
 
 @pytest.mark.parametrize("tool", ["tensorboard", "mlflow", "csv"])
@@ -156,7 +179,8 @@ def test_batches_have_a_curve_of_their_own_that_a_resumed_run_continues_without_
     epochs = _read(tool, tmp_path, state)[0]
     assert epochs["train_loss"] == [(1, 0.1 * 10), (2, 2.0), (3, 103.0), (4, 104.0)]
     assert _read_batches(tool, tmp_path, state)["train_loss"] == (
-        [(b, float(b)) for b in range(1, 21)] + [(b, 1000.0 + b) for b in range(21, 41)])
+        [(b, float(b)) for b in range(1, 21)] + [(b, 1000.0 + b) for b in range(21, 41)]
+    )
 
 
 @pytest.mark.parametrize("tool", ["tensorboard", "mlflow", "csv"])
@@ -265,29 +289,44 @@ def _without(blocked, code, tmp_path):
     """``code`` run in a fresh interpreter where importing any of ``blocked`` fails as if it were not installed."""
     lines = ["import sys", *(f"sys.modules[{name!r}] = None" for name in blocked), code]
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-c", "\n".join(lines), str(tmp_path)], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, timeout=100)
+    done = subprocess.run(
+        [sys.executable, "-c", "\n".join(lines), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=100,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout
 
 
 @pytest.mark.parametrize("tool", ["tensorboard", "mlflow", "wandb"])
 def test_a_missing_optional_dependency_names_the_extra_to_install(tool, tmp_path):
-    out = _without([tool], "\n".join([
-        "from pathlib import Path",
-        "from qaccel.train.tracking import make_tracker",
-        f"tracker = make_tracker({tool!r})",
-        "try:",
-        "    tracker.open(Path(sys.argv[1]), 'run', None, 0)",
-        "except ImportError as exc:",
-        "    print(exc)",
-    ]), tmp_path)
+    out = _without(
+        [tool],
+        "\n".join(
+            [
+                "from pathlib import Path",
+                "from qaccel.train.tracking import make_tracker",
+                f"tracker = make_tracker({tool!r})",
+                "try:",
+                "    tracker.open(Path(sys.argv[1]), 'run', None, 0)",
+                "except ImportError as exc:",
+                "    print(exc)",
+            ]
+        ),
+        tmp_path,
+    )
     package = {"tensorboard": "tensorboard", "mlflow": "mlflow-skinny", "wandb": "wandb"}[tool]
     assert f"pip install {package} (from qaccel's checkout: pip install -e '.[{tool}]')" in out, out
 
 
-HISTORY = [{"step": s, "train_loss": 2.0 / s, "train_accuracy": s / 10} | ({"val_loss": 2.5 / s} if s % 3 == 0 else {})
-           for s in range(1, 21)]
+HISTORY = [
+    {"step": s, "train_loss": 2.0 / s, "train_accuracy": s / 10} | ({"val_loss": 2.5 / s} if s % 3 == 0 else {})
+    for s in range(1, 21)
+]
 
 
 def test_curves_writes_a_png_of_losses_and_metrics(tmp_path):
@@ -300,11 +339,17 @@ def test_curves_writes_a_png_of_losses_and_metrics(tmp_path):
 
 
 def test_curves_without_matplotlib_is_none_and_writes_nothing(tmp_path):
-    out = _without(["matplotlib"], "\n".join([
-        "from pathlib import Path",
-        "from qaccel.trainer import plots",
-        f"print(plots.curves({HISTORY!r}, Path(sys.argv[1]) / 'curves.png'))",
-    ]), tmp_path)
+    out = _without(
+        ["matplotlib"],
+        "\n".join(
+            [
+                "from pathlib import Path",
+                "from qaccel.trainer import plots",
+                f"print(plots.curves({HISTORY!r}, Path(sys.argv[1]) / 'curves.png'))",
+            ]
+        ),
+        tmp_path,
+    )
     assert out == "None\n" and not (tmp_path / "curves.png").exists()
 
 
@@ -325,8 +370,14 @@ def test_tensorboard_resumed_within_the_same_second_still_reads_the_new_file_las
     second.open(tmp_path, "run", {}, 4)
     _write(second, range(4, 7), 100)
     second.close()
-    assert _read("tensorboard", tmp_path, {})[0]["train_loss"] == [(1, 11.0), (2, 12.0), (3, 13.0), (4, 104.0),
-                                                                   (5, 105.0), (6, 106.0)]
+    assert _read("tensorboard", tmp_path, {})[0]["train_loss"] == [
+        (1, 11.0),
+        (2, 12.0),
+        (3, 13.0),
+        (4, 104.0),
+        (5, 105.0),
+        (6, 106.0),
+    ]
 
 
 def _qadence_plots(figures):
@@ -390,8 +441,10 @@ def test_a_qadence_callbacks_writer_calls_read_back_with_each_tools_reader(tool,
         run_id = tracker.state()["run_id"]
         assert sorted(a.path for a in client.list_artifacts(run_id)) == ["curve_2.png", "error_epoch_2.png", "model"]
         assert [a.path for a in client.list_artifacts(run_id, "model")] == ["model/state_dict.pt"]
-        files = {name: Path(client.download_artifacts(run_id, name, str(tmp_path / "download")))
-                 for name in ("curve_2.png", "error_epoch_2.png", "model/state_dict.pt")}
+        files = {
+            name: Path(client.download_artifacts(run_id, name, str(tmp_path / "download")))
+            for name in ("curve_2.png", "error_epoch_2.png", "model/state_dict.pt")
+        }
         weights = files.pop("model/state_dict.pt")
     else:
         files = {p.name: p for p in (tmp_path / "plots").iterdir()}
@@ -420,9 +473,14 @@ def test_a_figure_named_with_an_image_suffix_is_stored_in_that_format_under_that
         files = {name: Path(client.download_artifacts(run_id, name, str(tmp_path / "download"))) for name in names}
     else:
         files = {p.name: p for p in (tmp_path / "plots").iterdir()}
-    starts = {"a.svg": b"<?xml", "b.PDF": b"%PDF", "c.jpg": b"\xff\xd8\xff", "d.jpeg": b"\xff\xd8\xff",
-              "e_7.png" if tool == "mlflow" else "e_00000007.png": PNG}
-    assert {name: path.read_bytes()[:len(starts[name])] for name, path in files.items()} == starts
+    starts = {
+        "a.svg": b"<?xml",
+        "b.PDF": b"%PDF",
+        "c.jpg": b"\xff\xd8\xff",
+        "d.jpeg": b"\xff\xd8\xff",
+        "e_7.png" if tool == "mlflow" else "e_00000007.png": PNG,
+    }
+    assert {name: path.read_bytes()[: len(starts[name])] for name, path in files.items()} == starts
 
 
 @pytest.fixture(scope="module")
@@ -456,8 +514,10 @@ def test_print_metrics_prints_qadences_line_on_every_tracker_opened_or_not(qaden
         expected = capsys.readouterr().out
         assert expected.count("\n") == 1 and f"Iteration {iteration: >7}|" in expected
         for tracker in trackers:
-            for result in (qadence_result, OptimizeResult(iteration, model, optimizer, metrics=metrics, rank=rank,
-                                                          device=device)):
+            for result in (
+                qadence_result,
+                OptimizeResult(iteration, model, optimizer, metrics=metrics, rank=rank, device=device),
+            ):
                 tracker.print_metrics(result)
                 assert capsys.readouterr().out == expected, (type(tracker).__name__, type(result).__module__)
     opened.close()
@@ -522,5 +582,6 @@ def test_wandb_writes_epochs_batches_config_and_a_figure_and_a_resumed_run_keeps
     assert curve(runs[0], "val_loss", "epoch") == [(3, 1.5)], "a result without a curve, at the last epoch"
     assert runs[0]["config"] == {"lr": 0.25, "layers": "[4, 4]"}
     assert [(row["epoch"], row["curve._type"]) for row in runs[0]["history"] if "curve._type" in row] == [
-        (2, "image-file")]
+        (2, "image-file")
+    ]
     assert curve(runs[1], "train_loss", "epoch") == [(4, 104)]

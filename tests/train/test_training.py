@@ -56,8 +56,10 @@ def test_split_batches_on_two_ranks_equal_one_process_with_the_loaders_batch():
     split = Accelerator(nprocs=2, compute_setup="cpu", split_batches=True)
     for params in split.distribute(_fit, all_results=True)(split, 16):
         _assert_same(params, plain)
-    assert not torch.equal(Accelerator(nprocs=2, compute_setup="cpu").distribute(_fit)(
-        Accelerator(nprocs=2, compute_setup="cpu"), 16)[0], plain[0]), "without it, the global batch is 32"
+    assert not torch.equal(
+        Accelerator(nprocs=2, compute_setup="cpu").distribute(_fit)(Accelerator(nprocs=2, compute_setup="cpu"), 16)[0],
+        plain[0],
+    ), "without it, the global batch is 32"
 
 
 def _sync_pattern(acc):
@@ -124,8 +126,13 @@ def _gradient_state(acc):
 def test_gradient_state_tells_where_the_step_is_as_accelerates_does():
     acc = Accelerator(nprocs=2, compute_setup="cpu", gradient_accumulation_steps=2)
     for seen, settings in acc.distribute(_gradient_state, all_results=True)(acc):
-        assert seen == [(False, False, -1), (False, False, 3, True), (True, False, 3, True), (True, True, 3, True),
-                        (False, False, -1)]
+        assert seen == [
+            (False, False, -1),
+            (False, False, 3, True),
+            (True, False, 3, True),
+            (True, True, 3, True),
+            (False, False, -1),
+        ]
         assert settings == (2, False, True)
 
 
@@ -230,8 +237,11 @@ def test_no_mixed_precision_means_no_autocast():
 
 
 def test_fp16_without_a_gpu_trains_in_float32_as_accelerate_and_says_so():
-    with pytest.warns(UserWarning, match=r"mixed_precision='fp16' without GPU compute trains in float32 \(no "
-                                         r"autocast, no gradient scaler; Accelerate does the same\)"):
+    with pytest.warns(
+        UserWarning,
+        match=r"mixed_precision='fp16' without GPU compute trains in float32 \(no "
+        r"autocast, no gradient scaler; Accelerate does the same\)",
+    ):
         acc = Accelerator(compute_setup="cpu", mixed_precision="fp16")
     assert acc.mixed_precision == "no" and acc.scaler is None
     enabled, out_dtype, inner_dtype, _ = _bf16(acc)
@@ -260,7 +270,9 @@ def _clip(acc):
     for step in range(2):
         with acc.accumulate(model):
             acc.backward(model(torch.full((8, 4), 10.0)).pow(2).mean())
-            expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]) if acc.sync_gradients else None
+            expected = (
+                torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]) if acc.sync_gradients else None
+            )
             norms.append((acc.clip_grad_norm_(model.parameters(), max_norm=1.0), expected))
     after = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
     return norms, float(after)
@@ -313,7 +325,7 @@ def test_a_prepared_optimizer_has_what_the_users_optimizer_has_and_still_pickles
     optimizer.eval()
     assert optimizer.mode == "eval" and optimizer.optimizer.mode == "eval"
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
-        optimizer.nothing
+        _ = optimizer.nothing
     copy = cloudpickle.loads(cloudpickle.dumps(optimizer))  # no recursion through __getattr__ while unpickling
     copy.eval()
     assert copy.optimizer.mode == "eval"

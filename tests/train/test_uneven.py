@@ -54,8 +54,14 @@ def _train(acc, batch_size, folder=None, epochs=2, stop_at=None):
             model(x)
     weights = [p.detach().clone() for p in acc.unwrap_model(model).parameters()]
     moments = [optimizer.state[p]["exp_avg"].clone() for p in acc.unwrap_model(model).parameters()]
-    return {"weights": weights, "moments": moments, "ids": ids, "steps": steps, "seen": acc.gather_object(seen),
-            "agreed": (acc.step, scheduler.last_epoch, optimizer.param_groups[0]["lr"])}
+    return {
+        "weights": weights,
+        "moments": moments,
+        "ids": ids,
+        "steps": steps,
+        "seen": acc.gather_object(seen),
+        "agreed": (acc.step, scheduler.last_epoch, optimizer.param_groups[0]["lr"]),
+    }
 
 
 def _close(a, b, tol=1e-6):
@@ -63,8 +69,9 @@ def _close(a, b, tol=1e-6):
 
 
 def test_uneven_epochs_train_as_one_process_and_every_rank_ends_with_rank_0s_state(tmp_path):
-    single = Accelerator(nprocs=1, compute_setup="cpu").distribute(_train)(Accelerator(nprocs=1, compute_setup="cpu"),
-                                                                          8)
+    single = Accelerator(nprocs=1, compute_setup="cpu").distribute(_train)(
+        Accelerator(nprocs=1, compute_setup="cpu"), 8
+    )
     uneven = Accelerator(nprocs=2, compute_setup="cpu", even_batches=False, timeout=60)
     ranks = uneven.distribute(_train, all_results=True)(uneven, 4, str(tmp_path / "ckpt"))
     assert [r["steps"] for r in ranks] == [[5, 5], [4, 4]]
@@ -73,7 +80,7 @@ def test_uneven_epochs_train_as_one_process_and_every_rank_ends_with_rank_0s_sta
     assert sorted(ranks[0]["seen"]) == list(range(SIZE)), "evaluation too: every sample once"
     for rank in ranks:
         assert _close(rank["weights"], single["weights"]) and _close(rank["moments"], single["moments"])
-        assert rank["agreed"] == single["agreed"] == (10, 10, pytest.approx(0.05 * 0.7 ** 3))
+        assert rank["agreed"] == single["agreed"] == (10, 10, pytest.approx(0.05 * 0.7**3))
     padded = Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
     even = padded.distribute(_train)(padded, 4)
     assert not _close(even["weights"], single["weights"]), "padding changes training: the comparison can fail"
@@ -82,8 +89,14 @@ def test_uneven_epochs_train_as_one_process_and_every_rank_ends_with_rank_0s_sta
 def test_accumulation_with_sync_each_batch_equals_one_process():
     one = Accelerator(nprocs=1, compute_setup="cpu", gradient_accumulation_steps=2)
     single = one.distribute(_train)(one, 8)
-    uneven = Accelerator(nprocs=2, compute_setup="cpu", even_batches=False, gradient_accumulation_steps=2,
-                         sync_each_batch=True, timeout=60)
+    uneven = Accelerator(
+        nprocs=2,
+        compute_setup="cpu",
+        even_batches=False,
+        gradient_accumulation_steps=2,
+        sync_each_batch=True,
+        timeout=60,
+    )
     for rank in uneven.distribute(_train, all_results=True)(uneven, 4):
         assert _close(rank["weights"], single["weights"]) and rank["agreed"] == single["agreed"]
 
@@ -95,7 +108,9 @@ def test_resuming_mid_epoch_continues_bitwise(tmp_path):
     resumed = uneven.distribute(_train, all_results=True)(uneven, 4, str(tmp_path / "ckpt"))
     for rank in range(2):
         assert all(torch.equal(a, b) for a, b in zip(resumed[rank]["weights"], straight[rank]["weights"]))
-        assert resumed[rank]["ids"][-1] == straight[rank]["ids"][-1][12:], "the rest of the epoch (3 steps of 4 were done)"
+        assert resumed[rank]["ids"][-1] == straight[rank]["ids"][-1][12:], (
+            "the rest of the epoch (3 steps of 4 were done)"
+        )
 
 
 def _joined_as_accelerate_writes_it(acc):
@@ -140,8 +155,11 @@ def test_collectives_the_other_rank_cannot_join_fail_at_once():
     uneven = Accelerator(nprocs=2, compute_setup="cpu", even_batches=False, timeout=60)
     with pytest.raises(RuntimeError, match=r"gather_for_metrics\(\) needs every rank .* take \[5, 4\] steps"):
         uneven.distribute(_gather_each_step)(uneven)
-    with pytest.raises(RuntimeError, match=r"all_reduce_dict\(\) cannot run here: step 5 of this epoch is taken by "
-                                           r"rank\(s\) \[0\] only"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"all_reduce_dict\(\) cannot run here: step 5 of this epoch is taken by "
+        r"rank\(s\) \[0\] only",
+    ):
         uneven.distribute(_reduce_each_step)(uneven)
 
 

@@ -14,18 +14,18 @@ import math
 
 import pytest
 import torch
+from support import component
 from torch.utils.data import DataLoader, TensorDataset
 
 import qaccel
 import qaccel.data
 from qaccel import TrainConfig, Trainer
-from qaccel.callbacks import Callback, GradientMonitoring, SaveCheckpoint
-from support import component
+from qaccel.callbacks import Callback, SaveCheckpoint
 
 pytestmark = pytest.mark.timeout(240)
 
 EPOCHS = 4  # max_iter: epochs 0 to 4
-TOL = dict(atol=1e-10, rtol=0)  # float64 throughout
+TOL = {"atol": 1e-10, "rtol": 0}  # float64 throughout
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +99,15 @@ def _run_qaccel(tmp_path, loss_fn, train, optimizer="adam", epochs=EPOCHS, name=
     """qaccel's Trainer, as the qadence script would call it: (losses at epochs 1..max_iter, model, optimizer)."""
     model = model or _model()
     opt = _optimizer(model, optimizer)
-    config = TrainConfig(max_iter=epochs, log_folder=tmp_path / name, compute_setup="cpu", tracking_tool="csv",
-                         verbose=False, all_reduce_metrics=True, **fields)
+    config = TrainConfig(
+        max_iter=epochs,
+        log_folder=tmp_path / name,
+        compute_setup="cpu",
+        tracking_tool="csv",
+        verbose=False,
+        all_reduce_metrics=True,
+        **fields,
+    )
     trainer = Trainer(model, opt, config, loss_fn, train)
     trainer.fit()
     return [h["train_loss"] for h in trainer.history if h["step"] > 0], model, opt
@@ -134,8 +141,9 @@ def test_a_finite_loader_gives_qadences_curve_and_steps_on_one_and_two_ranks(qad
 def test_no_training_data_calls_the_loss_with_none_once_per_epoch_as_qadence(qadence, tmp_path):
     reference = _run_qadence(qadence, tmp_path, _residual, None)
     assert _steps(reference[2]) == EPOCHS + 1
-    _agree(reference, _run_qaccel(tmp_path, _residual, None), _run_qaccel(tmp_path, _residual, None, nprocs=2,
-                                                                            name="two"))
+    _agree(
+        reference, _run_qaccel(tmp_path, _residual, None), _run_qaccel(tmp_path, _residual, None, nprocs=2, name="two")
+    )
 
 
 def test_a_dict_of_loaders_gives_qadences_curve_on_one_and_two_ranks(qadence, tmp_path):
@@ -143,8 +151,12 @@ def test_a_dict_of_loaders_gives_qadences_curve_on_one_and_two_ranks(qadence, tm
     z = torch.linspace(-2, 2, 16, dtype=torch.float64).reshape(-1, 1)
 
     def loaders(dict_loader, halve):
-        return dict_loader({"fit": DataLoader(TensorDataset(x, y), batch_size=8 // halve),
-                            "zero": DataLoader(TensorDataset(z), batch_size=4 // halve)})
+        return dict_loader(
+            {
+                "fit": DataLoader(TensorDataset(x, y), batch_size=8 // halve),
+                "zero": DataLoader(TensorDataset(z), batch_size=4 // halve),
+            }
+        )
 
     reference = _run_qadence(qadence, tmp_path, _two_sets, loaders(qadence.DictDataLoader, 1))
     one = _run_qaccel(tmp_path, _two_sets, loaders(qaccel.DictDataLoader, 1))
@@ -163,14 +175,22 @@ def test_an_infinite_loader_takes_one_batch_an_epoch_or_max_batches(qadence, tmp
     qadence_model = _model()
     qadence_optimizer = _optimizer(qadence_model, "adam")
     config = qadence.TrainConfig(max_iter=EPOCHS, log_folder=tmp_path / "qadence")
-    qadence.Trainer(qadence_model, qadence_optimizer, config, _mse,
-                    qadence.to_dataloader(x, y, batch_size=8, infinite=True)).fit()
+    qadence.Trainer(
+        qadence_model, qadence_optimizer, config, _mse, qadence.to_dataloader(x, y, batch_size=8, infinite=True)
+    ).fit()
     assert _steps(qadence_optimizer) == EPOCHS + 1
     _, _, one = _run_qaccel(tmp_path, _mse, qaccel.to_dataloader(x, y, batch_size=8, infinite=True))
     assert _steps(one) == EPOCHS + 1, "one batch an epoch, as qadence"
-    capped = Trainer(_model(), torch.optim.Adam(_model().parameters()), TrainConfig(
-        max_iter=EPOCHS, log_folder=tmp_path / "capped", compute_setup="cpu", tracking_tool="csv", verbose=False),
-        "mse", qaccel.to_dataloader(x, y, batch_size=8, infinite=True), max_batches=3)
+    capped = Trainer(
+        _model(),
+        torch.optim.Adam(_model().parameters()),
+        TrainConfig(
+            max_iter=EPOCHS, log_folder=tmp_path / "capped", compute_setup="cpu", tracking_tool="csv", verbose=False
+        ),
+        "mse",
+        qaccel.to_dataloader(x, y, batch_size=8, infinite=True),
+        max_batches=3,
+    )
     capped.fit()
     assert capped.global_step == 3 * (EPOCHS + 1)
 
@@ -178,8 +198,12 @@ def test_an_infinite_loader_takes_one_batch_an_epoch_or_max_batches(qadence, tmp
 def test_an_infinite_loader_on_two_ranks_reads_one_stream_as_one_rank_with_their_batch(tmp_path):
     """The ranks read one stream, each taking every other batch: 2 x 4 samples a step are 1 x 8."""
     x, y = _points()
-    runs = [_run_qaccel(tmp_path, _mse, qaccel.to_dataloader(x, y, batch_size=8 // n, infinite=True), nprocs=n,
-                        seed=7, name=f"n{n}") for n in (1, 2)]
+    runs = [
+        _run_qaccel(
+            tmp_path, _mse, qaccel.to_dataloader(x, y, batch_size=8 // n, infinite=True), nprocs=n, seed=7, name=f"n{n}"
+        )
+        for n in (1, 2)
+    ]
     (one, one_model, _), (two, two_model, _) = runs
     torch.testing.assert_close(torch.tensor(two), torch.tensor(one), **TOL)
     torch.testing.assert_close(_params(two_model), _params(one_model), **TOL)
@@ -202,8 +226,12 @@ def _loader(kind):
         return qaccel.to_dataloader(*_points(), batch_size=4, infinite=True)
     x, y = _points(24)
     z = torch.linspace(-2, 2, 32, dtype=torch.float64).reshape(-1, 1)
-    return qaccel.DictDataLoader({"fit": DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True),
-                                  "zero": DataLoader(TensorDataset(z), batch_size=2, shuffle=True)})
+    return qaccel.DictDataLoader(
+        {
+            "fit": DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True),
+            "zero": DataLoader(TensorDataset(z), batch_size=2, shuffle=True),
+        }
+    )
 
 
 @pytest.mark.parametrize("kind", ["infinite", "dict"])
@@ -216,15 +244,37 @@ def test_a_loader_resumed_mid_epoch_continues_where_it_stopped(tmp_path, kind):
     save = SaveCheckpoint("train_batch_end", 1)
     runs = {}
     for name, callbacks, restarts in [
-            ("straight", [save], 0),
-            ("restarted", [Callback("train_batch_end", 1, functools.partial(_note_batch, noted)),
-                           Callback("train_batch_end", 1, _fail_once_at_step_5), save], 1)]:
+        ("straight", [save], 0),
+        (
+            "restarted",
+            [
+                Callback("train_batch_end", 1, functools.partial(_note_batch, noted)),
+                Callback("train_batch_end", 1, _fail_once_at_step_5),
+                save,
+            ],
+            1,
+        ),
+    ]:
         model = _model()
-        config = TrainConfig(max_iter=EPOCHS, log_folder=tmp_path / name, compute_setup="cpu", tracking_tool="csv",
-                             verbose=False, nprocs=2, seed=3, max_restarts=restarts, callbacks=callbacks)
-        Trainer(model, torch.optim.Adam(model.parameters(), lr=0.02), config,
-                _mse if kind == "infinite" else _two_sets, _loader(kind), max_batches=3 if kind == "infinite" else None
-                ).fit()
+        config = TrainConfig(
+            max_iter=EPOCHS,
+            log_folder=tmp_path / name,
+            compute_setup="cpu",
+            tracking_tool="csv",
+            verbose=False,
+            nprocs=2,
+            seed=3,
+            max_restarts=restarts,
+            callbacks=callbacks,
+        )
+        Trainer(
+            model,
+            torch.optim.Adam(model.parameters(), lr=0.02),
+            config,
+            _mse if kind == "infinite" else _two_sets,
+            _loader(kind),
+            max_batches=3 if kind == "infinite" else None,
+        ).fit()
         runs[name] = model
     lines = [tuple(map(int, line.split())) for line in noted.read_text().splitlines()]
     assert [step for attempt, step in lines if attempt == 1] == list(range(5, 16)), lines
@@ -233,24 +283,43 @@ def test_a_loader_resumed_mid_epoch_continues_where_it_stopped(tmp_path, kind):
 
 def test_a_second_fit_of_the_same_trainer_trains_max_iter_plus_one_more_epochs_as_qadence(qadence, tmp_path):
     x, y = _points()
-    fields = dict(checkpoint_every=1)
+    fields = {"checkpoint_every": 1}
     qadence_model = _model()
     qadence_optimizer = _optimizer(qadence_model, "adam")
-    q_trainer = qadence.Trainer(qadence_model, qadence_optimizer, qadence.TrainConfig(
-        max_iter=EPOCHS, log_folder=tmp_path / "qadence", **fields), _mse, DataLoader(TensorDataset(x, y), batch_size=8))
+    q_trainer = qadence.Trainer(
+        qadence_model,
+        qadence_optimizer,
+        qadence.TrainConfig(max_iter=EPOCHS, log_folder=tmp_path / "qadence", **fields),
+        _mse,
+        DataLoader(TensorDataset(x, y), batch_size=8),
+    )
     q_trainer.fit()
     q_trainer.fit()
     model = _model()
     optimizer = _optimizer(model, "adam")
-    trainer = Trainer(model, optimizer, TrainConfig(max_iter=EPOCHS, log_folder=tmp_path / "qaccel", compute_setup="cpu",
-                                                    tracking_tool="csv", verbose=False, nprocs=2, **fields),
-                      _mse, DataLoader(TensorDataset(x, y), batch_size=4))
+    trainer = Trainer(
+        model,
+        optimizer,
+        TrainConfig(
+            max_iter=EPOCHS,
+            log_folder=tmp_path / "qaccel",
+            compute_setup="cpu",
+            tracking_tool="csv",
+            verbose=False,
+            nprocs=2,
+            **fields,
+        ),
+        _mse,
+        DataLoader(TensorDataset(x, y), batch_size=4),
+    )
     trainer.fit()
     assert trainer.config.log_folder == trainer.log_folder, "the run's folder, as qadence sets it"
     trainer.fit()
     assert _steps(optimizer) == _steps(qadence_optimizer) == 2 * (EPOCHS + 1) * 4
     torch.testing.assert_close(_params(model), _params(qadence_model), **TOL)
-    assert trainer.current_epoch == 2 * EPOCHS + 1 and [h["step"] for h in trainer.history] == list(range(2 * EPOCHS + 2))
+    assert trainer.current_epoch == 2 * EPOCHS + 1 and [h["step"] for h in trainer.history] == list(
+        range(2 * EPOCHS + 2)
+    )
 
 
 def test_a_folder_of_qadence_checkpoints_is_continued_on_every_rank(qadence, tmp_path, capfd):
@@ -259,16 +328,32 @@ def test_a_folder_of_qadence_checkpoints_is_continued_on_every_rank(qadence, tmp
     x, y = _points()
     folder = tmp_path / "switched"
     first = _model()
-    qadence.Trainer(first, _optimizer(first, "adam"), qadence.TrainConfig(max_iter=2, log_folder=folder,
-                                                                          checkpoint_every=1),
-                    _mse, DataLoader(TensorDataset(x, y), batch_size=8)).fit()
+    qadence.Trainer(
+        first,
+        _optimizer(first, "adam"),
+        qadence.TrainConfig(max_iter=2, log_folder=folder, checkpoint_every=1),
+        _mse,
+        DataLoader(TensorDataset(x, y), batch_size=8),
+    ).fit()
     straight = _run_qadence(qadence, tmp_path, _mse, DataLoader(TensorDataset(x, y), batch_size=8))
     model = _model()
     optimizer = _optimizer(model, "adam")
     capfd.readouterr()
-    trainer = Trainer(model, optimizer, TrainConfig(max_iter=EPOCHS, log_folder=folder, compute_setup="cpu",
-                                                    tracking_tool="csv", verbose=False, nprocs=2, rank_prefix=True),
-                      _mse, DataLoader(TensorDataset(x, y), batch_size=4))
+    trainer = Trainer(
+        model,
+        optimizer,
+        TrainConfig(
+            max_iter=EPOCHS,
+            log_folder=folder,
+            compute_setup="cpu",
+            tracking_tool="csv",
+            verbose=False,
+            nprocs=2,
+            rank_prefix=True,
+        ),
+        _mse,
+        DataLoader(TensorDataset(x, y), batch_size=4),
+    )
     trainer.fit()
     assert "qaccel: resumed " + str(folder / "model_Sequential_ckpt_002_device_cpu.pt") in capfd.readouterr().err
     assert [h["step"] for h in trainer.history] == [3, 4]
@@ -292,11 +377,21 @@ def _hooked(trainer_class):
         def hook(self, *args):
             got = [len(a) for a in args if isinstance(a, list) and all(isinstance(r, tuple) for r in a)]
             EVENTS.append((name, self.current_epoch, *got))
+
         return hook
 
-    names = ["on_train_start", "on_train_end", "on_train_epoch_start", "on_train_epoch_end", "on_val_epoch_start",
-             "on_val_epoch_end", "on_train_batch_start", "on_train_batch_end", "on_val_batch_start",
-             "on_val_batch_end"]
+    names = [
+        "on_train_start",
+        "on_train_end",
+        "on_train_epoch_start",
+        "on_train_epoch_end",
+        "on_val_epoch_start",
+        "on_val_epoch_end",
+        "on_train_batch_start",
+        "on_train_batch_end",
+        "on_val_batch_start",
+        "on_val_batch_end",
+    ]
     return type("Hooked", (trainer_class,), {name: note(name) for name in names})
 
 
@@ -306,12 +401,19 @@ def test_a_subclass_hooks_run_where_qadences_do_with_the_same_loss_calls(qadence
     for name, library in (("qadence", qadence), ("qaccel", None)):
         EVENTS.clear()
         model = _model()
-        config = (library.TrainConfig if library else functools.partial(
-            TrainConfig, compute_setup="cpu", tracking_tool="csv", verbose=False))(
-            max_iter=2, val_every=1, log_folder=tmp_path / name)
+        config = (
+            library.TrainConfig
+            if library
+            else functools.partial(TrainConfig, compute_setup="cpu", tracking_tool="csv", verbose=False)
+        )(max_iter=2, val_every=1, log_folder=tmp_path / name)
         _hooked(library.Trainer if library else Trainer)(
-            model, _optimizer(model, "adam"), config, _counted, DataLoader(TensorDataset(x, y), batch_size=8),
-            DataLoader(TensorDataset(x, y), batch_size=16)).fit()
+            model,
+            _optimizer(model, "adam"),
+            config,
+            _counted,
+            DataLoader(TensorDataset(x, y), batch_size=8),
+            DataLoader(TensorDataset(x, y), batch_size=16),
+        ).fit()
         seen[name] = list(EVENTS)
     assert seen["qaccel"] == seen["qadence"]
     assert seen["qaccel"].count(("loss",)) == 3 * 2 + 4 * 1, "3 epochs of 2 batches, 4 validations of one"
@@ -331,26 +433,43 @@ def test_callbacks_get_qadences_writer_and_gradient_statistics_on_every_rank(qad
     for name, library in (("qadence", qadence), ("qaccel", None)):
         model = _model()
         callbacks_module = qadence.callbacks if library else qaccel.callbacks
-        config_class = library.TrainConfig if library else functools.partial(
-            TrainConfig, compute_setup="cpu", verbose=False, nprocs=2, all_reduce_metrics=True)
-        config = config_class(max_iter=EPOCHS, log_folder=tmp_path / name, callbacks=[
-            callbacks_module.Callback("train_epoch_end", 1, _write_everywhere),
-            callbacks_module.GradientMonitoring("train_epoch_end", 1)])
+        config_class = (
+            library.TrainConfig
+            if library
+            else functools.partial(TrainConfig, compute_setup="cpu", verbose=False, nprocs=2, all_reduce_metrics=True)
+        )
+        config = config_class(
+            max_iter=EPOCHS,
+            log_folder=tmp_path / name,
+            callbacks=[
+                callbacks_module.Callback("train_epoch_end", 1, _write_everywhere),
+                callbacks_module.GradientMonitoring("train_epoch_end", 1),
+            ],
+        )
         trainer_class = library.Trainer if library else Trainer
-        trainer_class(model, _optimizer(model, "adam"), config, _mse,
-                      DataLoader(TensorDataset(x, y), batch_size=8 if library else 4)).fit()
+        trainer_class(
+            model,
+            _optimizer(model, "adam"),
+            config,
+            _mse,
+            DataLoader(TensorDataset(x, y), batch_size=8 if library else 4),
+        ).fit()
         runs[name] = config.log_folder if library else tmp_path / name / "tracking"
     read = {}
     for name, folder in runs.items():
         events = EventAccumulator(str(folder), size_guidance={"scalars": 0})
         events.Reload()
         read[name] = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
-    assert set(read["qaccel"]) == set(read["qadence"]) >= {"doubled", "0.weight_mean", "0.weight_std",
-                                                             "0.weight_max", "0.weight_min"}
+    assert (
+        set(read["qaccel"])
+        == set(read["qadence"])
+        >= {"doubled", "0.weight_mean", "0.weight_std", "0.weight_max", "0.weight_min"}
+    )
     for tag, values in read["qadence"].items():
         assert [step for step, _ in read["qaccel"][tag]] == [step for step, _ in values] == list(range(1, EPOCHS + 1))
-        assert [v for _, v in read["qaccel"][tag]] == pytest.approx([v for _, v in values], rel=1e-5, abs=1e-7,
-                                                                  nan_ok=True), tag  # one value: std is nan
+        assert [v for _, v in read["qaccel"][tag]] == pytest.approx(
+            [v for _, v in values], rel=1e-5, abs=1e-7, nan_ok=True
+        ), tag  # one value: std is nan
 
 
 def test_gradient_free_training_with_nevergrad_follows_qadence(qadence, tmp_path):
@@ -367,13 +486,19 @@ def test_gradient_free_training_with_nevergrad_follows_qadence(qadence, tmp_path
     try:
         NOTED.clear()
         note = qadence.callbacks.Callback("train_epoch_end", 1, _note_loss)
-        qadence.Trainer(reference_model, ng_optimizer, qadence.TrainConfig(
-            max_iter=EPOCHS, log_folder=tmp_path / "qadence", callbacks=[note]), _residual_linear, None).fit()
+        qadence.Trainer(
+            reference_model,
+            ng_optimizer,
+            qadence.TrainConfig(max_iter=EPOCHS, log_folder=tmp_path / "qadence", callbacks=[note]),
+            _residual_linear,
+            None,
+        ).fit()
         losses = list(NOTED)
     finally:
         qadence.Trainer.set_use_grad(True)
-    config = TrainConfig(max_iter=EPOCHS, log_folder=tmp_path / "qaccel", compute_setup="cpu", tracking_tool="csv",
-                         verbose=False)
+    config = TrainConfig(
+        max_iter=EPOCHS, log_folder=tmp_path / "qaccel", compute_setup="cpu", tracking_tool="csv", verbose=False
+    )
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), config, _residual_linear)
     with trainer.disable_grad_opt(twin):  # one way: a block
         trainer.fit()
@@ -382,8 +507,12 @@ def test_gradient_free_training_with_nevergrad_follows_qadence(qadence, tmp_path
     Trainer.set_use_grad(False)  # the other: every Trainer made from now on
     try:
         again = copy.deepcopy(initial)
-        other = Trainer(again, copy.deepcopy(ng_initial), config.__class__(**{**vars(config), "log_folder": tmp_path / "set"}),
-                        _residual_linear)
+        other = Trainer(
+            again,
+            copy.deepcopy(ng_initial),
+            config.__class__(**{**vars(config), "log_folder": tmp_path / "set"}),
+            _residual_linear,
+        )
         other.fit()
     finally:
         Trainer.set_use_grad(True)
@@ -399,24 +528,70 @@ def test_every_training_name_of_qadence_ml_tools_is_in_qaccel(qadence):
     import qadence.ml_tools.callbacks as q_callbacks
     import qadence.ml_tools.data as q_data
 
-    models = {"AnsatzConfig", "FeatureMapConfig", "QNN", "QCNN", "create_ansatz", "create_fm_blocks",
-              "create_observable", "InformationContent", "numpy_to_tensor", "promote_to", "promote_to_tensor"}
-    training = {name for name in dir(qadence) if not name.startswith("_") and name[0] != name[0].lower()
-                or name in ("load_checkpoint", "write_checkpoint", "load_model", "to_dataloader", "get_parameters",
-                            "set_parameters", "num_parameters", "default_optimize_step")}
-    training = {name for name in training if hasattr(qadence, name) and not isinstance(getattr(qadence, name),
-                                                                                         type(math))} - models
+    models = {
+        "AnsatzConfig",
+        "FeatureMapConfig",
+        "QNN",
+        "QCNN",
+        "create_ansatz",
+        "create_fm_blocks",
+        "create_observable",
+        "InformationContent",
+        "numpy_to_tensor",
+        "promote_to",
+        "promote_to_tensor",
+    }
+    training = {
+        name
+        for name in dir(qadence)
+        if not name.startswith("_")
+        and name[0] != name[0].lower()
+        or name
+        in (
+            "load_checkpoint",
+            "write_checkpoint",
+            "load_model",
+            "to_dataloader",
+            "get_parameters",
+            "set_parameters",
+            "num_parameters",
+            "default_optimize_step",
+        )
+    }
+    training = {
+        name for name in training if hasattr(qadence, name) and not isinstance(getattr(qadence, name), type(math))
+    } - models
     assert training and not [name for name in training if not hasattr(qaccel, name)]
     callbacks = set(q_callbacks.__all__) - {"CallbacksManager", "get_writer"}
     assert not [name for name in callbacks if not hasattr(qaccel.callbacks, name)]
-    assert not [name for name in ("DictDataLoader", "InfiniteTensorDataset", "OptimizeResult", "to_dataloader")
-                if not hasattr(qaccel.data, name) or not hasattr(q_data, name)]
+    assert not [
+        name
+        for name in ("DictDataLoader", "InfiniteTensorDataset", "OptimizeResult", "to_dataloader")
+        if not hasattr(qaccel.data, name) or not hasattr(q_data, name)
+    ]
     fields = {f for f in qadence.OptimizeResult.__dataclass_fields__}
-    assert list(qaccel.OptimizeResult.__dataclass_fields__)[:len(fields)] == list(
-        qadence.OptimizeResult.__dataclass_fields__), "qadence's fields, in its order (positional arguments)"
-    trainer_names = {"fit", "test", "current_epoch", "global_step", "opt_result", "use_grad", "set_use_grad",
-                     "enable_grad_opt", "disable_grad_opt", "optimize_step", "num_training_batches",
-                     "num_validation_batches", "num_test_batches", "accelerator", "config", "model", "optimizer"}
+    assert list(qaccel.OptimizeResult.__dataclass_fields__)[: len(fields)] == list(
+        qadence.OptimizeResult.__dataclass_fields__
+    ), "qadence's fields, in its order (positional arguments)"
+    trainer_names = {
+        "fit",
+        "test",
+        "current_epoch",
+        "global_step",
+        "opt_result",
+        "use_grad",
+        "set_use_grad",
+        "enable_grad_opt",
+        "disable_grad_opt",
+        "optimize_step",
+        "num_training_batches",
+        "num_validation_batches",
+        "num_test_batches",
+        "accelerator",
+        "config",
+        "model",
+        "optimizer",
+    }
     model = _model()
     trainer = Trainer(model, torch.optim.Adam(model.parameters()), TrainConfig(compute_setup="cpu"))
     assert not [name for name in trainer_names if not hasattr(trainer, name)]
@@ -438,10 +613,21 @@ def test_gradient_free_training_on_two_ranks_takes_one_path(tmp_path):
         ng_optimizer = nevergrad.optimizers.NGOpt(parametrization=qaccel.num_parameters(model), budget=EPOCHS)
         ng_optimizer.parametrization.random_state.seed(0)
         x = torch.linspace(-1, 1, 8, dtype=torch.float64).reshape(-1, 1)
-        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), TrainConfig(
-            max_iter=EPOCHS, log_folder=tmp_path / f"n{nprocs}", compute_setup="cpu", tracking_tool="csv",
-            verbose=False, nprocs=nprocs, all_reduce_metrics=True), _mse,
-            DataLoader(TensorDataset(x, 2 * x - 0.5), batch_size=8 // nprocs))
+        trainer = Trainer(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            TrainConfig(
+                max_iter=EPOCHS,
+                log_folder=tmp_path / f"n{nprocs}",
+                compute_setup="cpu",
+                tracking_tool="csv",
+                verbose=False,
+                nprocs=nprocs,
+                all_reduce_metrics=True,
+            ),
+            _mse,
+            DataLoader(TensorDataset(x, 2 * x - 0.5), batch_size=8 // nprocs),
+        )
         with trainer.disable_grad_opt(ng_optimizer):
             trainer.fit()
         runs.append(([h["train_loss"] for h in trainer.history], _params(model)))

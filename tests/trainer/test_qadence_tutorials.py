@@ -98,10 +98,16 @@ def test_trainer_page_trains_as_qadence_says_up_to_its_landscape_analysis(qadenc
     steps = [int(line.split()[2]) for line in (run / "metrics" / "train_loss").read_text().splitlines()]
     assert sorted(set(steps)) == list(range(1, 11)), "write_every=1: epochs 1..10 (epoch 0 is not written)"
     plots = sorted(p.name for p in (run / "artifacts").glob("ufa_prediction_epoch_*.png"))
-    assert plots == sorted(f"ufa_prediction_epoch_{i}.png" for i in (0, 2, 4, 6, 8, 10)), \
+    assert plots == sorted(f"ufa_prediction_epoch_{i}.png" for i in (0, 2, 4, 6, 8, 10)), (
         "plot_every=2: at the start and every 2 epochs"
-    assert {p.name for p in (run / "params").iterdir()} == {"seed", "batch_size", "n_qubits", "ansatz_depth",
-                                                             "observable"}, "hyperparams logged"
+    )
+    assert {p.name for p in (run / "params").iterdir()} == {
+        "seed",
+        "batch_size",
+        "n_qubits",
+        "ansatz_depth",
+        "observable",
+    }, "hyperparams logged"
     assert any((run / "artifacts" / "model").iterdir()), "log_model=True"
 
     fitted = result["6.2"]  # max_iter=100 (cut from 300), val_every=10, checkpoint_best_only
@@ -131,8 +137,7 @@ def test_callbacks_page_makes_the_same_callbacks_as_qadence(qadence, tmp_path):
     reference_proc, reference, reference_output = _run("callbacks", "qadence", tmp_path)
     _ok(reference_proc, reference_output)
     assert len(result["configs"]) == 14
-    assert {k: v for k, v in result.items() if k != "library"} == \
-        {k: v for k, v in reference.items() if k != "library"}
+    assert {k: v for k, v in result.items() if k != "library"} == {k: v for k, v in reference.items() if k != "library"}
 
 
 def test_data_and_config_page_gives_qadences_batches_and_configs(qadence, tmp_path):
@@ -201,7 +206,9 @@ def test_accelerator_page_trains_on_two_ranks(tmp_path):
     _ok(proc, output)
     assert result["returned"] == "None" and result["n_epochs"] == 10
     losses: dict[int, dict[int, float]] = {0: {}, 1: {}}
-    for rank, epoch, loss in re.findall(r"^Rank:\s+(\d+)\s+\| Epoch:\s+(\d+)\s+\| Loss:\s+(\S+)$", proc.stdout, re.MULTILINE):
+    for rank, epoch, loss in re.findall(
+        r"^Rank:\s+(\d+)\s+\| Epoch:\s+(\d+)\s+\| Loss:\s+(\S+)$", proc.stdout, re.MULTILINE
+    ):
         assert int(epoch) not in losses[int(rank)], f"rank {rank} printed epoch {epoch} twice:\n{output}"
         losses[int(rank)][int(epoch)] = float(loss)
     for rank, by_epoch in losses.items():

@@ -10,10 +10,10 @@ import os
 
 import pytest
 import torch
+from support import component
 
 from qaccel.errors import CheckpointError
 from qaccel.trainer import parameters, saveload
-from support import component
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -76,8 +76,9 @@ def _equal(a, b):
 
 
 def _same_model_and_optimizer(model, optimizer, other_model, other_optimizer):
-    return _equal(model.state_dict(), other_model.state_dict()) and _equal(optimizer.state_dict(),
-                                                                          other_optimizer.state_dict())
+    return _equal(model.state_dict(), other_model.state_dict()) and _equal(
+        optimizer.state_dict(), other_optimizer.state_dict()
+    )
 
 
 def _qnn(qadence, seed):
@@ -89,8 +90,10 @@ def _qnn(qadence, seed):
 def test_a_checkpoint_is_loaded_back_with_its_iteration_tensors_and_optimizer_state(tmp_path):
     model, optimizer = _trained()
     saveload.write_checkpoint(tmp_path, model, optimizer, 7)
-    assert sorted(os.listdir(tmp_path)) == ["model_Sequential_ckpt_007_device_cpu.pt",
-                                            "opt_Adam_ckpt_007_device_cpu.pt"]
+    assert sorted(os.listdir(tmp_path)) == [
+        "model_Sequential_ckpt_007_device_cpu.pt",
+        "opt_Adam_ckpt_007_device_cpu.pt",
+    ]
     loaded_model, loaded_optimizer = _fresh()
     got_model, got_optimizer, iteration = saveload.load_checkpoint(tmp_path, loaded_model, loaded_optimizer)
     assert iteration == 7 and got_model is loaded_model and got_optimizer is loaded_optimizer
@@ -156,16 +159,16 @@ def test_qnn_and_quantum_model_checkpoints_are_qadences_to_dict_both_ways(tmp_pa
             assert _equal({k: v.detach() for k, v in other._params.items()}, expected), (name, folder)
 
 
-def test_the_latest_checkpoint_is_the_highest_number_for_the_device_as_qadence_chooses(tmp_path, qd,
-                                                                                          qadence_saveload):
+def test_the_latest_checkpoint_is_the_highest_number_for_the_device_as_qadence_chooses(tmp_path, qd, qadence_saveload):
     model, optimizer = _trained()
     for iteration in (2, 10, 7, "best"):
         saveload.write_checkpoint(tmp_path, model, optimizer, iteration)
     torch.save((99, model.state_dict()), tmp_path / "model_Sequential_ckpt_099_device_cuda.pt")
     for device in ("cpu", "cuda", "cuda:1"):
         for kind in ("model", "opt"):
-            assert (saveload.get_latest_checkpoint_name(tmp_path, kind, device)
-                    == qadence_saveload.get_latest_checkpoint_name(tmp_path, kind, device))
+            assert saveload.get_latest_checkpoint_name(
+                tmp_path, kind, device
+            ) == qadence_saveload.get_latest_checkpoint_name(tmp_path, kind, device)
     assert saveload.get_latest_checkpoint_name(tmp_path, "model").name == "model_Sequential_ckpt_010_device_cpu.pt"
     assert saveload.get_latest_checkpoint_name(tmp_path, "model", "cuda:0").name.endswith("_099_device_cuda.pt")
     assert saveload.load_checkpoint(tmp_path, *_fresh())[2] == 10
@@ -177,16 +180,22 @@ def test_the_latest_checkpoint_is_the_highest_number_for_the_device_as_qadence_c
 def test_a_best_checkpoint_keeps_its_string_iteration(tmp_path, qd):
     model, optimizer = _trained()
     saveload.write_checkpoint(tmp_path, model, optimizer, "best")
-    assert sorted(os.listdir(tmp_path)) == ["model_Sequential_ckpt_best_device_cpu.pt",
-                                            "opt_Adam_ckpt_best_device_cpu.pt"]
+    assert sorted(os.listdir(tmp_path)) == [
+        "model_Sequential_ckpt_best_device_cpu.pt",
+        "opt_Adam_ckpt_best_device_cpu.pt",
+    ]
     _, _, iteration = saveload.load_checkpoint(tmp_path, *_fresh())  # alone: it is the latest
     assert iteration == "best"
     saveload.write_checkpoint(tmp_path, _model(5), optimizer, 3)
     loaded_model, loaded_optimizer = _fresh()
     for load in (saveload.load_checkpoint, qd.load_checkpoint):
-        _, _, iteration = load(tmp_path, loaded_model, loaded_optimizer,
-                               model_ckpt_name="model_Sequential_ckpt_best_device_cpu.pt",
-                               opt_ckpt_name="opt_Adam_ckpt_best_device_cpu.pt")
+        _, _, iteration = load(
+            tmp_path,
+            loaded_model,
+            loaded_optimizer,
+            model_ckpt_name="model_Sequential_ckpt_best_device_cpu.pt",
+            opt_ckpt_name="opt_Adam_ckpt_best_device_cpu.pt",
+        )
         assert iteration == "best"
         assert _same_model_and_optimizer(model, optimizer, loaded_model, loaded_optimizer)
     assert saveload.load_checkpoint(tmp_path, *_fresh())[2] == 3, "a number beats best"
@@ -246,8 +255,9 @@ def test_a_failed_write_raises_naming_the_file_and_leaves_no_partial_file(tmp_pa
         saveload.write_checkpoint(tmp_path, _model(4), optimizer, "best")
     with pytest.raises(OSError, match="could not write .*model_Sequential_ckpt_005_device_cpu.pt"):
         saveload.write_checkpoint(tmp_path, model, optimizer, 5)
-    assert {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)} == before, \
+    assert {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)} == before, (
         "no new or partial file; the previous best is intact"
+    )
     monkeypatch.undo()
     with pytest.raises(TypeError, match="not object; nothing was written"):
         saveload.write_checkpoint(tmp_path, model, object(), 6)
@@ -289,8 +299,11 @@ def test_a_nevergrad_optimizer_is_written_and_loaded_as_qadence_does(tmp_path, q
     ours.mkdir(), theirs.mkdir()
     saveload.write_checkpoint(ours, model, optimizer, 1)
     qd.write_checkpoint(theirs, model, optimizer, 1)
-    assert sorted(os.listdir(ours)) == sorted(os.listdir(theirs)) == [
-        "model_Sequential_ckpt_001_device_cpu.pt", "opt_NGOpt_ckpt_001_device_cpu.pt"]
+    assert (
+        sorted(os.listdir(ours))
+        == sorted(os.listdir(theirs))
+        == ["model_Sequential_ckpt_001_device_cpu.pt", "opt_NGOpt_ckpt_001_device_cpu.pt"]
+    )
     for folder, load in ((theirs, saveload.load_checkpoint), (ours, qd.load_checkpoint)):
         fresh = ng.optimizers.NGOpt(parametrization=3, budget=20)
         _, loaded, _ = load(folder, _model(1), fresh)
