@@ -84,7 +84,7 @@ def test_env_under_slurm_variables():
 )
 def test_env_says_which_gpu_a_rank_takes_and_why(monkeypatch, variables, seen, line):
     """The GPU count is the only thing faked (this machine has none); the variables are srun's for rank 1 of 2."""
-    monkeypatch.setattr(qaccel.options, "cuda_device_count", lambda: seen)
+    monkeypatch.setattr(qaccel.environment.gpus, "cuda_device_count", lambda: seen)
     for name, value in {
         "SLURM_PROCID": "1",
         "SLURM_NODEID": "0",
@@ -99,7 +99,7 @@ def test_env_says_which_gpu_a_rank_takes_and_why(monkeypatch, variables, seen, l
 
 
 def test_env_in_a_plain_process_says_which_gpus_its_ranks_would_take(monkeypatch):
-    monkeypatch.setattr(qaccel.options, "cuda_device_count", lambda: 4)
+    monkeypatch.setattr(qaccel.environment.gpus, "cuda_device_count", lambda: 4)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
     assert (
         cli._gpu_line(Accelerator(nprocs=2, backend="gloo"), detect(), 4)

@@ -58,7 +58,7 @@ def test_gpu_without_cuda_raises():
 
 def test_more_gpu_ranks_than_gpus_raises(monkeypatch):
     """The GPU count is the only thing faked here: no GPU on CI, and the check must run before any launch."""
-    monkeypatch.setattr(qaccel.options, "cuda_device_count", lambda: 1)
+    monkeypatch.setattr(qaccel.environment.gpus, "cuda_device_count", lambda: 1)
     with pytest.raises(RuntimeError, match=r"2 GPU ranks on this node but only 1 visible GPU\(s\)"):
         Accelerator(nprocs=2, compute_setup="gpu", backend="gloo")
     acc = Accelerator(nprocs=1, compute_setup="auto", backend="gloo")

@@ -29,18 +29,29 @@ def test_the_signature_is_the_declaration():
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in parameters[len(options.OPTIONS) :])
 
 
-def test_the_config_and_the_trainers_config_inherit_every_option_from_the_declaration():
+def test_the_trainers_config_inherits_every_option_and_the_resolved_config_has_one_field_each():
     from qaccel import TrainConfig
 
     declared = {f.name: f.default for f in dataclasses.fields(options.Options)}
     assert list(declared) == list(options.NAMES)
-    for cls in (options.Config, TrainConfig):
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        for name, default in declared.items():
-            assert fields[name].default == default and fields[name].kw_only, (cls.__name__, name)
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    for name, default in declared.items():
+        assert fields[name].default == default and fields[name].kw_only, name
+    # the resolved Config: each option as resolved, except the two resolved into others, and what they decide
+    resolved_into = {"kwargs_handlers": "handlers", "dynamo_backend": "compile"}
+    resolved_names = [resolved_into.get(name, name) for name in options.NAMES]
+    config_names = [f.name for f in dataclasses.fields(options.Config)]
+    assert set(config_names) == {*resolved_names, "device_type", "log_device_type"}
+    assert options.Config.__dataclass_params__.frozen
+
+
+def test_the_resolved_config_holds_resolved_values_and_cannot_change():
     resolved = Accelerator(compute_setup="cpu", timeout=datetime.timedelta(minutes=1), strategy="ddp")._config
     assert resolved.timeout == 60.0 and resolved.strategy is options.Strategy.DDP
-    assert isinstance(resolved, options.Options), "one type: the options, resolved"
+    assert resolved.compute_setup is options.ComputeSetup.CPU and resolved.backend is options.Backend.GLOO
+    assert resolved.mixed_precision is options.MixedPrecision.NO and resolved.rng_types == ("generator",)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        resolved.nprocs = 4  # type: ignore[misc]
 
 
 def test_the_docstring_and_the_table_name_every_option_in_order():

@@ -63,6 +63,11 @@ class GpuLayoutError(RuntimeError):
     """The GPUs a rank sees fit neither way of binding them."""
 
 
+def cuda_device_count() -> int:
+    """GPUs visible here, counted through NVML where possible so the caller's CUDA stays uninitialised."""
+    return torch.cuda.device_count()
+
+
 def choose(local_rank: int, local_world: int, visible: int, node_gpus: int | None = None) -> GpuChoice:
     """The GPU of the rank ``local_rank`` of its node's ``local_world`` that sees ``visible`` GPUs, of the
     ``node_gpus`` its launcher gave the node (when it says: ``node_gpus()``); raises GpuLayoutError for any other

@@ -16,7 +16,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from qaccel import Accelerator
-from qaccel.options import FSDP_MIN_PARAMS, Backend, MixedPrecision, Strategy, _check_sharding
+from qaccel.options import FSDP_MIN_PARAMS, Backend, MixedPrecision, Strategy
+from qaccel.options.devices import check_sharding
 from qaccel.train.sharding import units
 
 EPOCHS = 3
@@ -203,9 +204,9 @@ def test_bad_strategy_arguments_fail_at_construction(kwargs, message):
 
 def test_fsdp_refuses_fp16_and_mpi_naming_what_works():
     with pytest.raises(ValueError, match="strategy='fsdp' supports mixed_precision 'no' or 'bf16'"):
-        _check_sharding(Strategy.FSDP, MixedPrecision.FP16, Backend.NCCL)
+        check_sharding(Strategy.FSDP, MixedPrecision.FP16, Backend.NCCL)
     with pytest.raises(ValueError, match="backend 'gloo' \\(CPU\\) or 'nccl' \\(GPU\\); got backend='mpi'"):
-        _check_sharding(Strategy.FSDP, MixedPrecision.NO, Backend.MPI)
+        check_sharding(Strategy.FSDP, MixedPrecision.NO, Backend.MPI)
 
 
 def _stepped_optimizer(acc):
