@@ -1,5 +1,8 @@
 """The facade users hold: validates arguments, reports where this rank runs, and delegates the work."""
 
+# pyright: reportUnnecessaryIsInstance=false
+# (what users pass is checked at run time, whatever the annotations say)
+
 from __future__ import annotations
 
 import dataclasses
@@ -9,7 +12,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Never, TypeVar
+from typing import Any, Never, TypeVar, cast
 
 import torch
 
@@ -94,10 +97,10 @@ class Accelerator:
         fsdp_modules: Sequence[type | str] | None = None,
         fsdp_min_params: int = 1_000_000,
         debug: bool | None = None,
-        project_dir: str | os.PathLike | None = None,
+        project_dir: str | os.PathLike[str] | None = None,
         keep_checkpoints: int | None = None,
         log_with: Any = None,
-        logging_dir: str | os.PathLike | None = None,
+        logging_dir: str | os.PathLike[str] | None = None,
         rank_prefix: bool = False,
         kwargs_handlers: Sequence[KwargsHandler] | None = None,
         dynamo_backend: str | TorchDynamoPlugin | None = None,
@@ -178,7 +181,8 @@ class Accelerator:
     def device(self) -> torch.device:
         """The device this rank computes on: the GPU it sees, or ``cuda:<local_rank>`` when it sees its node's GPUs,
         or ``cpu``. A cluster job's is decided on its nodes: asked in the caller, this raises."""
-        self._decided("device")
+        if self._config.device_type is None:
+            raise self._decided("device")
         return self._ctx().device
 
     @property
@@ -221,7 +225,7 @@ class Accelerator:
         """The process group's backend, resolved: ``gloo``, ``nccl`` or ``mpi`` (a cluster job's, left to choose:
         decided on its nodes)."""
         if self._config.backend is None:
-            self._decided("backend")
+            raise self._decided("backend")
         return self._config.backend
 
     @property
@@ -326,14 +330,13 @@ class Accelerator:
             self.debug,
         )
 
-    def _decided(self, what: str) -> None:
-        """Raise when ``what`` is decided on a cluster job's nodes, not here."""
-        if self._config.device_type is None:
-            raise RuntimeError(
-                f"Accelerator.{what} is {options.ON_THE_NODES}: this Accelerator's ranks are the tasks of a SLURM job "
-                "(cluster=...), and each decides its device, backend and precision where it runs, from the GPUs it "
-                f"sees there; read acc.{what} inside the function you distribute"
-            )
+    def _decided(self, what: str) -> RuntimeError:
+        """The error for ``what``, read where a cluster job's nodes decide it, not here."""
+        return RuntimeError(
+            f"Accelerator.{what} is {options.ON_THE_NODES}: this Accelerator's ranks are the tasks of a SLURM job "
+            "(cluster=...), and each decides its device, backend and precision where it runs, from the GPUs it "
+            f"sees there; read acc.{what} inside the function you distribute"
+        )
 
     @property
     def strategy(self) -> Strategy:
@@ -405,7 +408,7 @@ class Accelerator:
             )
         return cluster.submit(fn, args, kwargs, self._config, self._config.cluster, _HAND_BACK.in_place)
 
-    def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, all_results: bool) -> Any:
+    def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], all_results: bool) -> Any:
         return self._where().run(fn, args, kwargs, all_results)
 
     # ---- collectives (identity in a single process) ----
@@ -459,7 +462,9 @@ class Accelerator:
                 "left out of gather_for_metrics)"
             )
         remainder = marks.remainder
-        if use_gather_object or (isinstance(data, list) and not all(isinstance(x, torch.Tensor) for x in data)):
+        if use_gather_object or (
+            isinstance(data, list) and not all(isinstance(x, torch.Tensor) for x in cast("list[object]", data))
+        ):
             gathered = self.gather_object(data)
             return gathered if remainder is None else gathered[:remainder]
         return collectives.gather_for_metrics(data, self._live(), remainder)
@@ -539,13 +544,13 @@ class Accelerator:
         ``"cuda"`` (this rank's device; skipped on CPU), ``"generator"`` (``generator``)."""
         seeding.synchronize_rng_states(rng_types, generator, self._live())
 
-    def save(self, obj: Any, path: str | os.PathLike) -> None:
+    def save(self, obj: Any, path: str | os.PathLike[str]) -> None:
         """``torch.save`` on the main process only, atomically (a crash never leaves a half-written file)."""
         checkpoint.save(obj, path, self._live())
 
     def save_state(
         self,
-        directory: str | os.PathLike | None = None,
+        directory: str | os.PathLike[str] | None = None,
         *,
         keep: int | None = None,
         background: bool = False,
@@ -582,7 +587,11 @@ class Accelerator:
         return background.wait(self._registry())
 
     def load_state(
-        self, directory: str | os.PathLike | None = None, *, missing_ok: bool = False, allow_pickle: bool | None = None
+        self,
+        directory: str | os.PathLike[str] | None = None,
+        *,
+        missing_ok: bool = False,
+        allow_pickle: bool | None = None,
     ) -> str | None:
         """Restore a save_state() checkpoint into the objects prepared (and registered) in this run, in order.
 
@@ -614,7 +623,7 @@ class Accelerator:
 
     def resume(
         self,
-        directory: str | os.PathLike | None = None,
+        directory: str | os.PathLike[str] | None = None,
         keep: int | None = 3,
         *,
         requeue_signal: int | str | None = "SIGUSR1",
@@ -743,7 +752,7 @@ class Accelerator:
         strategy="fsdp" it gathers the shards: call it on every rank; the main process gets the dict, others {}."""
         return checkpoint.get_state_dict(model)
 
-    def save_model(self, model: torch.nn.Module, directory: str | os.PathLike) -> None:
+    def save_model(self, model: torch.nn.Module, directory: str | os.PathLike[str]) -> None:
         """Write ``get_state_dict(model)`` to ``directory/model.pt`` from the main process, atomically (call it on
         every rank under strategy="fsdp": the shards are gathered first)."""
         checkpoint.save_model(model, directory, self._live())

@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 import qaccel
-from qaccel import options
 from qaccel.accelerator import Accelerator
 from qaccel.comm import hangs, session
 from qaccel.environment import Environment, detect
@@ -32,7 +31,7 @@ def _accelerator(args: argparse.Namespace) -> Accelerator:
 def env_report(args: argparse.Namespace) -> int:
     """Print versions, the detected environment and the ranks/devices qaccel would use."""
     env = detect()
-    gpus = options.cuda_device_count()
+    gpus = gpu_rule.cuda_device_count()
     lines = [
         ("qaccel", qaccel.__version__),
         ("python", platform.python_version()),
@@ -254,7 +253,8 @@ def where(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="qaccel", description=qaccel.__doc__.splitlines()[0])
+    doc = qaccel.__doc__  # None under python -OO
+    parser = argparse.ArgumentParser(prog="qaccel", description=doc.splitlines()[0] if doc else None)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("consolidate", help="write a model of a (sharded) checkpoint as one plain state-dict file")
     p.add_argument("checkpoint", help="a save_state() checkpoint, or a folder of them (the newest is read)")

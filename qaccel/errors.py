@@ -10,7 +10,7 @@ import traceback
 import warnings
 from dataclasses import dataclass, field
 
-import cloudpickle
+import cloudpickle  # pyright: ignore[reportMissingTypeStubs] - it ships none
 
 # Errors a rank raises because a peer left the group: symptoms, reported before their cause more often than not.
 _PEER_LOSS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Failed to recv")
@@ -183,7 +183,7 @@ class ErrorReport:
     @classmethod
     def of(cls, rank: int, exc: BaseException) -> ErrorReport:
         try:
-            exc_bytes: bytes | None = cloudpickle.dumps(exc)
+            exc_bytes: bytes | None = cloudpickle.dumps(exc)  # pyright: ignore[reportUnknownMemberType] - no stubs
         except Exception:  # noqa: BLE001 - whatever stops pickling it, the report carries its text
             exc_bytes = None
         return cls(

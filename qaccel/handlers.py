@@ -15,9 +15,12 @@ import enum
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel
 
 PROFILE_FILE = "profile_{rank}.json"  # Accelerate's PROFILE_PATTERN_NAME, one trace per rank
 
@@ -25,6 +28,9 @@ PROFILE_FILE = "profile_{rank}.json"  # Accelerate's PROFILE_PATTERN_NAME, one t
 class KwargsHandler:
     """Accelerate's base of the handler dataclasses: ``to_kwargs()`` gives the fields set to other than their
     defaults, which is what reaches torch."""
+
+    if TYPE_CHECKING:  # every subclass is a dataclass (dataclasses.fields() reads them)
+        __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
 
     def to_dict(self) -> dict[str, Any]:
         return copy.deepcopy(self.__dict__)
@@ -59,14 +65,14 @@ class DistributedDataParallelKwargs(KwargsHandler):
     static_graph: bool = False
     comm_hook: DDPCommunicationHookType | str = DDPCommunicationHookType.NO
     comm_wrapper: DDPCommunicationHookType | str = DDPCommunicationHookType.NO
-    comm_state_option: dict = field(default_factory=dict)
+    comm_state_option: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(
         self, ignore_keys: Sequence[str] = ("comm_hook", "comm_wrapper", "comm_state_option")
     ) -> dict[str, Any]:
         return {key: value for key, value in super().to_dict().items() if key not in ignore_keys}
 
-    def register_comm_hook(self, model: torch.nn.Module) -> None:
+    def register_comm_hook(self, model: DistributedDataParallel) -> None:
         """Register the hook on a DDP ``model`` (nothing for ``comm_hook="no"``)."""
         register_comm_hook(model, self.comm_hook, self.comm_wrapper, self.comm_state_option)
 
@@ -164,7 +170,7 @@ class TorchDynamoPlugin(KwargsHandler):
     """How ``prepare()`` compiles models with ``torch.compile``: Accelerate's plugin, read as Accelerate reads it
     (unset fields from the ``ACCELERATE_DYNAMO_*`` variables its launcher exports)."""
 
-    backend: str | None = None
+    backend: str | enum.Enum | None = None  # Accelerate's DynamoBackend too; a lower-case name after __post_init__
     mode: str | None = None
     fullgraph: bool | None = None
     dynamic: bool | None = None
@@ -190,7 +196,7 @@ class TorchDynamoPlugin(KwargsHandler):
 
     def to_kwargs(self) -> dict[str, Any]:
         """torch.compile's arguments (the backend always; the others where they differ from torch's defaults)."""
-        kwargs = {"backend": self.backend}
+        kwargs: dict[str, Any] = {"backend": self.backend}
         if self.mode not in (None, "default"):
             kwargs["mode"] = self.mode
         for name in ("fullgraph", "disable"):
@@ -287,7 +293,7 @@ def resolve(handlers: object) -> tuple[Handlers, dict[str, Any]]:
             raise ValueError(f"kwargs_handlers holds two {type(ours).__name__}s; pass one")
         found[type(ours)] = ours
     resolved, chosen = Handlers(), {}
-    if (ddp := found.get(DistributedDataParallelKwargs)) is not None:
+    if (ddp := _one(found, DistributedDataParallelKwargs)) is not None:
         resolved = dataclasses.replace(
             resolved,
             ddp=ddp.to_kwargs(),
@@ -299,15 +305,15 @@ def resolve(handlers: object) -> tuple[Handlers, dict[str, Any]]:
                 (DDPCommunicationHookType.NO, DDPCommunicationHookType.FP16, DDPCommunicationHookType.BF16),
             ),
         )
-    if (scaler := found.get(GradScalerKwargs)) is not None:
+    if (scaler := _one(found, GradScalerKwargs)) is not None:
         resolved = dataclasses.replace(resolved, scaler=scaler.to_kwargs())
-    if (autocast := found.get(AutocastKwargs)) is not None:
+    if (autocast := _one(found, AutocastKwargs)) is not None:
         resolved = dataclasses.replace(resolved, autocast=autocast.to_kwargs())
-    if (profile := found.get(ProfileKwargs)) is not None:
+    if (profile := _one(found, ProfileKwargs)) is not None:
         for activity in profile.activities or ():
             _activity(activity)
         resolved = dataclasses.replace(resolved, profile=profile)
-    if (group := found.get(InitProcessGroupKwargs)) is not None:
+    if (group := _one(found, InitProcessGroupKwargs)) is not None:
         chosen = group.to_kwargs()
         if chosen.pop("init_method", None) is not None:
             raise ValueError(
@@ -315,6 +321,15 @@ def resolve(handlers: object) -> tuple[Handlers, dict[str, Any]]:
                 "qaccel's store (or the launcher's MASTER_ADDR/MASTER_PORT); leave init_method at None"
             )
     return resolved, chosen
+
+
+_Handler = TypeVar("_Handler", bound=KwargsHandler)
+
+
+def _one(found: Mapping[type[KwargsHandler], KwargsHandler], kind: type[_Handler]) -> _Handler | None:
+    """The handler of class ``kind`` in ``found`` (each handler keyed by its own class), or None."""
+    handler = found.get(kind)
+    return handler if isinstance(handler, kind) else None
 
 
 def _as_ours(handler: object) -> KwargsHandler:
@@ -349,7 +364,7 @@ def _hook(name: str, value: object, allowed: tuple[DDPCommunicationHookType, ...
 
 
 def register_comm_hook(
-    model: torch.nn.Module,
+    model: DistributedDataParallel,
     hook: DDPCommunicationHookType | str,
     wrapper: DDPCommunicationHookType | str,
     state_option: Mapping[str, Any],

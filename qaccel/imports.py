@@ -66,7 +66,10 @@ class _QuietLoader(importlib.abc.Loader):
         return self.loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
-        module.__loader__ = module.__spec__.loader = self.loader
+        spec = module.__spec__
+        if spec is None:  # the import system sets it before calling exec_module
+            raise ImportError(f"cannot load {module.__name__}: it has no __spec__")
+        module.__loader__ = spec.loader = self.loader
         with _gc_paused():
             self.loader.exec_module(module)
 

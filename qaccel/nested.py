@@ -36,7 +36,7 @@ def map_leaves(data: Any, fn: Callable[[Any], Any]) -> Any:
             out[key] = map_leaves(value, fn)
         return out
     if isinstance(data, Mapping):
-        return type(data)({key: map_leaves(value, fn) for key, value in data.items()})
+        return kind({key: map_leaves(value, fn) for key, value in data.items()})
     if isinstance(data, tuple) and hasattr(data, "_fields"):
         return type(data)(*(map_leaves(value, fn) for value in data))
     if isinstance(data, (list, tuple)):

@@ -10,21 +10,21 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from qaccel.accelerator import Accelerator
-from qaccel.options import MIXED_PRECISION_VARIABLE
+from qaccel.options import MIXED_PRECISION_VARIABLE, MixedPrecision, MixedPrecisionName
 
 
 def notebook_launcher(
     function: Callable[..., Any],
-    args: tuple = (),
+    args: tuple[Any, ...] = (),
     num_processes: int | None = None,
-    mixed_precision: str = "no",
+    mixed_precision: MixedPrecisionName | MixedPrecision = "no",
     use_port: str = "29500",
     master_addr: str = "127.0.0.1",
     node_rank: int = 0,
     num_nodes: int = 1,
     rdzv_backend: str = "static",
     rdzv_endpoint: str = "",
-    rdzv_conf: dict | None = None,
+    rdzv_conf: dict[str, Any] | None = None,
     rdzv_id: str = "none",
     max_restarts: int = 0,
     monitor_interval: float = 0.1,
@@ -58,7 +58,7 @@ def notebook_launcher(
         return accelerator.distribute(function)(*args)
 
 
-def debug_launcher(function: Callable[..., Any], args: tuple = (), num_processes: int = 2) -> Any:
+def debug_launcher(function: Callable[..., Any], args: tuple[Any, ...] = (), num_processes: int = 2) -> Any:
     """``function(*args)`` on ``num_processes`` ranks that use the CPU only, as Accelerate's debug_launcher (its
     ranks see no GPU and ``ACCELERATE_USE_CPU``, so an Accelerator made in them computes on the CPU); returns rank
     0's result."""

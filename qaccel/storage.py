@@ -10,7 +10,7 @@ import secrets
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 import torch
@@ -31,7 +31,7 @@ class Sums:
         return {"size": self.size} if self.sum64 is None else {"size": self.size, "sum64": self.sum64}
 
 
-def checksum(path: str | os.PathLike) -> int:
+def checksum(path: str | os.PathLike[str]) -> int:
     """The sum of the file's little-endian 64-bit words (the last one zero-padded), modulo 2**64.
 
     It catches what damages a file at rest or in a copy (a changed byte, a zeroed page, a cut), read through the
@@ -49,12 +49,12 @@ def checksum(path: str | os.PathLike) -> int:
             return (total + int.from_bytes(mapped[size - size % 8 :], "little")) % 2**64
 
 
-def sums(path: str | os.PathLike) -> Sums:
+def sums(path: str | os.PathLike[str]) -> Sums:
     """A written file's size and checksum."""
     return Sums(os.stat(path).st_size, checksum(path) if CHECKSUMS else None)
 
 
-def release(path: str | os.PathLike) -> None:
+def release(path: str | os.PathLike[str]) -> None:
     """Drop a durable file's pages (every file's under a folder) from the page cache, so that memory the process
     takes next reuses them. Only ever a hint: where the OS has no posix_fadvise or refuses it (tmpfs keeps its
     pages), they stay and nothing fails."""
@@ -79,7 +79,11 @@ def release(path: str | os.PathLike) -> None:
             os.close(fd)
 
 
-def write_with(write: Callable[[Any], Any], path: str | os.PathLike, durable: bool = True) -> Sums | None:
+@overload
+def write_with(write: Callable[[Any], Any], path: str | os.PathLike[str], durable: Literal[True] = True) -> Sums: ...
+@overload
+def write_with(write: Callable[[Any], Any], path: str | os.PathLike[str], durable: bool) -> Sums | None: ...
+def write_with(write: Callable[[Any], Any], path: str | os.PathLike[str], durable: bool = True) -> Sums | None:
     """``write(f)`` into a temporary file beside ``path``, renamed onto it: a reader never sees half a file, and a
     failure leaves the previous one. A full disk raises an OSError saying so, for ``path``; any other error gets a
     note naming ``path``.
@@ -110,12 +114,12 @@ def write_with(write: Callable[[Any], Any], path: str | os.PathLike, durable: bo
     return written
 
 
-def save(obj: Any, path: str | os.PathLike) -> Sums:
+def save(obj: Any, path: str | os.PathLike[str]) -> Sums:
     """torch.save, through write_with, durably."""
     return write_with(lambda f: torch.save(obj, f), path)
 
 
-def write_bytes(data: bytes, path: str | os.PathLike, durable: bool = True) -> Sums | None:
+def write_bytes(data: bytes, path: str | os.PathLike[str], durable: bool = True) -> Sums | None:
     return write_with(lambda f: f.write(data), path, durable)
 
 
@@ -175,7 +179,7 @@ def full_disk_error(exc: BaseException) -> OSError | None:
     return None
 
 
-def space(path: str | os.PathLike) -> str:
+def space(path: str | os.PathLike[str]) -> str:
     """How much room the file system holding ``path`` has, in words."""
     folder = os.path.dirname(os.path.abspath(os.fspath(path)))
     while not os.path.isdir(folder) and os.path.dirname(folder) != folder:

@@ -32,7 +32,7 @@ class Untrusted(Exception):
 
 
 def load(
-    path: str | os.PathLike, allow_pickle: bool | None, *args: Any, safe: Iterable[Any] = (), **kwargs: Any
+    path: str | os.PathLike[str], allow_pickle: bool | None, *args: Any, safe: Iterable[Any] = (), **kwargs: Any
 ) -> Any:
     """``torch.load(path, *args, **kwargs)`` with weights_only and the ``safe`` types; in full, only where
     ``allow_pickle`` allows it (see the module's doc)."""
@@ -46,7 +46,7 @@ def load(
     return torch.load(path, *args, weights_only=False, **kwargs)
 
 
-def check(path: str | os.PathLike, needs: str, allow_pickle: bool | None) -> None:
+def check(path: str | os.PathLike[str], needs: str, allow_pickle: bool | None) -> None:
     """Raise Untrusted unless ``path`` (a file, or a folder and all it holds), which ``needs`` full unpickling, may
     be unpickled in full."""
     path = os.path.abspath(os.fspath(path))
@@ -64,7 +64,7 @@ def check(path: str | os.PathLike, needs: str, allow_pickle: bool | None) -> Non
     )
 
 
-def who_else_can_write(path: str | os.PathLike) -> str | None:
+def who_else_can_write(path: str | os.PathLike[str]) -> str | None:
     """None when only this user (or root) can have written ``path``, a file or a folder with everything in it: it
     and every folder above it belong to them, and no one else may write in them (a folder others may write in
     counts only above the file, with the sticky bit that keeps each entry its owner's, as /tmp). Else why not."""
@@ -130,7 +130,7 @@ def _owner_and_mode(path: str) -> str:
     return f"owner {_user(st.st_uid)}, mode {oct(stat.S_IMODE(st.st_mode))}"
 
 
-def _needs(path: str | os.PathLike) -> str:
+def _needs(path: str | os.PathLike[str]) -> str:
     """What in a torch file only full unpickling reads, in words."""
     try:
         names = torch.serialization.get_unsafe_globals_in_checkpoint(path)

@@ -213,7 +213,8 @@ def is_npu_available(check_device: bool = False) -> bool:
         return False
     __import__("torch_npu")  # registers torch.npu
 
-    return hasattr(torch, "npu") and torch.npu.is_available()
+    # torch.npu is torch_npu's, which torch's hints do not know
+    return hasattr(torch, "npu") and torch.npu.is_available()  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def is_bf16_available(ignore_tpu: bool = False) -> bool:
@@ -233,7 +234,9 @@ def is_torch_version(operation: str, version: str) -> bool:
     }
     if operation not in compare:
         raise ValueError(f"operation must be one of {', '.join(compare)}; got {operation!r}")
-    release = torch.torch_version.TorchVersion(torch.__version__.split("+")[0])  # torch's own version type
+    from torch.torch_version import TorchVersion  # imported by torch itself, which pyright does not see
+
+    release = TorchVersion(torch.__version__.split("+")[0])  # torch's own version type
     return compare[operation](release, version)
 
 

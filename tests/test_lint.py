@@ -1,10 +1,12 @@
-"""The repository as ruff sees it: no finding and nothing left to format, with the rules and version of the test
-extra (``pyproject.toml`` says which code is left out: code other projects wrote, ported with its imports changed)."""
+"""The repository as ruff and pyright see it: no finding and nothing left to format, with the rules and versions of
+the test extra (``pyproject.toml`` says which code ruff leaves out: code other projects wrote, ported with its
+imports changed, and which modules pyright reads strictly)."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,3 +37,14 @@ def test_a_finding_is_reported(tmp_path):
     config = str(ROOT / "pyproject.toml")
     assert "F401" in _ruff("check", "--no-cache", "--config", config, str(tmp_path / "bad.py")).stdout
     assert _ruff("format", "--no-cache", "--config", config, "--check", str(tmp_path / "bad.py")).returncode == 1
+
+
+def test_pyright_finds_nothing_in_the_package():
+    """pyright as pyproject.toml sets it: the package in standard mode, what users import and call strict."""
+    pyright = shutil.which("pyright")
+    if pyright is None:
+        pytest.fail("pyright is a test dependency (pip install -e '.[test]')")
+    run = subprocess.run(
+        [pyright, "--pythonpath", sys.executable], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert run.returncode == 0 and "0 errors" in run.stdout, run.stdout + run.stderr

@@ -38,7 +38,7 @@ def tracked(
             watch = None if run is None else run.watch
             if run is not None and run.alone is not None:
                 raise RuntimeError(f"{name} cannot run here: {run.alone}")
-            if watch is None or watch.calls.current is not None:
+            if run is None or watch is None or watch.calls.current is not None:
                 return fn(*args, **kwargs)
             if run.debug:
                 return watch.run(name, _agreed, run.ctx, name, describe, fn, args, kwargs)
@@ -50,7 +50,12 @@ def tracked(
 
 
 def _agreed(
-    ctx: RankContext, name: str, describe: Callable[..., str] | None, fn: Callable[..., Any], args: tuple, kwargs: dict
+    ctx: RankContext,
+    name: str,
+    describe: Callable[..., str] | None,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict,
 ) -> Any:
     """Debug mode: compare this call with every rank's before making it; raise on every rank if they differ.
 

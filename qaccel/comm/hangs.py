@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from qaccel.comm.sealed import Sealed
@@ -40,7 +40,7 @@ STACK_DEPTH = 6  # frames of the user's code shown per rank
 _NEVER = datetime.timedelta(days=365)
 # qaccel (the whole package, wherever this module sits in it) and torch
 _OWN_DIRS = tuple(
-    os.path.dirname(sys.modules[name].__file__) + os.sep for name in (__name__.partition(".")[0], "torch")
+    os.path.dirname(cast(str, sys.modules[name].__file__)) + os.sep for name in (__name__.partition(".")[0], "torch")
 )
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
 

@@ -81,7 +81,7 @@ def _share(obj: Any, rank: int, world: int, apply_padding: bool) -> Any:
     missing = size + (extra > 0) - (end - start) if apply_padding and length else 0
     if hasattr(obj, "select") and not isinstance(obj, SPLITTABLE):  # a datasets.Dataset
         return obj.select(list(range(start, end)) + [length - 1] * missing)
-    share = obj[start:end]
+    share: Any = obj[start:end]
     if missing == 0:
         return share
     if isinstance(obj, torch.Tensor):

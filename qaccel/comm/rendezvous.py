@@ -13,6 +13,7 @@ import functools
 import socket
 import sys
 import time
+from typing import cast
 
 from qaccel.environment import node_name
 from qaccel.errors import RendezvousError
@@ -34,7 +35,8 @@ def check(host: str, port: int, source: str, rank: int, hosts_store: bool, timeo
     ``source`` says where the address came from. Once per process."""
     here = node_name()
     try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+        # an IPv4 or IPv6 address: a string (the stubs also allow the (int, bytes) of a family not asked for here)
+        addresses = {cast(str, info[4][0]) for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
     except (socket.gaierror, UnicodeError) as exc:
         reason = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
         raise RendezvousError(

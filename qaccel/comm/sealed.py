@@ -102,7 +102,7 @@ class Sealed:
         """The same keys through a connection of its own, for a thread: its operations wait neither for the main
         thread's nor for another thread's. None for a store that cannot be cloned."""
         try:
-            store = self.store.clone()
+            store = self.store.clone()  # pyright: ignore[reportAttributeAccessIssue] - torch's stubs lack Store.clone
             store.set_timeout(timeout)
         except Exception:  # noqa: BLE001
             return None
@@ -142,7 +142,8 @@ class Sealed:
     # ---- the store's operations, on sealed values ----
 
     def set(self, name: str, value: bytes | str, secret: bool = False) -> None:
-        self.store.set(self.prefix + name, self.seal(name, value, secret))
+        # torch's stubs say str; the binding takes bytes too (as get returns them)
+        self.store.set(self.prefix + name, self.seal(name, value, secret))  # pyright: ignore[reportArgumentType]
 
     def get(self, name: str, secret: bool = False) -> bytes | None:
         """The value of ``name``, waiting for it as the store's get does; None when it fails the check."""
@@ -161,9 +162,11 @@ class Sealed:
         """Set ``name`` unless this run set it already; its value then (the first writer's). A value someone else
         put there first is overwritten."""
         sealed = self.seal(name, value)
-        kept = self.open(name, self.store.compare_set(self.prefix + name, b"", sealed))  # this run's, or None
+        # torch's stubs say str for the values; the binding takes bytes too
+        current = self.store.compare_set(self.prefix + name, b"", sealed)  # pyright: ignore[reportArgumentType]
+        kept = self.open(name, current)  # this run's, or None
         if kept is None:
-            self.store.set(self.prefix + name, sealed)
+            self.store.set(self.prefix + name, sealed)  # pyright: ignore[reportArgumentType] - bytes, as above
             return sealed[:-TAG_BYTES]
         return kept
 

@@ -25,7 +25,6 @@ import torch.distributed as dist
 # wait until their timeout instead of failing at once (the batch-size search relies on that).
 import torch.distributed.nn.functional
 
-from qaccel import options
 from qaccel.comm import hangs, sealed
 from qaccel.environment import Environment, gpus
 from qaccel.options import Backend, Config, DeviceType
@@ -41,7 +40,7 @@ class RankContext:
     world_size: int
     local_world_size: int
     device: torch.device
-    backend: Backend
+    backend: Backend | None  # None only in a cluster job's caller: its nodes decide
 
 
 @dataclass(eq=False)
@@ -221,7 +220,7 @@ def rank_context(
     one its local rank picks (environment/gpus.py)."""
     device = torch.device("cpu")
     if config.device_type is DeviceType.CUDA:
-        choice = gpus.choose(local_rank, local_world, options.cuda_device_count(), gpus.node_gpus())
+        choice = gpus.choose(local_rank, local_world, gpus.cuda_device_count(), gpus.node_gpus())
         device = torch.device("cuda", choice.index)
     return RankContext(rank, local_rank, node_rank, world, local_world, device, config.backend)
 

@@ -25,6 +25,7 @@ import itertools
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
+import multiprocessing.process
 import multiprocessing.spawn
 import multiprocessing.util
 import os
@@ -38,7 +39,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 
@@ -68,12 +69,17 @@ class PlainLaunch(Launcher):
         super().__init__(config, env, hand_back)
         server.warm_up(config.start_method)
 
-    def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, all_results: bool) -> Any:
+    def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], all_results: bool) -> Any:
         return launch(fn, args, kwargs, self.config, all_results, self.hand_back.pickled)
 
 
 def launch(
-    fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, all_results: bool, plain: Callable[[Any], Any]
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    config: Config,
+    all_results: bool,
+    plain: Callable[[Any], Any],
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` on ``config.nprocs`` new ranks; return rank 0's result (or all, by rank), each
     object in it made ``plain`` in its rank (protocol.HandBack).
@@ -86,7 +92,12 @@ def launch(
 
 
 def _launch(
-    fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, all_results: bool, plain: Callable[[Any], Any]
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    config: Config,
+    all_results: bool,
+    plain: Callable[[Any], Any],
 ) -> Any:
     ctx = multiprocessing.get_context(config.start_method)
     environ = dict(os.environ)  # the forkserver's copy dates from its start; ranks get the caller's of now
@@ -95,6 +106,7 @@ def _launch(
         payload = _dumps_payload(fn, args, kwargs)
     umask = _umask()  # a umask set since the server started reaches the ranks and what they write
     procs: list = []
+    stop: int | None = None  # the loop below ends only at a break, with stop the signal the caller was told to stop by
     with _forwarding_signals(procs) as received, run_directory() as run_dir:
         storage.write_bytes(payload, Path(run_dir, "payload"), durable=False)
         for attempt in itertools.count():
@@ -126,7 +138,7 @@ def _launch(
                 flush=True,
             )
             _clear_reports(run_dir)
-    _die_of(stop)  # the ranks ended because the caller was told to stop: end the way it was told
+    _die_of(cast(int, stop))  # the ranks ended because the caller was told to stop: end the way it was told
 
 
 def _attempt(
@@ -344,7 +356,7 @@ def _sigint_after() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a Ctrl-C that came meanwhile is delivered now
 
 
-def _dumps_payload(fn: Callable[..., Any], args: tuple, kwargs: dict) -> bytes:
+def _dumps_payload(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
     """fn, its arguments and the caller's top-level settings, pickled; a failure names the argument at fault.
 
     Settings that cannot travel (a warnings category of the script holding a lock, say) do not stop the launch:
@@ -437,7 +449,7 @@ def _supervise(procs: list, readers: list, run_dir: str, wake: int | None = None
             if ready in open_readers:
                 rank = open_readers.pop(ready)
                 try:
-                    ready.recv()
+                    cast(multiprocessing.connection.Connection, ready).recv()  # a key of open_readers: a rank's pipe
                     failures.append(RankFailure(rank, _read_report(run_dir, rank)))
                 except EOFError:
                     pass
@@ -487,12 +499,12 @@ def _signal_rank(proc: multiprocessing.process.BaseProcess, sig: signal.Signals,
     its group yet; groups and ranks already gone are skipped."""
     if group:
         try:
-            os.killpg(proc.pid, sig)
+            os.killpg(cast(int, proc.pid), sig)  # set: _stop signals only the ranks that started
         except (ProcessLookupError, PermissionError):
             pass
     if proc.exitcode is None:
         try:
-            os.kill(proc.pid, sig)
+            os.kill(cast(int, proc.pid), sig)
         except ProcessLookupError:
             pass
 

@@ -51,12 +51,12 @@ def reducer() -> Callable[[Any], Any] | None:
     return reduce
 
 
-def _made_again(cls: type, fields: dict[str, Any]) -> Any:
+def _made_again(cls: type[object], fields: dict[str, Any]) -> Any:
     """The TrainingArguments, its setup (device, world, rank) computed again here: a rank unpickles its call inside
     its session, so Accelerate finds the session's group."""
     import torch.distributed as dist
 
-    obj = cls.__new__(cls)
+    obj: Any = cls.__new__(cls)
     vars(obj).update(fields, distributed_state=None)
     if dist.is_available() and dist.is_initialized():
         obj.device  # noqa: B018 - a cached_property: the setup runs once, here

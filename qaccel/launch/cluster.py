@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from qaccel.environment import Environment, node_name, slurm_job_state
 from qaccel.errors import ErrorReport, Preempted, RankError
@@ -49,9 +49,10 @@ class ClusterJob(Launcher):
         super().__init__(config, env, hand_back)
         self.starts_ranks = config.nprocs > 1
 
-    def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, all_results: bool) -> Any:
+    def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], all_results: bool) -> Any:
         """Submit, wait (following the job), and return rank 0's result or every rank's."""
-        job = submit(fn, args, kwargs, self.config, self.config.cluster, self.hand_back.in_place)
+        cluster = cast(SlurmCluster, self.config.cluster)  # set: launchers.choose picks this launcher only then
+        job = submit(fn, args, kwargs, self.config, cluster, self.hand_back.in_place)
         return job.results() if all_results else job.result()
 
 
@@ -64,7 +65,12 @@ class _Rank:
     signal (Preempted) is a SystemExit: submitit then writes no result, and the requeued job writes it."""
 
     def __init__(
-        self, fn: Callable[..., Any], args: tuple, kwargs: dict, config: Config, plain: Callable[[Any], Any]
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        config: Config,
+        plain: Callable[[Any], Any],
     ) -> None:
         # pickled here, not by submitit's cloudpickle: the task's tracebacks then name the caller's files and lines
         self.call, self.config, self.plain = pickling.dumps_call(fn, args, kwargs), config, plain
@@ -232,8 +238,8 @@ def _called(call: bytes) -> Any:
 
 def submit(
     fn: Callable[..., Any],
-    args: tuple,
-    kwargs: dict,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
     config: Config,
     cluster: SlurmCluster,
     plain: Callable[[Any], Any],

@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from qaccel.errors import (
     ErrorReport,
@@ -51,7 +52,8 @@ def root_cause(failures: Sequence[RankFailure]) -> RankFailure:
     silent = [f for f in failures if f.is_silent]
     if silent:
         return silent[0]
-    return min(failures, key=lambda f: (f.is_symptom, f.report.time))
+    # none is silent: each has a report
+    return min(failures, key=lambda f: (f.is_symptom, cast(ErrorReport, f.report).time))
 
 
 def cause_exception(failures: Sequence[RankFailure], world_size: int, launched: bool) -> tuple[BaseException, int]:
@@ -69,5 +71,6 @@ def cause_exception(failures: Sequence[RankFailure], world_size: int, launched: 
         exc.add_note(raised_note(cause.rank, world_size, cause.report.type, cause.report.message, launched=launched))
     others = sorted((f for f in failures if f is not cause and f.report is not None), key=lambda f: f.rank)
     if others:
-        exc.add_note("[qaccel] also failed after it: " + "; ".join(f"rank {f.rank}: {f.report.type}" for f in others))
+        kinds = (f"rank {f.rank}: {cast(ErrorReport, f.report).type}" for f in others)  # others have a report
+        exc.add_note("[qaccel] also failed after it: " + "; ".join(kinds))
     return exc, cause.rank

@@ -39,7 +39,7 @@ class InPlace(Launcher):
         if self.launched:
             _latest = weakref.ref(self)
 
-    def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, all_results: bool) -> Any:
+    def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], all_results: bool) -> Any:
         return run(fn, args, kwargs, self.config, self.env, all_results, self.hand_back.in_place)
 
     def join(self) -> RankContext | None:
@@ -62,8 +62,8 @@ def join_latest() -> RankContext | None:
 
 def run(
     fn: Callable[..., Any],
-    args: tuple,
-    kwargs: dict,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
     config: Config,
     env: Environment,
     all_results: bool,

@@ -31,7 +31,7 @@ import types
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import cloudpickle
 import torch
@@ -103,7 +103,7 @@ def apply(inherited: Inherited) -> None:
     for setup in inherited.loggers:
         _apply_logger(setup)
     logging.disable(inherited.logging_disable)
-    warnings.filters[:] = [_rank_filter(entry) for entry in inherited.warning_filters]
+    cast(list, warnings.filters)[:] = [_rank_filter(entry) for entry in inherited.warning_filters]  # typeshed: Sequence
     _filters_changed()
     if torch.get_default_dtype() != inherited.default_dtype:
         torch.set_default_dtype(inherited.default_dtype)
@@ -121,7 +121,7 @@ def apply(inherited: Inherited) -> None:
     _set_rng_states(inherited.rng)
 
 
-def adopt_script(inherited: Inherited | None, fn: Any, args: tuple, kwargs: dict) -> None:
+def adopt_script(inherited: Inherited | None, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Give this rank's ``__main__`` the script's definitions that travelled with the call, and the script's name.
 
     cloudpickle rebuilds all ``__main__`` functions of one pickle around one shared globals dict, which holds
@@ -157,7 +157,7 @@ def _script_globals(objects: list[Any]) -> dict[str, Any] | None:
 # ---- warnings filters ----
 
 
-def _travelling_filter(entry: tuple) -> tuple:
+def _travelling_filter(entry: tuple[Any, ...]) -> tuple:
     """A warnings filter as it travels: a category of a library module goes by name (_NamedCategory), so that
     the rank does not import that module to unpickle it (a Jupyter kernel's filter on IPython's completer warning
     made every rank import all of IPython, 0.15 s a launch)."""
@@ -167,7 +167,7 @@ def _travelling_filter(entry: tuple) -> tuple:
     return action, message, (category.__module__, category.__qualname__), module, lineno
 
 
-def _rank_filter(entry: tuple) -> tuple:
+def _rank_filter(entry: tuple[Any, ...]) -> tuple:
     action, message, category, module, lineno = entry
     if isinstance(category, tuple):
         category = _category(*category)
@@ -208,7 +208,7 @@ class _NamedCategory(type):
 
 def _configured_loggers() -> list[tuple[str, logging.Logger]]:
     """The root logger, and every logger whose configuration is not the default one."""
-    found = [("", logging.root)]
+    found: list[tuple[str, logging.Logger]] = [("", logging.root)]
     kernel_app = _kernel_app_logger()
     for name, logger in list(logging.root.manager.loggerDict.items()):
         if (
@@ -310,7 +310,7 @@ def _std_stream(name: str) -> Any:
     return getattr(sys, name)
 
 
-def _file_handler(cls: type, state: dict[str, Any]) -> logging.Handler:
+def _file_handler(cls: type[logging.Handler], state: dict[str, Any]) -> logging.Handler:
     handler = cls.__new__(cls)
     handler.__dict__.update(state)
     return handler

@@ -9,7 +9,7 @@ import io
 import marshal
 import types
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import cloudpickle
 
@@ -23,7 +23,8 @@ class _FileNamesKept(cloudpickle.Pickler):
     by value needs anyway."""
 
     dispatch_table: ClassVar[collections.ChainMap] = collections.ChainMap(
-        {types.CodeType: lambda code: (marshal.loads, (marshal.dumps(code),))}, cloudpickle.Pickler.dispatch_table
+        {types.CodeType: lambda code: (marshal.loads, (marshal.dumps(code),))},
+        cast(collections.ChainMap, cloudpickle.Pickler.dispatch_table),  # a ChainMap (pickle's stubs: a Mapping)
     )
 
     def __init__(self, file: io.BytesIO) -> None:
@@ -45,7 +46,7 @@ def dumps(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def dumps_call(fn: Callable[..., Any], args: tuple, kwargs: dict) -> bytes:
+def dumps_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
     """``(None, fn, args, kwargs)`` pickled, a launch's payload without the caller's settings; a failure is a
     TypeError naming the part that cannot be pickled."""
     try:
@@ -60,7 +61,7 @@ def _name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", type(fn).__name__)
 
 
-def _unpicklable(fn: Callable[..., Any], args: tuple, kwargs: dict, exc: Exception) -> TypeError:
+def _unpicklable(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], exc: Exception) -> TypeError:
     """A TypeError naming the first of fn and its arguments that cannot be pickled (by position and name)."""
     try:
         names = list(inspect.signature(fn).bind_partial(*args, **kwargs).arguments)

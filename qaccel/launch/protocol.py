@@ -34,7 +34,7 @@ class Launcher:
     def __init__(self, config: Config, env: Environment, hand_back: HandBack) -> None:
         self.config, self.env, self.hand_back = config, env, hand_back
 
-    def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, all_results: bool) -> Any:
+    def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], all_results: bool) -> Any:
         """``fn(*args, **kwargs)`` on every rank; rank 0's result, or every rank's by rank."""
         raise NotImplementedError
 

@@ -41,6 +41,9 @@ caller: the modules imported and the files open when it was forked. Ranks still 
 settings by value at each launch.
 """
 
+# pyright: reportAttributeAccessIssue=false
+# - on purpose: multiprocessing's private state (ForkServer's, the process _config) and helpers, read and replaced
+
 from __future__ import annotations
 
 import contextlib
@@ -65,7 +68,7 @@ import threading
 import time
 import traceback
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 
@@ -149,7 +152,7 @@ def serving(start_method: StartMethod, nprocs: int) -> Iterator[None]:
         yield
     finally:
         if quick is not None:
-            _end_quick(server, quick, preloading)
+            _end_quick(server, quick, cast(_Preloading, preloading))  # set before quick
 
 
 def _end_quick(server: multiprocessing.forkserver.ForkServer, quick: _Handle, preloading: _Preloading) -> None:
@@ -320,7 +323,8 @@ def _start(fork: bool, quick: bool = False) -> _Handle:
         ready_r, ready_w = (None, None) if quick else os.pipe()
         caller = os.getpid()
         try:
-            pid = os.fork() if fork else _spawn(listener.fileno(), alive_r, ready_w)
+            # a quick server is always forked: a spawned one has its ready pipe
+            pid = os.fork() if fork else _spawn(listener.fileno(), alive_r, cast(int, ready_w))
         except BaseException:
             for fd in (alive_r, alive_w, ready_r, ready_w):
                 if fd is not None:
@@ -350,7 +354,11 @@ def _spawn(listener_fd: int, alive_r: int, ready_w: int) -> int:
     )
     exe = multiprocessing.spawn.get_executable()
     args = [exe, *multiprocessing.util._args_from_interpreter_flags(), "-c", code]
-    return multiprocessing.util.spawnv_passfds(exe, args, [listener_fd, alive_r, ready_w])
+    return multiprocessing.util.spawnv_passfds(
+        exe,  # pyright: ignore[reportArgumentType] - typeshed says bytes; multiprocessing.forkserver passes a str too
+        args,
+        [listener_fd, alive_r, ready_w],
+    )
 
 
 def _serve(

@@ -25,7 +25,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,8 @@ from qaccel.comm.session import RankContext
 from qaccel.nested import map_leaves
 
 if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
     from qaccel.train.registry import Registry
 
 _CPU = torch.device("cpu")
@@ -193,7 +195,10 @@ def _staged(
     (a DTensor's first copy made here)."""
     plain = type(tensor) is torch.Tensor and tensor.layout is torch.strided and not tensor.is_quantized
     if kept is not None and _fits(tensor, kept, plain):
-        copies.append((kept, tensor) if plain else (kept.to_local(), tensor.to_local()))
+        if plain:
+            copies.append((kept, tensor))
+        else:  # a DTensor: _fits takes no other kind
+            copies.append((cast("DTensor", kept).to_local(), cast("DTensor", tensor).to_local()))
         return kept
     if not plain:  # a DTensor copies its shard and keeps its mesh and placements; sparse and quantized ones too
         return tensor.to("cpu", copy=True)
@@ -210,11 +215,13 @@ def _fits(tensor: torch.Tensor, kept: torch.Tensor, plain: bool) -> bool:
     if plain:
         return True
     placements = getattr(tensor, "placements", None)
+    if placements is None:
+        return False
+    dtensor, dkept = cast("DTensor", tensor), cast("DTensor", kept)  # with placements: DTensors (of one type)
     return (
-        placements is not None
-        and placements == kept.placements
-        and tensor.device_mesh == kept.device_mesh
-        and tensor.to_local().shape == kept.to_local().shape
+        placements == dkept.placements
+        and dtensor.device_mesh == dkept.device_mesh
+        and dtensor.to_local().shape == dkept.to_local().shape
     )
 
 
@@ -267,6 +274,8 @@ def settle(registry: Registry) -> None:
     """Wait for the save in flight; say its failure on stderr instead of raising it (what comes next matters more:
     a stop's own save, or the error that ends the call)."""
     flight = registry.saving
+    if flight is None:  # nothing in flight: wait() would return None
+        return
     try:
         wait(registry)
     except Exception as exc:  # noqa: BLE001 - said, with the checkpoint it concerns

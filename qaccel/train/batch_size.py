@@ -107,7 +107,8 @@ def find_executable_batch_size(
             except Exception as exc:  # noqa: BLE001 - _outcome decides: a retry when out of memory, else raised
                 result, error = None, exc
             outcome = _outcome(error)
-            if outcome is Outcome.OUT_OF_MEMORY:  # the attempt's frames hold its model, batches and group
+            # the attempt's frames hold its model, batches and group (OUT_OF_MEMORY comes with an error)
+            if outcome is Outcome.OUT_OF_MEMORY and error is not None:
                 traceback.clear_frames(error.__traceback__)
             if agreement is not None:
                 outcome = agreement.settle(attempt, batch_size, outcome)

@@ -17,7 +17,7 @@ import shutil
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -39,7 +39,7 @@ _SIDE = re.compile(r"\.(tmp|old)-[0-9a-f]{12}")  # what a save makes beside its 
 T = TypeVar("T")
 
 
-def save(obj: Any, path: str | os.PathLike, ctx: RankContext) -> None:
+def save(obj: Any, path: str | os.PathLike[str], ctx: RankContext) -> None:
     """``torch.save`` on rank 0 only, atomically: a crash mid-save leaves any previous file intact.
 
     The object is written to a temporary file beside ``path``, flushed to disk, and renamed onto it. The
@@ -71,7 +71,7 @@ def get_state_dict(model: torch.nn.Module) -> dict[str, Any]:
     return _plain_module(model).state_dict()
 
 
-def save_model(model: torch.nn.Module, directory: str | os.PathLike, ctx: RankContext) -> None:
+def save_model(model: torch.nn.Module, directory: str | os.PathLike[str], ctx: RankContext) -> None:
     """Write ``get_state_dict(model)`` to ``directory/model.pt`` from rank 0, creating the directory.
 
     The file holds tensors only, so ``torch.load(path, weights_only=True)`` reads it.
@@ -104,7 +104,7 @@ class _Saving:
 
 
 def save_state(
-    directory: str | os.PathLike,
+    directory: str | os.PathLike[str],
     registry: Registry,
     ctx: RankContext,
     keep: int | None = None,
@@ -278,16 +278,17 @@ def _write(saving: _Saving, ctx: RankContext, peers: background.Peers) -> None:
 
 def _named(exc: BaseException, saving: _Saving, rank: int) -> BaseException:
     """``exc``, or the OSError naming the full disk or quota behind it (rank 0 says what was written)."""
-    if storage.disk_full(exc) is None:
+    full = storage.full_disk_error(exc)
+    if full is None:
         return exc
-    failed = _saving_failed(exc, saving.target, storage.tree_size(saving.tmp) if rank == 0 else None)
+    failed = _saving_failed(full, saving.target, storage.tree_size(saving.tmp) if rank == 0 else None)
     failed.__cause__ = exc
     return failed
 
 
-def _saving_failed(exc: BaseException, target: str, written: int | None) -> OSError:
-    """The OSError a full disk or quota raises from save_state(): which file, how much room, what was written."""
-    full = storage.full_disk_error(exc)
+def _saving_failed(full: OSError, target: str, written: int | None) -> OSError:
+    """The OSError a full disk or quota (``full``) raises from save_state(): which file, how much room, what was
+    written."""
     what = "the disk is full" if full.errno == errno.ENOSPC else "the disk quota is exceeded"
     file = full.filename or target
     partial = "" if written is None else f" (the partial checkpoint, {storage.mib(written)} written, is removed)"
@@ -470,7 +471,7 @@ def _candidates(directory: str) -> list[str]:
     return backups[-1:]  # a save died between its two renames: the previous checkpoint
 
 
-def newest_checkpoint(directory: str | os.PathLike) -> str | None:
+def newest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
     """The checkpoint load_state(directory) reads first; None if there is none."""
     candidates = _candidates(os.path.abspath(os.fspath(directory)))
     return candidates[0] if candidates else None
@@ -504,7 +505,7 @@ class _Read:
 
 
 def load_state(
-    directory: str | os.PathLike,
+    directory: str | os.PathLike[str],
     registry: Registry,
     ctx: RankContext,
     missing_ok: bool = False,
@@ -636,7 +637,7 @@ def _read_share(
                 except unpickling.Untrusted as exc:
                     misfit = (f"checkpoint {found} was not loaded: {exc}", exc.path)
             problems += checking.result()
-        if not problems and misfit is None:
+        if not problems and misfit is None and read is not None:  # read: set without a problem or misfit
             _check_fit(found, read, registry, ctx)
     if misfit is not None:
         raise CheckpointError(misfit[0], found, misfit[1])
@@ -888,7 +889,7 @@ def _apply(found: str, read: _Read, registry: Registry, ctx: RankContext) -> Non
             )
 
 
-def inspect(path: str | os.PathLike) -> dict[str, Any]:
+def inspect(path: str | os.PathLike[str]) -> dict[str, Any]:
     """What a checkpoint holds, read without loading it: its path (the newest of a folder of them), the world that
     wrote it, its step, whether it is sharded, and each prepared loader's position and batch."""
     found = _found(os.path.abspath(os.fspath(path)))
@@ -962,7 +963,7 @@ def resumed_line(found: str, registry: Registry, ctx: RankContext) -> str:
 
 
 def consolidate(
-    checkpoint: str | os.PathLike, out: str | os.PathLike, model: int = 0, allow_pickle: bool | None = None
+    checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], model: int = 0, allow_pickle: bool | None = None
 ) -> str:
     """Write prepared model ``model`` of a save_state() checkpoint (sharded or not) to ``out`` as one plain state
     dict, loadable strictly into the user's model, atomically. ``checkpoint`` may be a folder of numbered ones (the
@@ -1003,7 +1004,9 @@ def consolidate(
 
 def _rng_state() -> dict[str, Any]:
     """This process's random states in types torch.load(weights_only=True) accepts."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    # the legacy global RandomState is an MT19937: its legacy state is this tuple, never the dict
+    state = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
+    name, keys, pos, has_gauss, cached = state
     return {
         "python": random.getstate(),
         "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),

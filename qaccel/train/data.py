@@ -15,8 +15,8 @@ import copy
 import itertools
 import math
 import weakref
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Iterator, Sized
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler
@@ -107,8 +107,9 @@ class BatchShard:
 
     def __iter__(self) -> Iterator[list]:
         for batches in self.rounds():
-            if batches[self.rank] is not None:
-                yield batches[self.rank]
+            mine = batches[self.rank]
+            if mine is not None:
+                yield mine
 
     def rounds(self) -> Iterator[list[list | None]]:
         """Every rank's batch for each step of the epoch from ``start`` on (None for a rank that takes none),
@@ -119,7 +120,7 @@ class BatchShard:
         for step, (batches, real, padding) in enumerate(source):
             if real is not None:
                 self.padded[step] = real
-                if padding[self.rank]:
+                if padding is not None and padding[self.rank]:  # given with ``real`` (_completed, _slices)
                     self.padding[step] = padding[self.rank]
             yield batches
 
@@ -358,8 +359,8 @@ class PreparedDataLoader(DataLoader):
         the order follows the sampler's generator, that generator's state as the epoch began (or the next will)."""
         shape = {"world_size": self._world, "batch_size": self.batch_size, "split_batches": self._split}
         if self._follows:
-            running = self._position is not None and self._epoch_state is not None
-            state = self._epoch_state if running else self._generator.get_state()
+            started = self._epoch_state if self._position is not None else None  # an epoch is running
+            state = started if started is not None else self._generator.get_state()
             shape["generator"] = state.numpy().tobytes()  # bytes: a state_dict stays comparable with ==
         if self._position is None:
             return {"seed": self._seed, "epoch": self._epoch, "batches": 0, "done": 0, **shape}
@@ -403,7 +404,9 @@ class PreparedDataLoader(DataLoader):
             return super().__len__() // self._world
         return super().__len__() if self._shard is None else len(self._shard)
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(  # pyright: ignore[reportIncompatibleMethodOverride] - a generator, not a _BaseDataLoaderIter
+        self,
+    ) -> Iterator[Any]:
         registry, seen = self._registry, self._seen
         if registry.stopper is not None and seen[1]:
             seen[0] = registry.updates
@@ -461,7 +464,10 @@ class PreparedDataLoader(DataLoader):
         if self._dispatch and self._rank > 0:
             # what creating a DataLoader iterator draws, so that every rank's RNG goes on as without dispatching
             torch.empty((), dtype=torch.int64).random_(generator=self.generator)
-            return dispatch.receive_stream() if self._iterable else dispatch.receive(iter(self._shard))
+            if self._iterable:
+                return dispatch.receive_stream()
+            # a map-style loader dispatching has a shard: dispatch_batches refuses a DistributedSampler
+            return dispatch.receive(iter(cast(BatchShard, self._shard)))
         with stopping.held():  # workers start with the armed signals held until they ignore them
             batches = super().__iter__()
         if hasattr(batches, "_shutdown_workers"):
@@ -483,7 +489,8 @@ class PreparedDataLoader(DataLoader):
         ``drop_last`` or for a stream."""
         if self._iterable or self.drop_last or self.batch_size is None:
             return -1
-        return len(self.dataset) % (self.batch_size * (1 if self._split else self._world))
+        # torch's Dataset declares no __len__ (a dataset without one raises TypeError here)
+        return len(cast(Sized, self.dataset)) % (self.batch_size * (1 if self._split else self._world))
 
     def release(self) -> None:
         """At the session's end: stop the workers this loader still has (persistent ones, or those of an epoch left

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch.distributed as dist
 
@@ -37,7 +37,7 @@ class AllRanks:
             takers = [rank for rank, batch in enumerate(batches) if batch is not None]
             self.takers.append(takers)
             for rank in takers:
-                yield batches[rank]
+                yield cast(list, batches[rank])  # a taker's batch is not None
 
     def __len__(self) -> int:
         return sum(self.shard.steps(rank) for rank in range(self.shard.world_size))
@@ -81,7 +81,7 @@ def receive_stream() -> Iterator[Any]:
         yield message[0]
 
 
-def _send(message: tuple, rank: int) -> None:
+def _send(message: tuple[Any, ...], rank: int) -> None:
     dist.send_object_list([message], dst=rank)
 
 

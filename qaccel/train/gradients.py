@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -17,6 +17,8 @@ from qaccel.comm import session
 from qaccel.train import background, sharding
 
 if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+
     from qaccel.train.registry import Registry
 
 
@@ -32,12 +34,13 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self._registry = registry
         self.step_was_skipped = False
 
+    # param_groups and state: properties in place of Optimizer's attributes, the user's optimizer's own objects
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
     @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
+    def param_groups(self, value: list[dict[str, Any]]) -> None:  # pyright: ignore[reportIncompatibleVariableOverride]
         self.optimizer.param_groups = value
 
     @property
@@ -45,7 +48,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         return self.optimizer.state
 
     @state.setter
-    def state(self, value: Any) -> None:
+    def state(self, value: Any) -> None:  # pyright: ignore[reportIncompatibleVariableOverride]
         self.optimizer.state = value
 
     @property
@@ -162,8 +165,9 @@ def no_sync(models: Iterable[torch.nn.Module]) -> Iterator[None]:
             if isinstance(model, DistributedDataParallel):
                 stack.enter_context(model.no_sync())
             elif sharding.is_sharded(model):
-                model.set_requires_gradient_sync(False)
-                stack.callback(model.set_requires_gradient_sync, True)
+                sharded = cast("FSDPModule", model)
+                sharded.set_requires_gradient_sync(False)
+                stack.callback(sharded.set_requires_gradient_sync, True)
         yield
 
 

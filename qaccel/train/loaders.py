@@ -56,8 +56,9 @@ class DictDataLoader:
     def close(self) -> None:
         """End the epoch under way of every loader (a generator's close; a plain DataLoader iterator is dropped)."""
         for batches in self.iters.values():
-            if hasattr(batches, "close"):
-                batches.close()
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()
         self.iters = {}
 
 
@@ -84,7 +85,7 @@ class InfiniteTensorDataset(IterableDataset):
                 yield tuple(t[index] for t in self.tensors)
 
 
-def to_dataloader(*tensors: torch.Tensor, batch_size: int = 1, infinite: bool = False) -> DataLoader:
+def to_dataloader(*tensors: torch.Tensor, batch_size: int = 1, infinite: bool = False) -> DataLoader[Any]:
     """A DataLoader of ``tensors`` in batches of ``batch_size``: once through, in order (a TensorDataset), or,
     with ``infinite``, without end in random order (an InfiniteTensorDataset)."""
     dataset = InfiniteTensorDataset(*tensors) if infinite else TensorDataset(*tensors)
@@ -132,7 +133,7 @@ def _(xs: list, *args: Any, **kwargs: Any) -> list:
 
 
 @_to_device.register(dict)
-def _(xs: dict, *args: Any, **kwargs: Any) -> dict:
+def _(xs: dict[str, Any], *args: Any, **kwargs: Any) -> dict:
     return {key: _to_device(value, *args, **kwargs) for key, value in xs.items()}
 
 

@@ -15,7 +15,7 @@ from qaccel.options import MixedPrecision
 
 def autocast(
     mixed_precision: MixedPrecision, device: torch.device, settings: Mapping[str, Any] = {}
-) -> contextlib.AbstractContextManager:
+) -> contextlib.AbstractContextManager[Any]:
     """torch.autocast for the configured precision on this device, with AutocastKwargs' ``settings``
     (``enabled``, ``cache_enabled``); a no-op without mixed precision."""
     if mixed_precision is MixedPrecision.NO:

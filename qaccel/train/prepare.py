@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -127,7 +127,8 @@ def cast_model(model: torch.nn.Module, device: torch.device | None, dtype: torch
     parameters to the real counterpart, qadence's own convention. Then Module._apply, the tool Module.to uses,
     casts every parameter and buffer by the rule above, keeping the Parameter objects the optimizers point at.
     """
-    placement = {} if device is None else {"device": device}  # no device=None: some to()s would store it
+    # no device=None: some to()s would store it
+    placement: dict[str, Any] = {} if device is None else {"device": device}
     if dtype is None:
         if placement:
             model.to(**placement)
@@ -220,8 +221,9 @@ def plain_result(obj: Any) -> Any:
     ):
         return plain_object(obj)
     if type(obj) in (list, tuple) or (isinstance(obj, tuple) and hasattr(obj, "_fields")):
-        items = [plain_result(item) for item in obj]
-        if all(new is old for new, old in zip(items, obj)):
+        sequence = cast("list[Any] | tuple[Any, ...]", obj)  # the checks above: a list or a tuple
+        items = [plain_result(item) for item in sequence]
+        if all(new is old for new, old in zip(items, sequence)):
             return obj
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     if type(obj) is dict:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -60,8 +60,9 @@ def track_optimizer_steps(scheduler: torch.optim.lr_scheduler.LRScheduler) -> No
 
     @functools.wraps(step)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        optimizer = owner()
-        optimizer._opt_called = True
+        optimizer = cast(torch.optim.Optimizer, owner())  # alive: this wrapper is its step
+        # torch's LRScheduler sets this flag too, which Optimizer does not declare
+        optimizer._opt_called = True  # pyright: ignore[reportAttributeAccessIssue]
         return step(optimizer, *args, **kwargs)
 
     wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]

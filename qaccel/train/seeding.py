@@ -6,6 +6,7 @@ import enum
 import numbers
 import random
 from collections.abc import Iterable
+from typing import cast
 
 import numpy as np
 import torch
@@ -61,12 +62,12 @@ def synchronize_rng_states(
     get = {
         RngType.TORCH: torch.get_rng_state,
         RngType.CUDA: lambda: torch.cuda.get_rng_state(ctx.device),
-        RngType.GENERATOR: lambda: generator.get_state(),
+        RngType.GENERATOR: lambda: cast(torch.Generator, generator).get_state(),  # checked above when chosen
     }
     put = {
         RngType.TORCH: torch.set_rng_state,
         RngType.CUDA: lambda state: torch.cuda.set_rng_state(state, ctx.device),
-        RngType.GENERATOR: lambda state: generator.set_state(state),
+        RngType.GENERATOR: lambda state: cast(torch.Generator, generator).set_state(state),
     }
     states = collectives.broadcast({kind: get[kind]() for kind in chosen}, 0, ctx)
     for kind, state in states.items():

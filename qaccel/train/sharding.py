@@ -14,7 +14,7 @@ import sys
 import warnings
 import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -24,6 +24,8 @@ from qaccel.options import MixedPrecision
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -276,8 +278,9 @@ def set_accumulating(models: Iterable[torch.nn.Module], accumulating: bool) -> N
     """On accumulation steps keep gradients and parameters unsharded: no reduce-scatter, no re-gather."""
     for model in models:
         if is_sharded(model):
-            model.set_requires_gradient_sync(not accumulating)
-            model.set_reshard_after_backward(not accumulating)
+            sharded = cast("FSDPModule", model)
+            sharded.set_requires_gradient_sync(not accumulating)
+            sharded.set_reshard_after_backward(not accumulating)
 
 
 def clip_grad_norm_(
@@ -291,6 +294,6 @@ def clip_grad_norm_(
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
     total = torch.nn.utils.get_total_norm(grads, norm_type)
     if _has_dtensor([total]):
-        total = total.full_tensor()
+        total = cast("DTensor", total).full_tensor()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total

@@ -121,7 +121,7 @@ def disarm(listener: Callable[[int], None] | None = None) -> int:
     global _armed
     if _armed is None:
         return 0
-    if listener in _armed.listeners:
+    if listener is not None and listener in _armed.listeners:
         _armed.listeners.remove(listener)
     _armed.users -= 1
     if _armed.users > 0:

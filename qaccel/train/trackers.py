@@ -266,7 +266,7 @@ class Trackers:
                 else AcceleratorTracker(item, project_name, logging_dir, init_kwargs.get(item, {}))
             )
             self.trackers.append(tracker)
-            if isinstance(tracker, AcceleratorTracker) and tracker.name in (self._saved or {}):
+            if isinstance(tracker, AcceleratorTracker) and self._saved is not None and tracker.name in self._saved:
                 tracker.continue_run(self._saved[tracker.name])
             elif not isinstance(tracker, AcceleratorTracker) and callable(getattr(tracker, "start", None)):
                 tracker.start()

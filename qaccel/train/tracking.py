@@ -107,6 +107,7 @@ class Tracker(Protocol):
 
     def state(self) -> dict[str, Any]:
         """What a resumed run needs to continue this one (e.g. {"run_id": ...}); JSON-serialisable."""
+        ...
 
     def close(self) -> None:
         """Flush and close; safe to call twice."""
@@ -340,7 +341,8 @@ class TensorBoardTracker(_Opened):
 
     def log_figure(self, name: str, figure: matplotlib.figure.Figure, step: int) -> None:
         self._check_open()
-        from tensorboard.compat.proto.summary_pb2 import Summary
+        # protobuf makes its classes at import: pyright cannot see them
+        from tensorboard.compat.proto.summary_pb2 import Summary  # pyright: ignore[reportAttributeAccessIssue]
 
         # The PNG as it is, in an image summary (what add_figure writes, without replacing the figure's canvas by
         # an Agg one and closing it through pyplot as add_figure does).
@@ -375,7 +377,8 @@ class _EventFile:
     purge_step does)."""
 
     def __init__(self, folder: Path, purge_step: int) -> None:
-        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+        # protobuf makes its classes at import: pyright cannot see them
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog  # pyright: ignore[reportAttributeAccessIssue]
         from tensorboard.summary.writer.record_writer import RecordWriter
 
         folder.mkdir(parents=True, exist_ok=True)
@@ -395,7 +398,8 @@ class _EventFile:
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         if values:
-            from tensorboard.compat.proto.summary_pb2 import Summary
+            # protobuf makes its classes at import: pyright cannot see them
+            from tensorboard.compat.proto.summary_pb2 import Summary  # pyright: ignore[reportAttributeAccessIssue]
 
             self.write(
                 step, Summary(value=[Summary.Value(tag=name, simple_value=value) for name, value in values.items()])

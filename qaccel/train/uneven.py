@@ -16,10 +16,10 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
-from torch.distributed.algorithms.join import Join, _JoinConfig
+from torch.distributed.algorithms.join import Join, Joinable, _JoinConfig
 from torch.nn.parallel import DistributedDataParallel
 
 from qaccel.comm import collectives, session
@@ -100,7 +100,8 @@ class Epoch:
             else []
         )
         try:
-            with Join(models, divide_by_initial_world_size=False) if models else contextlib.nullcontext():
+            joined = cast("list[Joinable]", models)  # DDP models are Joinables (list is invariant)
+            with Join(joined, divide_by_initial_world_size=False) if models else contextlib.nullcontext():
                 yield
         finally:
             if self.run is not None:

@@ -13,11 +13,13 @@ import enum
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
     from qaccel.train.tracking import Tracker
     from qaccel.trainer.config import TrainConfig
     from qaccel.trainer.trainer import Trainer
@@ -338,7 +340,7 @@ class GradientMonitoring(Callback):
             return
         stats: dict[str, float] = {}
         for name, grad in named:
-            grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+            grad = cast("DTensor", grad).full_tensor() if hasattr(grad, "full_tensor") else grad  # FSDP2's shard
             stats[f"{name}_mean"] = grad.mean().item()
             stats[f"{name}_std"] = grad.std().item() if grad.numel() > 1 else math.nan
             stats[f"{name}_max"] = grad.max().item()

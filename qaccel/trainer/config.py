@@ -6,6 +6,9 @@ accumulation, restarts and timeouts are set in one place. Every field is checked
 value raises naming the field and what is allowed, before any rank starts.
 """
 
+# pyright: reportUnnecessaryIsInstance=false
+# (what users pass is checked at run time, whatever the annotations say)
+
 from __future__ import annotations
 
 import enum
@@ -62,7 +65,7 @@ class TrainConfig(options.Options):
     write, True always, False never."""
     plot_every: int = 0
     """Call ``plotting_functions`` and log their figures every this many epochs."""
-    callbacks: list[Callback] = field(default_factory=list)
+    callbacks: list[Callback] = field(default_factory=list[Callback])
     """Callbacks of your own (see ``qaccel.callbacks``), run before the ones the fields above make (qadence's order)."""
     log_model: bool = False
     """Write the trained model's state dict to the run's folder at the end (``model.pt``)."""
@@ -89,7 +92,7 @@ class TrainConfig(options.Options):
     """Print metrics (``print_every``) and the progress bar."""
     tracking_tool: TrackingTool | str = TrackingTool.TENSORBOARD
     """``tensorboard`` (``pip install tensorboard``), ``mlflow`` (``pip install mlflow-skinny``) or ``csv``."""
-    hyperparams: dict[str, Any] = field(default_factory=dict)
+    hyperparams: dict[str, Any] = field(default_factory=dict[str, Any])
     """Hyperparameters logged once to the tracker."""
     plotting_functions: tuple[Callable[[torch.nn.Module, int], tuple[str, Any]], ...] = ()
     """``fn(model, epoch) -> (name, matplotlib figure)``, logged every ``plot_every`` epochs."""

@@ -18,7 +18,7 @@ import re
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 from torch.nn import Module
@@ -31,7 +31,15 @@ from qaccel.train.prepare import plain_object
 
 logger = logging.getLogger(__name__)
 
-StrPath = str | os.PathLike  # a folder, as qadence's Path or a str
+StrPath = str | os.PathLike[str]  # a folder, as qadence's Path or a str
+
+
+class _QadenceModel(Protocol):
+    """What qadence's QuantumModel and QNN have beyond torch's Module (see _is_qadence_model())."""
+
+    def _to_dict(self, save_params: bool = ...) -> dict[str, Any]: ...
+
+    def load_params_from_dict(self, d: dict[str, Any], strict: bool = ...) -> None: ...
 
 
 def get_latest_checkpoint_name(folder: StrPath, type: str, device: str | torch.device = "cpu") -> Path:
@@ -111,7 +119,7 @@ def write_checkpoint(folder: StrPath, model: Module, optimizer: Any, iteration: 
         )
 
     if qadence_model:
-        state = model._to_dict(save_params=True)
+        state = cast(_QadenceModel, model)._to_dict(save_params=True)
         if not state:  # qadence's _to_dict logs its error and returns {}
             raise RuntimeError(
                 f"write_checkpoint() cannot write {model_file}: {type(model).__name__}._to_dict() "
@@ -188,7 +196,7 @@ def load_model(
         target = model.module
     try:
         if _is_qadence_model(target):
-            target.load_params_from_dict(model_dict)
+            cast(_QadenceModel, target).load_params_from_dict(model_dict)
         else:
             target.load_state_dict(model_dict, strict=True)
     except Exception as exc:

@@ -24,7 +24,8 @@ def optimize_step(
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """One update: ``optimizer.step(closure)``, the closure zeroing the gradients and back-propagating
     ``loss_fn(model, xs)``; returns the loss and metrics (qadence's default step, LBFGS included)."""
-    loss, metrics = None, {}
+    loss: Any = None  # loss_fn's, set by the closure that optimizer.step() calls
+    metrics: dict[str, Any] = {}
 
     def closure() -> float:
         nonlocal loss, metrics

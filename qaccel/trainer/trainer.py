@@ -20,7 +20,7 @@ import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -69,6 +69,14 @@ def cross_entropy_loss(model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor
 LOSSES: dict[str, LossFunction] = {"mse": mse_loss, "cross_entropy": cross_entropy_loss}
 
 
+class _Stateful(Protocol):
+    """A callback with state of its own to checkpoint (not every Callback has it: see _state_of())."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 class _State:
     """What the Trainer adds to a checkpoint: the epochs and batches done, their metrics, the best validation, the
     running sums of an epoch in progress, the tracker's run and the callbacks' own state. Registered for
@@ -98,7 +106,7 @@ class _State:
         state = dict(state)
         for callback, saved in zip(self._callbacks, state.pop("callbacks")):
             if saved is not None:
-                callback.load_state_dict(saved)
+                cast(_Stateful, callback).load_state_dict(saved)
         if state.get("nevergrad") is not None:
             state["nevergrad"] = pickle.dumps(state["nevergrad"])
         vars(self).update(state)
@@ -129,6 +137,7 @@ class Trainer:
     """
 
     _use_grad: bool = True  # gradient-based training; set_use_grad() changes it for every Trainer, as in qadence
+    _optimizer: Any  # torch's or nevergrad's; inside a rank, prepared (the torch one wrapped: .optimizer)
 
     def __init__(
         self,
@@ -222,12 +231,13 @@ class Trainer:
 
     @optimizer.setter
     def optimizer(self, optimizer: Any) -> None:
-        if self.use_grad and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"Trainer(optimizer=...) takes a torch.optim.Optimizer (gradient-free training takes a "
-                f"nevergrad optimizer: set_use_grad(False) first); got {type(optimizer).__name__}"
-            )
-        if not self.use_grad:
+        if self.use_grad:
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError(
+                    f"Trainer(optimizer=...) takes a torch.optim.Optimizer (gradient-free training takes a "
+                    f"nevergrad optimizer: set_use_grad(False) first); got {type(optimizer).__name__}"
+                )
+        else:
             if not (hasattr(optimizer, "ask") and hasattr(optimizer, "tell")):
                 raise TypeError(
                     f"gradient-free training (use_grad=False) takes a nevergrad optimizer; got "
@@ -369,7 +379,8 @@ class Trainer:
                 self._optimizer, self._ng_params = pickle.loads(optimizer_state)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.load_state_dict(trained["lr_scheduler"])
-        self.history, self.log_folder = trained["history"], trained["log_folder"]
+        log_folder: Path = trained["log_folder"]
+        self.history, self.log_folder = trained["history"], log_folder
         self.current_epoch, self._fitted = trained["epoch"], True
         self._state.global_step = trained["global_step"]
         self.config.log_folder = self.log_folder  # as qadence: the run's folder, where a second fit continues
@@ -436,7 +447,7 @@ class Trainer:
     def _fit(self, folder: Path | None) -> dict[str, Any]:
         acc, config = self.accelerator, self.config
         if folder is None:
-            folder = acc.broadcast(self._choose_folder() if acc.is_main_process else None)
+            folder = cast(Path, acc.broadcast(self._choose_folder() if acc.is_main_process else None))  # rank 0's
         self.log_folder = config.log_folder = folder
         folder.mkdir(parents=True, exist_ok=True)
         if config.seed is not None:
@@ -483,7 +494,7 @@ class Trainer:
         try:
             self._train(train_loader, val_loader)
         finally:
-            self.tracker.close()
+            self._opened_tracker().close()
         self.history = state.history
         if acc.is_main_process:
             self._write_curves()
@@ -812,7 +823,7 @@ class Trainer:
     def _plot(self) -> None:
         if self.accelerator.is_main_process:
             model = self.accelerator.unwrap_model(self.model)
-            self.tracker.plot(model, self.opt_result.iteration, self.config.plotting_functions)
+            self._opened_tracker().plot(model, self.opt_result.iteration, self.config.plotting_functions)
 
     def _epoch_means(self) -> dict[str, float]:
         state = self._state
@@ -876,6 +887,12 @@ class Trainer:
             start_batch=state.global_step + 1 if resumed else 0,
         )
         state.tracker = self.tracker.state()
+
+    def _opened_tracker(self) -> Tracker:
+        """The tracker _open_tracker() opened for the fit in progress."""
+        if self.tracker is None:
+            raise RuntimeError("the Trainer's tracker is opened by fit(), on every rank")
+        return self.tracker
 
     def _write_curves(self) -> None:
         assert self.log_folder is not None
@@ -996,4 +1013,4 @@ def _lower(val_loss: float, best: float, epsilon: float) -> bool:
 
 
 def _state_of(callback: Callback) -> dict[str, Any] | None:
-    return callback.state_dict() if hasattr(callback, "state_dict") else None
+    return cast(_Stateful, callback).state_dict() if hasattr(callback, "state_dict") else None
