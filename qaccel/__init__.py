@@ -23,7 +23,6 @@ from qaccel.errors import (
     RankKilledError,
     RendezvousError,
 )
-from qaccel.launch.launchers import warm_up_in_kernel
 from qaccel.notebook import debug_launcher, notebook_launcher
 from qaccel.options import (
     DataLoaderConfiguration,
@@ -42,8 +41,6 @@ from qaccel.trainer.saveload import load_checkpoint, load_model, write_checkpoin
 from qaccel.trainer.steps import default_optimize_step
 from qaccel.trainer.trainer import Trainer
 from qaccel.utils import find_executable_batch_size
-
-warm_up_in_kernel()
 
 __all__ = [
     "Accelerator",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import json
 import linecache
 import os
@@ -326,6 +327,7 @@ class _Usr2:
             self._close_pipe()
             return
         self.previous_fd = previous
+        _fork_hooks()
         signal.signal(signal.SIGUSR2, _ignore)
         threading.Thread(target=self._read, name="qaccel-sigusr2", daemon=True).start()
 
@@ -399,4 +401,7 @@ def _child_after_fork() -> None:
             pass
 
 
-os.register_at_fork(after_in_child=_child_after_fork)
+@functools.cache
+def _fork_hooks() -> None:
+    """Registered once, when a rank first answers SIGUSR2: importing qaccel registers nothing."""
+    os.register_at_fork(after_in_child=_child_after_fork)

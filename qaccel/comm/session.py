@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextvars
 import datetime
+import functools
 import gc
 import itertools
 import os
@@ -182,7 +183,10 @@ def _let_gloo_threads_settle() -> None:
         time.sleep(FORK_SETTLE_S)
 
 
-os.register_at_fork(before=_let_gloo_threads_settle, after_in_child=_freeze_in_child)
+@functools.cache
+def _fork_hooks() -> None:
+    """Registered once, as the process's first session starts: importing qaccel registers nothing."""
+    os.register_at_fork(before=_let_gloo_threads_settle, after_in_child=_freeze_in_child)
 
 
 def current_run() -> Run | None:
@@ -293,6 +297,7 @@ def session(
     process exits after the session (a rank qaccel started), so no later session can meet what this one leaves.
     """
     owns_group = False
+    _fork_hooks()
     run = Run(ctx, next(_numbers), debug=debug, timeout=timeout)
     token = _RUN.set(run)
     try:

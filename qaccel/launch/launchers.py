@@ -9,14 +9,11 @@ and its test; a new launcher that starts the ranks itself is only a class in env
 
 from __future__ import annotations
 
-import sys
-
-from qaccel import environment
 from qaccel.comm import session
 from qaccel.environment import Environment
-from qaccel.launch import caller, cluster, in_place, server
+from qaccel.launch import caller, cluster, in_place
 from qaccel.launch.protocol import HandBack, Launcher
-from qaccel.options import Config, StartMethod
+from qaccel.options import Config
 
 
 def choose(config: Config, env: Environment, hand_back: HandBack) -> Launcher:
@@ -30,19 +27,6 @@ def choose(config: Config, env: Environment, hand_back: HandBack) -> Launcher:
     return in_place.InPlace(config, env, hand_back)
 
 
-def warm_up_in_kernel() -> None:
-    """In a Jupyter kernel that would start ranks itself, start the server as qaccel is imported. A kernel runs
-    threads, so its server is a fresh interpreter importing torch (≈ 1.6 s): started with the import cell, it is
-    ready by the time a later cell launches, where starting it with the Accelerator would make that launch wait."""
-    if _in_jupyter_kernel() and _starts_ranks(environment.detect()):
-        server.warm_up(StartMethod.FORKSERVER)
-
-
 def _starts_ranks(env: Environment) -> bool:
     """A process that starts ranks itself: no launcher made it a rank, and it is inside no session (no rank)."""
     return env.kind.creates_processes and session.current() is None
-
-
-def _in_jupyter_kernel() -> bool:
-    ipython = sys.modules.get("IPython")
-    return getattr(getattr(ipython, "get_ipython", lambda: None)(), "kernel", None) is not None

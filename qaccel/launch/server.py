@@ -17,8 +17,8 @@ forked child at all. So when the server is started (``Accelerator()``, or the fi
   a server forked then would hold that module half made.
 - **a fresh interpreter** otherwise, e.g. in a Jupyter kernel (it has threads), after ``torch.set_num_threads``
   (torch's pthreadpool keeps threads that nothing stops), or with CUDA initialised. It takes the caller's
-  sys.path, imports torch and ``torch._dynamo`` once, then serves the same way. A Jupyter kernel starts it as
-  qaccel is imported (launchers.warm_up_in_kernel), so that a later cell's launch finds it ready.
+  sys.path, imports torch and ``torch._dynamo`` once, then serves the same way. Like the forked one, it starts
+  with the first Accelerator that launches (importing qaccel starts nothing), so its imports overlap later cells.
 
 Both run multiprocessing's own forkserver loop, so its clients are unchanged, and both import with the garbage
 collector off (a third of the imports' time otherwise) and freeze the result before serving.

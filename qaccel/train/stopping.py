@@ -105,6 +105,7 @@ def arm(signals: set[signal.Signals], listener: Callable[[int], None] | None = N
     global _armed
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("resume() installs signal handlers, which Python allows only in the main thread")
+    _fork_hooks()
     if _armed is None:
         _armed = Armed(signals)
     else:
@@ -213,7 +214,10 @@ def _ignoring(signals: tuple[int, ...], init: Callable[[int], Any] | None, worke
         init(worker_id)
 
 
-os.register_at_fork(before=_block_before_fork, after_in_parent=_unblock, after_in_child=_child_defaults)
+@functools.cache
+def _fork_hooks() -> None:
+    """Registered once, when signals are first armed: importing qaccel registers nothing."""
+    os.register_at_fork(before=_block_before_fork, after_in_parent=_unblock, after_in_child=_child_defaults)
 
 
 class Stopper:

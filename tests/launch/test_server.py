@@ -238,50 +238,60 @@ def test_a_jupyter_kernel_has_threads_and_gets_a_fresh_interpreter_server(tmp_pa
     assert facts["ranks"] == [[0, facts["server"]], [1, facts["server"]]]
 
 
-def test_importing_qaccel_in_a_jupyter_kernel_starts_the_server_that_its_first_launch_uses(tmp_path):
-    """A kernel's server is a fresh interpreter (≈ 1.6 s of imports): started by the import cell, it is ready for a
-    later cell's launch instead of making that launch wait."""
+def test_in_a_jupyter_kernel_the_accelerator_starts_the_server_its_launches_use_and_the_import_nothing(tmp_path):
+    """A kernel's server is a fresh interpreter (≈ 1.6 s of imports): started by the cell that makes the
+    Accelerator, it imports while later cells run; importing qaccel starts nothing."""
     cells = [
         """
         import json, multiprocessing.forkserver, os, sys
         import qaccel
         at_import = multiprocessing.forkserver._forkserver._forkserver_pid
+        acc = qaccel.Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
+        made = multiprocessing.forkserver._forkserver._forkserver_pid
         """,
         """
-        acc = qaccel.Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
-
         def parent():
             return os.getppid(), "IPython" in sys.modules
 
-        with open(f"/proc/{at_import}/cmdline") as f:
+        with open(f"/proc/{made}/cmdline") as f:
             command = f.read().split(chr(0))
-        print("FACTS " + json.dumps({"at_import": at_import, "command": command,
+        print("FACTS " + json.dumps({"at_import": at_import, "made": made, "command": command,
                                      "parents": acc.distribute(parent, all_results=True)()}))
         """,
     ]
     text = run_in_kernel(cells, tmp_path)
     facts = json.loads(next(line for line in text.splitlines() if line.startswith("FACTS "))[len("FACTS ") :])
-    assert facts["at_import"] is not None and _fresh_interpreter(facts["command"]), facts
-    assert facts["parents"] == [[facts["at_import"], False]] * 2, "the kernel's IPython is not imported in ranks"
+    assert facts["at_import"] is None, "importing qaccel starts no process"
+    assert facts["made"] is not None and _fresh_interpreter(facts["command"]), facts
+    assert facts["parents"] == [[facts["made"], False]] * 2, "the kernel's IPython is not imported in ranks"
     assert "cannot be copied" not in text, "the kernel's own logger stays the kernel's"
 
 
-def test_importing_qaccel_in_a_script_starts_no_process():
-    """Outside a kernel the server starts with the first Accelerator that launches: a script that never launches
-    (nprocs=1, under torchrun, --help) has no process it did not ask for."""
+def test_importing_qaccel_in_a_script_starts_no_process_and_registers_nothing():
+    """Outside a kernel too the server starts with the first Accelerator that launches: a script that never launches
+    (nprocs=1, under torchrun, --help) has no process it did not ask for. Fork hooks are registered by the first
+    session, not by the import."""
     code = """
-import multiprocessing.forkserver, multiprocessing.resource_tracker, os
+import multiprocessing.forkserver, multiprocessing.resource_tracker, os, threading
+registered, register = [], os.register_at_fork
+os.register_at_fork = lambda **hooks: registered.extend(f.__module__ for f in hooks.values()) or register(**hooks)
 import qaccel
 try:
     os.waitpid(-1, os.WNOHANG)  # raises when this process has no child at all
     children = "some"
 except ChildProcessError:
     children = "none"
+ours = lambda: sorted(m for m in registered if (m or "").startswith("qaccel"))  # torch registers its own at import
+at_import = ours()
+qaccel.Accelerator(compute_setup="cpu").distribute(lambda: None)()
+qaccel.Accelerator(compute_setup="cpu").distribute(lambda: None)()
 print(multiprocessing.forkserver._forkserver._forkserver_pid, multiprocessing.resource_tracker._resource_tracker._pid,
-      children)
+      children, threading.active_count(), ",".join(at_import) or "-", ",".join(ours()))
 """
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=script_env(), timeout=60, check=False
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["None", "None", "none"], proc.stdout
+    assert proc.stdout.split() == ["None", "None", "none", "1", "-", "qaccel.comm.session,qaccel.comm.session"], (
+        proc.stdout
+    )
