@@ -18,10 +18,12 @@ def choice(name: str, value: object, allowed: type[enum.StrEnum], members: Seque
     return allowed(value)
 
 
-def count(name: str, value: object, least: int) -> int:
+def count(name: str, value: object, least: int, meaning: str = "") -> int:
+    """``value``, an int (not a bool) of at least ``least``; else ValueError naming ``name`` and, when given, what it
+    counts (``meaning``). Every layer checks its counts with this one rule."""
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        kind = "a positive int" if least == 1 else "a non-negative int"
-        raise ValueError(f"{name} must be {kind}; got {value!r}")
+        kind = {0: "a non-negative int", 1: "a positive int"}.get(least, f"an int >= {least}")
+        raise ValueError(f"{name} must be {kind}{f' ({meaning})' if meaning else ''}; got {value!r}")
     return value
 
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from qaccel.options.checks import choice
+from qaccel.options.checks import choice, count
 from qaccel.options.kinds import JobOutput
 
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+(?::\d+){0,2})$")
@@ -54,10 +54,10 @@ class SlurmCluster:
 
     def __post_init__(self) -> None:
         for name in ("nodes", "tasks_per_node"):
-            _positive(name, getattr(self, name))
+            count(f"SlurmCluster.{name}", getattr(self, name), 1)
         for name in ("gpus_per_node", "cpus_per_task"):
             if getattr(self, name) is not None:
-                _positive(name, getattr(self, name), zero=name == "gpus_per_node")
+                count(f"SlurmCluster.{name}", getattr(self, name), 0 if name == "gpus_per_node" else 1)
         minutes(self.time)
         if isinstance(self.setup, str) or not all(isinstance(line, str) for line in self.setup):
             raise TypeError(f"SlurmCluster.setup must be a list of shell lines; got {self.setup!r}")
@@ -73,11 +73,6 @@ class SlurmCluster:
 
     def __hash__(self) -> int:
         return hash((self.nodes, self.tasks_per_node, self.partition, str(self.folder)))
-
-
-def _positive(name: str, value: Any, zero: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if zero else 1):
-        raise ValueError(f"SlurmCluster.{name} must be an int >= {0 if zero else 1}; got {value!r}")
 
 
 def minutes(limit: str | int) -> int:

@@ -109,8 +109,7 @@ def placements(device_placement: object, count: int) -> list[bool | None]:
 def _data_seed(seed: object, seedable: object) -> int | None:
     if seed is None:
         return None
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"data_seed must be an int >= 0 or None; got {seed!r}")
+    seed = count("data_seed", seed, 0, "or None")
     if seedable is not True:
         raise ValueError(
             "data_seed seeds the order of use_seedable_sampler=True (as in Accelerate, where it does "
@@ -203,8 +202,7 @@ def _debug_choice(debug: object) -> bool:
 
 def _sharding_choices(strategy: Strategy, modules: Sequence[type | str] | None, min_params: object) -> tuple[str, ...]:
     """Check the strategy's arguments; fsdp_modules as class names."""
-    if isinstance(min_params, bool) or not isinstance(min_params, int) or min_params < 1:
-        raise ValueError(f"fsdp_min_params must be a positive int (parameters per sharded unit); got {min_params!r}")
+    count("fsdp_min_params", min_params, 1, "parameters per sharded unit")
     if strategy is not Strategy.FSDP:
         if modules is not None or min_params != FSDP_MIN_PARAMS:
             raise ValueError(

@@ -54,13 +54,17 @@ def _place(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None
     return tensor.to(device=device, dtype=target, non_blocking=non_blocking)
 
 
+def real_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The real dtype of ``dtype``'s precision (complex128 -> float64; a real dtype as it is): what real
+    floating-point tensors of models and batches are cast to when ``dtype`` is the one asked for."""
+    return dtype.to_real() if dtype.is_complex else dtype
+
+
 def _target_dtype(current: torch.dtype, wanted: torch.dtype | None) -> torch.dtype:
     if wanted is None:
         return current
     if current.is_floating_point:
-        if wanted.is_complex:
-            return wanted.to_real()
-        return wanted if wanted.is_floating_point else current
+        return real_dtype(wanted) if wanted.is_floating_point or wanted.is_complex else current
     if current.is_complex and wanted.is_complex:
         return wanted
     return current

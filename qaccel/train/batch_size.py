@@ -27,7 +27,7 @@ import torch
 from qaccel import errors
 from qaccel.comm import session
 from qaccel.comm.sealed import Sealed
-from qaccel.options import Backend
+from qaccel.options import Backend, count
 
 # Messages of the errors that mean "out of memory" (Accelerate's list): an allocation failed, so a smaller batch
 # may fit.
@@ -79,8 +79,7 @@ def find_executable_batch_size(
             starting_batch_size=starting_batch_size,
             reduce_batch_size_fn=reduce_batch_size_fn,
         )
-    if isinstance(starting_batch_size, bool) or not isinstance(starting_batch_size, int) or starting_batch_size < 1:
-        raise ValueError(f"starting_batch_size must be a positive int; got {starting_batch_size!r}")
+    count("starting_batch_size", starting_batch_size, 1)
     batch_size = starting_batch_size
 
     def reduce() -> int:

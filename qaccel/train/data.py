@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
 from qaccel.comm.session import RankContext
+from qaccel.options import count
 
 if TYPE_CHECKING:
     from qaccel.train.registry import Registry
@@ -336,8 +337,7 @@ class PreparedDataLoader(DataLoader):
     def skip_first_batches(self, num_batches: int) -> None:
         """Pass over this rank's first ``num_batches`` of the next epoch (every rank's, as all ranks call it) without
         loading them (or, for a stream or a user DistributedSampler, loading and dropping them)."""
-        if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
-            raise ValueError(f"num_batches must be a non-negative int; got {num_batches!r}")
+        count("num_batches", num_batches, 0)
         self._start = num_batches * self._unit
 
     @property

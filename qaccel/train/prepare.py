@@ -14,7 +14,7 @@ from qaccel import handlers
 from qaccel.comm import collectives, session
 from qaccel.comm.session import RankContext
 from qaccel.options import Config, MixedPrecision, Strategy
-from qaccel.train import data, loaders, precision, schedulers, sharding, stopping
+from qaccel.train import batch, data, loaders, precision, schedulers, sharding, stopping
 from qaccel.train.gradients import PreparedOptimizer
 from qaccel.train.registry import Registry
 from qaccel.train.schedulers import PreparedScheduler
@@ -133,7 +133,7 @@ def cast_model(model: torch.nn.Module, device: torch.device | None, dtype: torch
         if placement:
             model.to(**placement)
         return
-    real = dtype.to_real() if dtype.is_complex else dtype
+    real = batch.real_dtype(dtype)
     complex_ = dtype if dtype.is_complex else _complex_of(dtype)
     named = [*model.named_parameters(), *model.named_buffers()]
     complex_names = [(name, tensor.dtype) for name, tensor in named if tensor.is_complex()]

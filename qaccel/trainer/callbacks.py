@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from qaccel.options import count
+
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
@@ -94,8 +96,7 @@ class Callback:
         modify_optimize_result: Callable[[OptimizeResult], OptimizeResult] | dict[str, Any] | None = None,
     ) -> None:
         self.on = on
-        if isinstance(called_every, bool) or not isinstance(called_every, int) or called_every < 0:
-            raise ValueError(f"called_every must be an int >= 0; got {called_every!r}")
+        count("called_every", called_every, 0)
         if callback is not None and not callable(callback):
             raise TypeError(f"callback must be a function (trainer, config, tracker); got {callback!r}")
         self.called_every = called_every
@@ -232,8 +233,7 @@ class EarlyStopping(Callback):
         super().__init__(on, called_every)
         if mode not in ("min", "max"):
             raise ValueError(f"mode must be 'min' or 'max'; got {mode!r}")
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
-            raise ValueError(f"patience must be an int >= 1; got {patience!r}")
+        count("patience", patience, 1)
         self.monitor, self.patience, self.mode = monitor, patience, mode
         self.best = math.inf if mode == "min" else -math.inf
         self.counter = 0

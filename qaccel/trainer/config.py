@@ -104,10 +104,10 @@ class TrainConfig(options.Options):
     """Seed every rank's RNGs (``Accelerator.set_seed``) before training; None leaves them."""
 
     def __post_init__(self) -> None:
-        _count("max_iter", self.max_iter, 0)
-        _count("batch_size", self.batch_size, 1)
+        options.count("TrainConfig.max_iter", self.max_iter, 0)
+        options.count("TrainConfig.batch_size", self.batch_size, 1)
         for name in ("print_every", "write_every", "checkpoint_every", "plot_every", "val_every"):
-            _count(name, getattr(self, name), 0)
+            options.count(f"TrainConfig.{name}", getattr(self, name), 0)
         for name in (
             "log_model",
             "create_subfolder_per_run",
@@ -146,11 +146,11 @@ class TrainConfig(options.Options):
             raise TypeError("TrainConfig.plotting_functions must be functions fn(model, epoch) -> (name, figure)")
         self.plotting_functions = tuple(self.plotting_functions)
         if self.seed is not None:
-            _count("seed", self.seed, 0)
+            options.count("TrainConfig.seed", self.seed, 0)
         if self.allow_pickle not in (None, True, False):
             raise TypeError(f"TrainConfig.allow_pickle must be None, True or False; got {self.allow_pickle!r}")
         if self.keep_checkpoints is not None:
-            _count("keep_checkpoints", self.keep_checkpoints, 1)
+            options.count("TrainConfig.keep_checkpoints", self.keep_checkpoints, 1)
         try:
             options.make_config(detect(), **self.accelerator_options())
         except (ValueError, TypeError, RuntimeError) as exc:
@@ -159,11 +159,6 @@ class TrainConfig(options.Options):
     def accelerator_options(self) -> dict[str, Any]:
         """The fields that are the Accelerator's options, by name."""
         return {name: getattr(self, name) for name in options.NAMES}
-
-
-def _count(name: str, value: object, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"TrainConfig.{name} must be an int >= {least}; got {value!r}")
 
 
 def _member(name: str, value: object, kind: type[enum.StrEnum]) -> Any:

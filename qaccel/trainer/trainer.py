@@ -28,8 +28,9 @@ from torch.utils.data import DataLoader, Dataset
 from qaccel.accelerator import Accelerator
 from qaccel.environment import detect
 from qaccel.nested import map_leaves
-from qaccel.options import Strategy
+from qaccel.options import Strategy, count
 from qaccel.train import loaders, sharding
+from qaccel.train.batch import real_dtype
 from qaccel.train.tracking import Axis, NullTracker, Tracker, make_tracker
 from qaccel.trainer import plots, steps
 from qaccel.trainer.callbacks import (
@@ -173,10 +174,8 @@ class Trainer:
                 "optimize_step must be a function fn(model, optimizer, loss_fn, xs, device, dtype) -> "
                 f"(loss, metrics); got {optimize_step!r}"
             )
-        if max_batches is not None and (
-            isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1
-        ):
-            raise ValueError(f"max_batches must be an int >= 1 or None; got {max_batches!r}")
+        if max_batches is not None:
+            count("max_batches", max_batches, 1, "or None")
         if lr_scheduler is not None and not hasattr(lr_scheduler, "step"):
             raise TypeError(f"lr_scheduler must be an LR scheduler of the optimizer; got {lr_scheduler!r}")
         self.model, self.config, self.loss_fn = model, config, loss_fn
@@ -630,7 +629,7 @@ class Trainer:
                     loss_fn=self.loss_fn,
                     xs=batch,
                     device=acc.device,
-                    dtype=_data_dtype(acc.dtype),
+                    dtype=None if acc.dtype is None else real_dtype(acc.dtype),  # qadence's data_dtype
                 )
         else:
             loss, metrics = self._gradient_free_step(batch)
@@ -1001,11 +1000,6 @@ def _needs_closure(optimizer: Any) -> bool:
 
 def _device_of(model: torch.nn.Module) -> torch.device | None:
     return next((p.device for p in model.parameters()), None)
-
-
-def _data_dtype(dtype: torch.dtype | None) -> torch.dtype | None:
-    """The dtype data is cast to (qadence's data_dtype): a complex model dtype's real counterpart."""
-    return dtype.to_real() if dtype is not None and dtype.is_complex else dtype
 
 
 def _lower(val_loss: float, best: float, epsilon: float) -> bool:

@@ -270,7 +270,7 @@ def test_cluster_needs_as_many_ranks_as_tasks_and_valid_fields():
         r"\('HH:MM:SS', 'D-HH:MM:SS', ...\); got '2 hours'",
     ):
         SlurmCluster(time="2 hours")
-    with pytest.raises(ValueError, match=r"SlurmCluster.nodes must be an int >= 1; got 0"):
+    with pytest.raises(ValueError, match=r"SlurmCluster.nodes must be a positive int; got 0"):
         SlurmCluster(nodes=0)
     with pytest.raises(TypeError, match=r"cluster must be a qaccel.SlurmCluster or None; got dict"):
         Accelerator(nprocs=2, compute_setup="cpu", cluster={"nodes": 2})

@@ -280,7 +280,7 @@ def test_accelerates_state_and_distributed_type_tell_where_each_rank_runs(acc, s
 
 def test_on_process_runs_everything_in_one_process_and_checks_the_index(single):
     assert single.on_process(lambda: 1, process_index=5)() == 1 and single.on_last_process(lambda: 2)() == 2
-    with pytest.raises(ValueError, match="process_index must be a rank \\(an int >= 0\\); got None"):
+    with pytest.raises(ValueError, match="process_index must be a non-negative int \\(a rank\\); got None"):
         single.on_process(lambda: 1)
 
 
