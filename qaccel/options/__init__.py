@@ -34,9 +34,10 @@ from qaccel.options.kinds import (
     StartMethodName,
     Strategy,
     StrategyName,
+    TrackingTool,
 )
 from qaccel.options.resolve import DEBUG_VARIABLE, check_uneven, make_config, placements
-from qaccel.options.trackers import ALL_TRACKERS, TRACKERS
+from qaccel.options.trackers import ALL_TRACKERS
 
 __all__ = [
     "ACCELERATE_NAMES",
@@ -48,7 +49,6 @@ __all__ = [
     "NAMES",
     "ON_THE_NODES",
     "OPTIONS",
-    "TRACKERS",
     "Backend",
     "BackendName",
     "ComputeSetup",
@@ -71,6 +71,7 @@ __all__ = [
     "StartMethodName",
     "Strategy",
     "StrategyName",
+    "TrackingTool",
     "check_uneven",
     "count",
     "document",

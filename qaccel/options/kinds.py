@@ -95,3 +95,28 @@ class DeviceType(enum.StrEnum):
 
     CPU = "cpu"
     CUDA = "cuda"
+
+
+class TrackingTool(enum.StrEnum):
+    """The trackers qaccel writes to (qadence's ExperimentTrackingTool values, and CSV), by ``log_with``'s and
+    ``TrainConfig.tracking_tool``'s names; each knows the module it needs and the package that installs it."""
+
+    TENSORBOARD = "tensorboard"  # the default
+    MLFLOW = "mlflow"
+    WANDB = "wandb"  # Weights & Biases
+    CSV = "csv"  # needs nothing
+
+    @property
+    def module(self) -> str | None:
+        """The module the tracker imports; None: it needs none."""
+        return None if self is TrackingTool.CSV else self.value
+
+    @property
+    def package(self) -> str | None:
+        """The pip package (and qaccel's extra of the tracker's name) that installs ``module``."""
+        return {TrackingTool.MLFLOW: "mlflow-skinny", TrackingTool.CSV: None}.get(self, self.value)
+
+    @property
+    def writes_folder(self) -> bool:
+        """It writes into ``<logging_dir>/<project_name>``, so it needs a logging directory."""
+        return self in (TrackingTool.TENSORBOARD, TrackingTool.CSV)

@@ -8,19 +8,10 @@ import importlib.util
 from collections.abc import Sequence
 from typing import Any, Protocol, TypeGuard, cast
 
-# log_with's names: the trackers qaccel writes to (qaccel/train/tracking.py), each with its module and pip package
-TRACKERS = {
-    "tensorboard": ("tensorboard", "tensorboard"),
-    "wandb": ("wandb", "wandb"),
-    "mlflow": ("mlflow", "mlflow-skinny"),
-    "csv": (None, None),
-}
+from qaccel.options.kinds import TrackingTool
 
-
-ALL_TRACKERS = ("tensorboard", "wandb", "mlflow")  # what log_with="all" takes, those installed (Accelerate's "all")
-
-
-_FOLDER_TRACKERS = ("tensorboard", "csv")  # they write into <logging_dir>/<project_name>
+# what log_with="all" takes, those installed (Accelerate's "all")
+ALL_TRACKERS = (TrackingTool.TENSORBOARD, TrackingTool.WANDB, TrackingTool.MLFLOW)
 
 
 def log_with(value: object, logging_dir: str | None) -> tuple[Any, ...]:
@@ -29,7 +20,7 @@ def log_with(value: object, logging_dir: str | None) -> tuple[Any, ...]:
     if value is None:
         return ()
     chosen: list[Any] = []
-    allowed = ", ".join(repr(name) for name in (*TRACKERS, "all"))
+    allowed = ", ".join(repr(name) for name in (*(t.value for t in ALL_TRACKERS), TrackingTool.CSV.value, "all"))
     items = list(cast("Sequence[object]", value)) if isinstance(value, (list, tuple)) else [value]
     for item in items:
         if _is_tracker_object(item):
@@ -42,24 +33,25 @@ def log_with(value: object, logging_dir: str | None) -> tuple[Any, ...]:
             continue
         raw = item.value if isinstance(item, enum.Enum) else item
         name = raw.lower() if isinstance(raw, str) else raw
-        if name not in (*TRACKERS, "all"):
+        if name not in (*TrackingTool, "all"):
             raise ValueError(
                 f"log_with must be one of {allowed}, a tracker object with Accelerate's GeneralTracker "
                 f"methods, or a list of them; got {item!r}"
             )
-        for one in [n for n in ALL_TRACKERS if _installed(n)] if name == "all" else [name]:
+        for one in [t.value for t in ALL_TRACKERS if _installed(t)] if name == "all" else [name]:
             if one not in chosen:
                 chosen.append(one)
     for name in chosen:
         if not isinstance(name, str):
             continue
-        module, package = TRACKERS[name]
+        tool = TrackingTool(name)
+        module, package = tool.module, tool.package
         if module is not None and importlib.util.find_spec(module) is None:
             raise ImportError(
                 f"log_with={name!r} needs the {package} package: pip install {package} (from qaccel's "
                 f"checkout: pip install -e '.[{name}]')"
             )
-        if name in _FOLDER_TRACKERS and logging_dir is None:
+        if tool.writes_folder and logging_dir is None:
             raise ValueError(
                 f"log_with={name!r} writes into <logging_dir>/<project_name>: give project_dir=..., "
                 "logging_dir=... or project_config=ProjectConfiguration(project_dir=..., logging_dir=...)"
@@ -77,8 +69,8 @@ class TrackerObject(Protocol):
     def finish(self) -> None: ...
 
 
-def _installed(name: str) -> bool:
-    module = TRACKERS[name][0]
+def _installed(tool: TrackingTool) -> bool:
+    module = tool.module
     return module is None or importlib.util.find_spec(module) is not None
 
 

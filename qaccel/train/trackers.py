@@ -24,6 +24,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from qaccel.options import TrackingTool
 from qaccel.train.tracking import (
     CsvTracker,
     MlflowTracker,
@@ -61,7 +62,7 @@ class AcceleratorTracker:
 
     @property
     def requires_logging_directory(self) -> bool:
-        return self.name in ("tensorboard", "csv")
+        return TrackingTool(self.name).writes_folder
 
     def _make(self) -> Any:
         if self.name == "tensorboard":

@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from qaccel.options import TrackingTool
 from qaccel.storage import save, write_bytes
 
 if TYPE_CHECKING:
@@ -51,15 +52,6 @@ if TYPE_CHECKING:
     import torch
 
     PlottingFunction = Callable[[torch.nn.Module, int], tuple[str, matplotlib.figure.Figure]]
-
-
-class TrackingTool(enum.StrEnum):
-    """Where the metrics go (qadence's ExperimentTrackingTool values, and CSV)."""
-
-    TENSORBOARD = "tensorboard"  # the default
-    MLFLOW = "mlflow"
-    WANDB = "wandb"  # Weights & Biases
-    CSV = "csv"  # needs nothing
 
 
 class Axis(enum.StrEnum):
@@ -154,14 +146,14 @@ def make_tracker(tool: TrackingTool | str) -> Tracker:
     }[kind]()
 
 
-def _optional(module: str, extra: str, package: str) -> Any:
-    """``module``, imported; an ImportError naming the extra that installs it when it is missing."""
+def _optional(tool: TrackingTool) -> Any:
+    """The module ``tool`` needs, imported; an ImportError naming the package and extra that install it."""
     try:
-        return importlib.import_module(module)
+        return importlib.import_module(str(tool.module))
     except ImportError as exc:
         raise ImportError(
-            f"tracking to {extra} needs the {package} package: pip install {package} (from qaccel's "
-            f"checkout: pip install -e '.[{extra}]'); or track to csv, which needs nothing"
+            f"tracking to {tool} needs the {tool.package} package: pip install {tool.package} (from qaccel's "
+            f"checkout: pip install -e '.[{tool}]'); or track to csv, which needs nothing"
         ) from exc
 
 
@@ -306,7 +298,7 @@ class TensorBoardTracker(_Opened):
     def open(
         self, folder: Path, run_name: str, resume: dict[str, Any] | None, start_step: int, start_batch: int = 0
     ) -> None:
-        _optional("tensorboard", "tensorboard", "tensorboard")
+        _optional(TrackingTool.TENSORBOARD)
         self._folder, self._start_batch = Path(folder), start_batch
         self._files[Axis.EPOCH] = _EventFile(self._folder, start_step)
         if (self._folder / "batches").is_dir():
@@ -456,7 +448,7 @@ class MlflowTracker(_Opened):
     def open(
         self, folder: Path, run_name: str, resume: dict[str, Any] | None, start_step: int, start_batch: int = 0
     ) -> None:
-        _optional("mlflow", "mlflow", "mlflow-skinny")
+        _optional(TrackingTool.MLFLOW)
         from mlflow.tracking import MlflowClient
 
         folder = Path(folder)
@@ -644,7 +636,7 @@ class WandbTracker(_Opened):
     def open(
         self, folder: Path, run_name: str, resume: dict[str, Any] | None, start_step: int, start_batch: int = 0
     ) -> None:
-        wandb = _optional("wandb", "wandb", "wandb")
+        wandb = _optional(TrackingTool.WANDB)
         kwargs = {"project": self._project, **self._init_kwargs}
         if self._own_dir and "dir" not in kwargs and not os.environ.get("WANDB_DIR"):
             Path(folder).mkdir(parents=True, exist_ok=True)

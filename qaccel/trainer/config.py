@@ -22,7 +22,7 @@ import torch
 
 from qaccel import options
 from qaccel.environment import detect
-from qaccel.train.tracking import TrackingTool
+from qaccel.options import TrackingTool
 from qaccel.trainer.callbacks import Callback
 
 
