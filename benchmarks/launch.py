@@ -16,12 +16,12 @@ timed after a bare first one and a DDP second one, whose latency is printed on i
 same world forked by hand from that process (torch loaded, a gloo group, the same work), the baseline its target
 compares with. qaccel's own import is compared with ``import torch``, both timed in the same run.
 
-The seed's script is timed apart, the way its users write it: the model, its optimizer and the data built with
+The set-up-first script, as many users write one, is timed apart: the model, its optimizer and the data built with
 torch ops in the caller first (their OpenMP pool runs), passed to the function, which prepares them, takes a step
 and reaches a barrier (call -> first step), then STEPS more steps. Spawn, the same workers forked by hand (the
 floor of any launcher: the ranks inherit all the caller built and imported) and Accelerate's notebook_launcher get
-the same caller and function. qaccel makes its ``Accelerator()`` right before ``distribute()`` (the seed's order,
-timed from the Accelerator) or at the top of the script. A second shape makes the optimizer in the function, so
+the same caller and function. qaccel makes its ``Accelerator()`` last, right before ``distribute()`` (timed from
+the Accelerator), or at the top of the script. A second shape makes the optimizer in the function, so
 that the caller never imports torch._dynamo and the ranks need it. The same two shapes run in a Jupyter kernel
 as an import cell, a set-up cell and a launch cell, back to back ("Run All") and, for qaccel, with the launch
 KERNEL_PAUSE_S after the import cell. No OMP_NUM_THREADS is set unless you export it (the first line says).
@@ -58,12 +58,14 @@ LATER_LAUNCHES = 10
 LATER_VS_FORK = 2.0  # a later launch against the same world forked by hand (as tight as the 0.1 s it replaces)
 IMPORT_VS_TORCH = 0.1  # qaccel's own import (torch already imported) against import torch
 CHILD_TIMEOUT_S = 180
-SEED_SAMPLES = 1 << 16  # the seed's data set, built in the caller
+SEED_SAMPLES = 1 << 16  # the set-up-first script's data set, built in the caller
 VS_ACCELERATE = 0.5  # a first launch against Accelerate's notebook_launcher (fork), same caller, same work
 KERNEL_PAUSE_S = 2  # a person's pause between a notebook's import cell and its launch cell
 KINDS = ("bare", "ddp")
-SEED_KINDS = ("seed", "seed_fn")  # the seed's script: its optimizer made by the caller, or in the function
-SHAPES = {"seed": "seed's script", "seed_fn": "seed's script, optimizer made in the function"}
+# the set-up-first script (model, optimizer and data built in the caller first, Accelerator() last), by kind:
+# "seed" makes its optimizer in the caller, "seed_fn" in the function
+SEED_KINDS = ("seed", "seed_fn")
+SHAPES = {"seed": "set-up-first script", "seed_fn": "set-up-first script, optimizer made in the function"}
 # Same work as `import qaccel` (qaccel imports torch first), and also prints qaccel's own share on top of torch.
 IMPORT_QACCEL = "import time, torch; t = time.perf_counter(); import qaccel; print(time.perf_counter() - t)"
 
@@ -104,9 +106,9 @@ def _train(model, optimizer, x, y, barrier) -> tuple[float, float]:
 
 
 def _seed_setup(kind: str):
-    """The caller's own set-up in the seed's script: the model, its optimizer (kind "seed"; "seed_fn": the function
-    makes it) and the data built with torch ops (their pools run, several threads each) before any launcher is
-    called. Building an optimizer imports torch._dynamo: with "seed" the caller has it, with "seed_fn" not."""
+    """The caller's own set-up in the set-up-first script: the model, its optimizer (kind "seed"; "seed_fn": the
+    function makes it) and the data built with torch ops (their pools run, several threads each) before any launcher
+    is called. Building an optimizer imports torch._dynamo: with "seed" the caller has it, with "seed_fn" not."""
     import torch
 
     model = mlp(32, 256)
@@ -119,8 +121,8 @@ def _seed_setup(kind: str):
 
 
 def _seed_work(model, optimizer, x, y, prepare, barrier) -> tuple[float, float]:
-    """The seed's training function: prepare what the caller built (and an optimizer, if it made none), one step,
-    barrier; then STEPS more steps."""
+    """The set-up-first script's training function: prepare what the caller built (and an optimizer, if it made
+    none), one step, barrier; then STEPS more steps."""
     import torch
 
     if optimizer is None:
@@ -148,8 +150,8 @@ def _collect(out_dir: str, world: int, t_call: float) -> dict:
 
 
 def _baseline_worker(rank: int, world: int, kind: str, port: int, out_dir: str, built: tuple | None = None) -> None:
-    """One rank of the hand-written baseline: gloo group over TCP, DDP by hand; ``built``: the seed's model,
-    optimizer and data, from the caller."""
+    """One rank of the hand-written baseline: gloo group over TCP, DDP by hand; ``built``: the set-up-first script's
+    model, optimizer and data, from the caller."""
     import torch
     import torch.distributed as dist
 
@@ -157,7 +159,7 @@ def _baseline_worker(rank: int, world: int, kind: str, port: int, out_dir: str, 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
     def prepare(model, optimizer=None):
-        if optimizer is None:  # one object, as the seed's function passes it when it makes the optimizer
+        if optimizer is None:  # one object, as the set-up-first function passes it when it makes the optimizer
             return (
                 model if isinstance(model, torch.optim.Optimizer) else torch.nn.parallel.DistributedDataParallel(model)
             )
@@ -177,7 +179,7 @@ def _free_port() -> int:
 
 def child_baseline(world: int, kind: str, method: str = "spawn") -> dict:
     """What a user writes by hand: mp.spawn the workers; ``method`` "fork": fork them, the floor of any launcher
-    in the seed's script (the ranks inherit the caller's model, data and imports)."""
+    in the set-up-first script (the ranks inherit the caller's model, data and imports)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="bench-baseline-") as out_dir:
@@ -252,7 +254,7 @@ def child_qaccel(world: int, kind: str, threaded: int = 0, setup: int = 0) -> di
 
 
 def child_qaccel_seed(world: int, kind: str, top: int = 0) -> dict:
-    """qaccel's first launch in the seed's script: the model, optimizer and data built first, then
+    """qaccel's first launch in the set-up-first script: the model, optimizer and data built first, then
     ``Accelerator()`` right before ``distribute()`` (timed from the Accelerator's construction); ``top``: the
     Accelerator made at the top of the script instead, before the same set-up (timed from the call)."""
     from qaccel import Accelerator
@@ -298,7 +300,7 @@ with tempfile.TemporaryDirectory() as out_dir:
 
 
 def child_kernel(world: int, kind: str, runner: str, pause: int = 0) -> dict:
-    """A first launch in a Jupyter kernel, the seed's notebook: an import cell, a set-up cell (the seed's), then
+    """A first launch in a Jupyter kernel, the set-up-first script as a notebook: an import cell, a set-up cell, then
     the launch cell, timed from the call; run back to back ("Run All"), or ``pause`` seconds after the import cell
     (a person running the cells)."""
     import textwrap
@@ -442,18 +444,19 @@ def _runners(with_accelerate: bool) -> list[tuple[str, tuple]]:
 
 
 def _seed_runners(with_accelerate: bool) -> list[tuple[str, tuple]]:
-    """(label, child arguments after world and kind) of each runner timed in the seed's script shape."""
+    """(label, child arguments after world and kind) of each runner timed in the set-up-first script's shape."""
     runners = [
         ("spawn", ("baseline",)),
         ("forked by hand", ("baseline", "fork")),
-        ("qaccel, seed's order", ("qaccel_seed",)),
+        ("qaccel, Accelerator last", ("qaccel_seed",)),
         ("qaccel, Accelerator at the top", ("qaccel_seed", 1)),
     ]
     return runners + ([("accelerate", ("accelerate",))] if with_accelerate else [])
 
 
 def _kernel_runners(with_accelerate: bool, with_kernel: bool) -> list[tuple[str, tuple]]:
-    """(label, child arguments after world and kind) of each runner timed in a Jupyter kernel (the seed's shapes)."""
+    """(label, child arguments after world and kind) of each runner timed in a Jupyter kernel (the set-up-first
+    script's shapes)."""
     if not with_kernel:
         return []
     runners = [
@@ -524,7 +527,7 @@ def report_world(world: int, data: dict, with_accelerate: bool, with_kernel: boo
 
     targets = []
     for kind in SEED_KINDS:
-        for label in ("qaccel, seed's order", "qaccel, Accelerator at the top"):
+        for label in ("qaccel, Accelerator last", "qaccel, Accelerator at the top"):
             targets += _seed_targets(world, kind, label, med, with_accelerate)
     for kind in SEED_KINDS if with_accelerate else ():
         fork, theirs = med("forked by hand", kind), med("accelerate", kind)
@@ -637,7 +640,7 @@ def report_world(world: int, data: dict, with_accelerate: bool, with_kernel: boo
 
 
 def _seed_targets(world: int, kind: str, label: str, med, with_accelerate: bool) -> list[tuple[bool | None, str]]:
-    """The seed's script (its ``kind``), qaccel run as ``label``: first launch against Accelerate's and spawn's,
+    """The set-up-first script (its ``kind``), qaccel run as ``label``: first launch against Accelerate's and spawn's,
     and its steps against spawn's ranks'."""
     ours, spawn = med(label, kind), med("spawn", kind)
     name = f"world {world}, {SHAPES[kind]}, {label}"

@@ -643,7 +643,7 @@ class Accelerator:
         distribute() call this runs in. Call it on every rank, after prepare() and register_for_checkpointing(),
         before the loop; iterate ``range(loader.epoch, epochs)``.
         """
-        self._inside_ranks("resume()")
+        self._inside_ranks("resume()", "the ranks would neither load its checkpoint nor stop together on a signal")
         keep = _keep(keep)
         if directory is None:
             if self._config.project_dir is None:
@@ -769,18 +769,19 @@ class Accelerator:
         ``device_placement``: one bool per object (None: the option), as Accelerate's.
         """
         places = options.placements(device_placement, len(objs))
-        self._inside_ranks("prepare()")
+        self._inside_ranks("prepare()", "every rank would get rank 0's shard")
         ctx = self._live()
         registry = self._registry()
         out = tuple(prepare.prepare_one(obj, ctx, self._config, registry, place) for obj, place in zip(objs, places))
         return out[0] if len(out) == 1 else out
 
-    def _inside_ranks(self, what: str) -> None:
-        """Raise if called in the caller of a launch that starts ranks: it would act for rank 0 only."""
+    def _inside_ranks(self, what: str, why: str) -> None:
+        """Raise if ``what`` (the method called) runs in the caller of a launch that starts ranks: it would act for
+        rank 0 only (``why``: what would go wrong)."""
         if session.current() is None and self._where().starts_ranks:
             raise RuntimeError(
                 f"{what} must run inside the function you distribute: here, in the caller, it would act for rank 0 "
-                "only (prepare() would give every rank rank 0's shard)"
+                f"only ({why})"
             )
 
     # ---- the training step ----
@@ -945,9 +946,7 @@ def _end_stop(registry: Registry, finished: bool) -> None:
 
 
 def _keep(keep: int | None) -> int | None:
-    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-        raise ValueError(f"keep must be a positive int (checkpoints to keep) or None (keep all); got {keep!r}")
-    return keep
+    return None if keep is None else options.count("keep", keep, 1, "checkpoints to keep; None keeps all")
 
 
 def _warn_world_mismatch(nprocs: int, env: Environment) -> None:
@@ -959,5 +958,4 @@ def _warn_world_mismatch(nprocs: int, env: Environment) -> None:
 
 
 def _check_rank(name: str, index: Any) -> None:
-    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-        raise ValueError(f"{name} must be a rank (an int >= 0); got {index!r}")
+    options.count(name, index, 0, "a rank")

@@ -3,7 +3,8 @@ nav, a docstring that does not render, or an option table qaccel cannot give fai
 works. Every python block is one of three kinds:
 
 - a complete script (it has ``if __name__ == "__main__":``): it runs with ``python`` and exits 0;
-- a fragment, marked by the line ``<!-- fragment -->`` right before its fence: it compiles;
+- a fragment, marked by the line ``<!-- fragment -->`` right before its fence: it compiles (so does the call the
+  Options page's generated table opens with, right after the line ``<!-- options-table -->``);
 - a file of the repository shown with ``--8<-- "path"``: its own tests run it.
 
 A block that is none of these fails. In every block, the names of qaccel it uses must exist: attributes of an
@@ -40,6 +41,8 @@ MAIN_GUARD = 'if __name__ == "__main__":'
 FENCE = re.compile(r"^(?P<indent>[ \t]*)```python[^\n]*\n(?P<code>.*?)^(?P=indent)```[ \t]*$", re.DOTALL | re.MULTILINE)
 DOCS_PACKAGES = ("mkdocs", "mkdocs-material", "mkdocstrings", "mkdocstrings-python")
 FRAGMENT = "<!-- fragment -->"  # the line right before a block's fence that marks it as a fragment
+OPTIONS_TABLE = "<!-- options-table -->"  # docs/hooks.py's marker: the generated table follows, opening with a call
+OPTIONS_TABLE_END = "<!-- end options-table -->"
 INCLUDE = "--8<--"  # pymdownx.snippets: the block shows a file of the repository
 ACCELERATOR_NAMES = ("acc", "accelerator", "Accelerator")  # how the pages name an Accelerator (or its class)
 ACCELERATE_ARGUMENTS = ("cpu", "dataloader_config", "gradient_accumulation_plugin")  # Accelerator(**...) takes them
@@ -53,7 +56,8 @@ def _blocks() -> list[tuple[str, str, bool]]:
         for match in FENCE.finditer(text):
             line = text.count("\n", 0, match.start()) + 1
             before = text[: match.start()].rstrip("\n").rpartition("\n")[2].strip()
-            found.append((f"{page.relative_to(DOCS)}:{line}", textwrap.dedent(match.group("code")), before == FRAGMENT))
+            fragment = before in (FRAGMENT, OPTIONS_TABLE)
+            found.append((f"{page.relative_to(DOCS)}:{line}", textwrap.dedent(match.group("code")), fragment))
     return found
 
 
@@ -164,6 +168,21 @@ def test_the_site_builds_strictly(tmp_path):
     assert "<!-- options-table -->" not in options and options.count("<tr>") > 10  # the generated table
     api = (site / "api" / "index.html").read_text()
     assert 'id="qaccel.Accelerator.prepare"' in api and 'id="qaccel.environment.detect"' in api
+
+
+def test_the_options_page_holds_the_table_qaccel_generates():
+    """docs/options.md reads whole on GitHub: the table is in the file, and it is the one qaccel gives today."""
+    from qaccel.options import option_table
+
+    page = (DOCS / "options.md").read_text()
+    assert page.count(OPTIONS_TABLE) == 1 and page.count(OPTIONS_TABLE_END) == 1, (
+        f"docs/options.md must hold the lines {OPTIONS_TABLE} and {OPTIONS_TABLE_END} once each, the table between"
+    )
+    written = page.split(OPTIONS_TABLE + "\n", 1)[1].split(OPTIONS_TABLE_END, 1)[0]
+    assert written == option_table().strip() + "\n", (
+        "the option table in docs/options.md is not qaccel.options.option_table()'s: "
+        "write it again with `python docs/hooks.py`"
+    )
 
 
 def test_the_getting_started_quick_start_is_the_readmes():

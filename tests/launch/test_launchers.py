@@ -55,8 +55,13 @@ def test_an_accelerator_chooses_once_and_again_in_the_process_that_unpickles_it(
     assert inside == ["InPlace", "InPlace"], "in a rank, fn runs in place (a nested distribute())"
 
 
-def test_prepare_in_the_caller_of_a_plain_launch_is_refused(acc):
-    with pytest.raises(RuntimeError, match=r"prepare\(\) must run inside the function you distribute"):
+def test_prepare_and_resume_in_the_caller_of_a_plain_launch_are_refused_naming_the_method_called(acc, tmp_path):
+    with pytest.raises(RuntimeError, match=r"^prepare\(\) must run inside the function you distribute") as refused:
         acc.prepare(object())
+    assert "every rank would get rank 0's shard" in str(refused.value)
+    with pytest.raises(RuntimeError, match=r"^resume\(\) must run inside the function you distribute") as refused:
+        acc.resume(tmp_path)
+    assert "prepare()" not in str(refused.value) and "load its checkpoint" in str(refused.value)
+    assert not any(tmp_path.iterdir()), "refused before it touched the folder"
     assert detect().kind == "plain"
     assert not Accelerator(compute_setup="cpu")._where().starts_ranks
