@@ -123,7 +123,7 @@ class Accelerator:
         nprocs, max_restarts, rank_prefix = chosen["nprocs"], chosen["max_restarts"], chosen["rank_prefix"]
         self._own_registry: Registry | None = None
         self._launcher: Launcher | None = launchers.choose(self._config, env, _HAND_BACK)
-        if env.kind.started_by_launcher and nprocs > 1 and nprocs != env.world_size and env.rank == 0:
+        if env.kind.started_by_launcher and nprocs > 1 and nprocs != env.world(nprocs).size and env.rank == 0:
             _warn_world_mismatch(nprocs, env)  # once per job, not once per rank
         if env.kind.started_by_launcher and max_restarts and env.rank == 0:
             warnings.warn(
@@ -147,6 +147,13 @@ class Accelerator:
         if self._launcher is None:
             self._launcher = launchers.choose(self._config, detect(), _HAND_BACK)
         return self._launcher
+
+    @property
+    def starts_ranks(self) -> bool:
+        """Whether ``distribute()`` called here starts (or submits) the ranks: a plain process with ``nprocs`` > 1 or
+        a ``cluster``, inside no rank. False where the ranks exist already (torchrun, srun, ..., a rank) and with
+        one rank: fn then runs in place, in this process."""
+        return self._where().starts_ranks
 
     def _ctx(self) -> session.RankContext:
         return session.current() or self._where().planned()
@@ -778,7 +785,7 @@ class Accelerator:
     def _inside_ranks(self, what: str, why: str) -> None:
         """Raise if ``what`` (the method called) runs in the caller of a launch that starts ranks: it would act for
         rank 0 only (``why``: what would go wrong)."""
-        if session.current() is None and self._where().starts_ranks:
+        if session.current() is None and self.starts_ranks:
             raise RuntimeError(
                 f"{what} must run inside the function you distribute: here, in the caller, it would act for rank 0 "
                 f"only ({why})"

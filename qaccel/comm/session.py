@@ -210,10 +210,7 @@ def explain_timeout(exc: BaseException) -> None:
 
 def plan(config: Config, env: Environment) -> RankContext:
     """The rank this process is (or, in a plain caller, rank 0 of the world it would launch)."""
-    if env.is_launched:
-        world, local_world = env.world_size, env.local_world_size
-    else:
-        world = local_world = config.nprocs
+    world, local_world = env.world(config.nprocs)
     return rank_context(config, env.rank, env.local_rank, env.node_rank, world, local_world)
 
 

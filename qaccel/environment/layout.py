@@ -10,6 +10,7 @@ import socket
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 class Kind(enum.StrEnum):
@@ -52,6 +53,13 @@ class Kind(enum.StrEnum):
         return self in (Kind.SLURM, Kind.MPI, Kind.LSF, Kind.ENV)
 
 
+class World(NamedTuple):
+    """How many ranks the world has, and how many of them run on this node."""
+
+    size: int
+    local_size: int
+
+
 @dataclass(frozen=True)
 class Environment:
     """The rank layout this process finds itself in."""
@@ -71,6 +79,14 @@ class Environment:
     def is_launched(self) -> bool:
         """True when the ranks already exist, so work must run in place rather than spawn."""
         return not self.kind.creates_processes
+
+    def world(self, nprocs: int) -> World:
+        """The world this process's ranks make: the launcher's, when a launcher made them (it wins over ``nprocs``),
+        else the ``nprocs`` ranks a plain launch starts on this node. The one place that decides it: the options'
+        GPU check, the session's plan and the Accelerator's warning ask here."""
+        if self.is_launched:
+            return World(self.world_size, self.local_world_size)
+        return World(nprocs, nprocs)
 
 
 def node_name() -> str:

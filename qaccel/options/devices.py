@@ -33,11 +33,12 @@ def _device_type(compute_setup: ComputeSetup, env: Environment, nprocs: int, ask
                 f"{gpus.visible_devices()}); use 'auto' or 'cpu'"
             )
         return DeviceType.CPU
+    local_world = env.world(nprocs).local_size
     if env.is_launched:
-        gpus.choose(env.local_rank, env.local_world_size, visible, gpus.node_gpus())
-    elif nprocs > visible:  # a plain launch's ranks all see the GPUs this process sees
+        gpus.choose(env.local_rank, local_world, visible, gpus.node_gpus())
+    elif local_world > visible:  # a plain launch's ranks all see the GPUs this process sees
         raise RuntimeError(
-            f"{nprocs} GPU ranks on this node but only {visible} visible GPU(s) "
+            f"{local_world} GPU ranks on this node but only {visible} visible GPU(s) "
             f"({gpus.visible_devices()}); lower nprocs or use compute_setup='cpu'"
         )
     return DeviceType.CUDA

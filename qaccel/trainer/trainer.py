@@ -26,7 +26,6 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from qaccel.accelerator import Accelerator
-from qaccel.environment import detect
 from qaccel.nested import map_leaves
 from qaccel.options import Strategy, count
 from qaccel.train import loaders, sharding
@@ -364,7 +363,7 @@ class Trainer:
                 f"(gradient_accumulation_steps={self.config.gradient_accumulation_steps}) needs "
                 "qaccel's: leave optimize_step out, or set gradient_accumulation_steps=1"
             )
-        launching = detect().kind.creates_processes and self.config.nprocs > 1
+        launching = self.accelerator.starts_ranks
         folder = self._choose_folder() if launching else None  # in place: rank 0 chooses, inside the session
         trained = self.accelerator.distribute(_fit_on_rank)(self, folder)
         if launching:  # the ranks trained copies: give their results to the caller's own objects

@@ -65,3 +65,14 @@ def test_prepare_and_resume_in_the_caller_of_a_plain_launch_are_refused_naming_t
     assert not any(tmp_path.iterdir()), "refused before it touched the folder"
     assert detect().kind == "plain"
     assert not Accelerator(compute_setup="cpu")._where().starts_ranks
+
+
+def test_the_world_is_decided_once_by_the_environment_and_the_facade_says_whether_it_starts_ranks():
+    """The launcher's world wins over nprocs wherever it is asked (the plan, the GPU check, the warning); a plain
+    process's is nprocs, all on this node. acc.starts_ranks is the launcher's answer, which the Trainer asks."""
+    assert TORCHRUN.world(8) == (2, 2) and Environment(kind=Kind.PLAIN).world(3) == (3, 3)
+    assert _choose(TORCHRUN, nprocs=8).planned().world_size == 2
+    assert Accelerator(nprocs=2, compute_setup="cpu").starts_ranks
+    assert not Accelerator(nprocs=1, compute_setup="cpu").starts_ranks
+    acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
+    assert acc.distribute(lambda: acc.starts_ranks, all_results=True)() == [False, False], "a rank runs in place"
