@@ -32,6 +32,8 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, cast
 
+from qaccel.comm.stderr import write_stderr
+
 if TYPE_CHECKING:
     from qaccel.comm.sealed import Sealed
 
@@ -295,15 +297,6 @@ class Watch:
         answers = self.store.gather(list(keys.values()), REPORT_WAIT_S, secret=True)
         wheres = [Where(**json.loads(answers[key])) for key in keys.values() if key in answers]
         return wheres, [r for r, key in keys.items() if key not in answers]
-
-
-def write_stderr(text: str) -> None:
-    """One write, so the lines of ranks sharing a terminal do not mix."""
-    try:
-        sys.stderr.flush()
-        os.write(2, text.encode(errors="replace"))
-    except OSError:
-        pass
 
 
 class _Usr2:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qaccel.comm.hangs import write_stderr
+from qaccel.comm.stderr import write_stderr
 
 KEY_BYTES = 32
 TAG_BYTES = 16
