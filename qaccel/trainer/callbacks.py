@@ -168,7 +168,7 @@ class PlotMetrics(Callback):
     """Log the figures of ``config.plotting_functions`` to the tracker (rank 0)."""
 
     def run_callback(self, trainer: Trainer, config: TrainConfig, tracker: Tracker | None) -> None:
-        trainer._plot()
+        trainer.plot()
 
 
 class LogHyperparameters(Callback):

@@ -431,6 +431,13 @@ class Trainer:
         else:
             self.tracker.log_metrics(values, self.opt_result.iteration)
 
+    def plot(self) -> None:
+        """Log the figures of ``config.plotting_functions`` for the current epoch to the tracker (rank 0; nothing
+        elsewhere): what ``PlotMetrics`` and ``plot_every`` call."""
+        if self.accelerator.is_main_process:
+            model = self.accelerator.unwrap_model(self.model)
+            self._opened_tracker().plot(model, self.opt_result.iteration, self.config.plotting_functions)
+
     def save_checkpoint(self, best: bool = False) -> str:
         """Save a checkpoint in the run's folder (every rank): numbered, or the ``best`` one."""
         if self.log_folder is None:
@@ -605,7 +612,7 @@ class Trainer:
         if metrics and config.write_every and iteration % config.write_every:
             self.write_metrics(metrics)
         if config.plot_every and config.plotting_functions and iteration % config.plot_every:
-            self._plot()
+            self.plot()
         self.on_train_end(train_losses, val_losses)
         self._stage(Stage.TRAIN_END)
 
@@ -817,11 +824,6 @@ class Trainer:
                 callback(when, self, self.config, self.tracker)
         finally:
             self._at = None
-
-    def _plot(self) -> None:
-        if self.accelerator.is_main_process:
-            model = self.accelerator.unwrap_model(self.model)
-            self._opened_tracker().plot(model, self.opt_result.iteration, self.config.plotting_functions)
 
     def _epoch_means(self) -> dict[str, float]:
         state = self._state
