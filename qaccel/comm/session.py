@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional
 
 from qaccel.comm import hangs, sealed
-from qaccel.environment import Environment, gpus
+from qaccel.environment import Environment, gpus, usable_cores
 from qaccel.options import Backend, Config, DeviceType
 
 
@@ -260,7 +260,7 @@ def thread_budget(local_world_size: int) -> tuple[int | None, str]:
         return int(chosen), f"OMP_NUM_THREADS={chosen} (yours)"
     if local_world_size < 2:
         return None, "torch's default"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     return max(1, cores // local_world_size), f"{cores} cores // {local_world_size} local ranks"
 
 

@@ -26,6 +26,7 @@ from qaccel.environment.layout import (
     node_name,
     qaccel_run_id,
     rank_variables,
+    usable_cores,
 )
 from qaccel.environment.lsf import LsfJsrun
 from qaccel.environment.mpi import Mpi
@@ -46,6 +47,7 @@ __all__ = [
     "rank_variables",
     "slurm_job_state",
     "slurm_port",
+    "usable_cores",
 ]
 
 

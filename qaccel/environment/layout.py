@@ -89,6 +89,12 @@ class Environment:
         return World(nprocs, nprocs)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity (srun, taskset or a container may bind it to some), else
+    the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def node_name() -> str:
     """This node's name, as SLURM knows it when it can: what errors and reports call the node."""
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()

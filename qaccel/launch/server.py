@@ -72,6 +72,7 @@ from typing import NamedTuple, cast
 
 import torch
 
+from qaccel.environment import usable_cores
 from qaccel.imports import import_quietly
 from qaccel.launch import output
 from qaccel.options import StartMethod
@@ -140,7 +141,7 @@ def serving(start_method: StartMethod, nprocs: int) -> Iterator[None]:
                 and _preloading.pid == server._forkserver_pid
                 and not _preloading.has_all
                 and not _preloading.done()
-                and nprocs <= len(os.sched_getaffinity(0))
+                and nprocs <= usable_cores()
                 and not _importing()
                 and fork_is_safe()
                 and _preloading.dies_with_caller(LEFT_CALLER_WAIT_S)

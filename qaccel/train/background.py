@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from qaccel.comm import collectives, session
 from qaccel.comm.session import RankContext
+from qaccel.environment import usable_cores
 from qaccel.nested import map_leaves
 
 if TYPE_CHECKING:
@@ -120,8 +121,7 @@ class Staging:
         self.staged: list[torch.Tensor | None] = []  # by the tensor's place in the state (each tensor once)
         self.copied: Any = None  # the CUDA event after the last save's copies, None on the CPU
         self._copiers: concurrent.futures.ThreadPoolExecutor | None = None
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        self.threads = min(COPIERS, cores)  # this rank's cores (srun may bind it to some)
+        self.threads = min(COPIERS, usable_cores())
 
     def copy(self, state: Any) -> Any:
         """``state`` with every tensor in staging memory (one tensor met twice is copied once), the rest deep
