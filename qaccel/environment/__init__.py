@@ -3,12 +3,13 @@ launcher that exported torch's env:// variables (a Kubernetes PyTorchJob, the De
 in a live process group.
 
 Launch code asks this first so it can run in place when ranks already exist instead of spawning more. Each
-launcher is one small class that reads its own variables (``LAUNCHERS``, tried in order); a process that merely
-carries some of them (a login shell inside an allocation, a leftover ``RANK``) is taken for no rank.
+launcher has one small detector class that reads its own variables (a ``layout.Detector``; ``DETECTORS``, tried in
+order); a process that merely carries some of them (a login shell inside an allocation, a leftover ``RANK``) is
+taken for no rank.
 
 One module per launcher (``torchrun.py``, ``slurm.py``, ``mpi.py``, ``lsf.py``, ``env_variables.py``) and one for a
-group the user made (``initialized.py``); a new launcher is one class in a new module, a line in ``LAUNCHERS`` and
-a Kind.
+group the user made (``initialized.py``), sharing the readers of ``variables.py``; a new launcher is one class in a
+new module, a line in ``DETECTORS`` and a Kind.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from qaccel.environment.env_variables import EnvVariables
 from qaccel.environment.initialized import InitializedGroup
 from qaccel.environment.layout import (
     STARTED_BY_QACCEL,
+    Detector,
     Environment,
     Kind,
     derived_port,
@@ -34,8 +36,9 @@ from qaccel.environment.slurm import SlurmStep, parse_nodelist, parse_tasks_per_
 from qaccel.environment.torchrun import Torchrun
 
 __all__ = [
-    "LAUNCHERS",
+    "DETECTORS",
     "STARTED_BY_QACCEL",
+    "Detector",
     "Environment",
     "Kind",
     "derived_port",
@@ -52,15 +55,22 @@ __all__ = [
 
 
 def detect(environ: Mapping[str, str] | None = None) -> Environment:
-    """Classify the current process: the first of ``LAUNCHERS`` that finds a rank here, else plain."""
+    """Classify the current process: the first of ``DETECTORS`` that finds a rank here, else plain."""
     env = os.environ if environ is None else environ
-    for launcher in LAUNCHERS:
-        found = launcher.find(env)
+    for detector in DETECTORS:
+        found = detector.find(env)
         if found is not None:
             return found
     return Environment(kind=Kind.PLAIN)
 
 
-LAUNCHERS = (InitializedGroup(), Torchrun(), SlurmStep(), Mpi(), LsfJsrun(), EnvVariables())
+DETECTORS: tuple[Detector, ...] = (
+    InitializedGroup(),
+    Torchrun(),
+    SlurmStep(),
+    Mpi(),
+    LsfJsrun(),
+    EnvVariables(),
+)
 """Tried in this order: a live group wins over every launcher; the launchers' own variables over the env://
 ones that srun tasks and qaccel's ranks are given too."""

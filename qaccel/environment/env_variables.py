@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from qaccel.environment.layout import STARTED_BY_QACCEL, Environment, Kind, _ceil_div, _first_int, _int
+from qaccel.environment.layout import STARTED_BY_QACCEL, Environment, Kind
+from qaccel.environment.variables import ceil_div, first_int, int_of
 
 
 class EnvVariables:
@@ -22,21 +23,21 @@ class EnvVariables:
     def find(self, env: Mapping[str, str]) -> Environment | None:
         if not all(env.get(name) for name in self.NEEDED) or STARTED_BY_QACCEL in env:
             return None
-        world_size = _int(env, "WORLD_SIZE", 1)
+        world_size = int_of(env, "WORLD_SIZE", 1)
         if world_size <= 1:
             return None
-        rank = _int(env, "RANK", 0)
-        local_world_size = _first_int(env, ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")) or 1
-        node_rank = _first_int(env, ("GROUP_RANK", "NODE_RANK"))
+        rank = int_of(env, "RANK", 0)
+        local_world_size = first_int(env, ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")) or 1
+        node_rank = first_int(env, ("GROUP_RANK", "NODE_RANK"))
         node_rank = rank // local_world_size if node_rank is None else node_rank
         return Environment(
             kind=self.kind,
             rank=rank,
-            local_rank=_int(env, "LOCAL_RANK", rank % local_world_size),
+            local_rank=int_of(env, "LOCAL_RANK", rank % local_world_size),
             node_rank=node_rank,
             world_size=world_size,
             local_world_size=local_world_size,
-            num_nodes=_ceil_div(world_size, local_world_size),
+            num_nodes=ceil_div(world_size, local_world_size),
             master_addr=env["MASTER_ADDR"],
-            master_port=_int(env, "MASTER_PORT", 0),
+            master_port=int_of(env, "MASTER_PORT", 0),
         )

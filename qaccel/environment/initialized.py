@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping
 
-from qaccel.environment.layout import Environment, Kind, _launcher_layout
+from qaccel.environment.layout import Environment, Kind
+from qaccel.environment.variables import launcher_layout
 
 
 class InitializedGroup:
@@ -20,4 +21,4 @@ class InitializedGroup:
 
         if not (dist.is_available() and dist.is_initialized()):
             return None
-        return _launcher_layout(env, self.kind, dist.get_rank(), dist.get_world_size())
+        return launcher_layout(env, self.kind, dist.get_rank(), dist.get_world_size())

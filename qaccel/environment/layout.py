@@ -1,6 +1,5 @@
-"""The layout a launcher gives a rank (Environment), how it came to run (Kind), and the readers of variables
-the launcher classes share.
-"""
+"""The layout a launcher gives a rank (Environment), how it came to run (Kind), and what every launcher's detector
+answers to (Detector)."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import socket
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 
 class Kind(enum.StrEnum):
@@ -138,48 +137,11 @@ def derived_port(job: str) -> int:
     return 20000 + zlib.crc32(job.encode()) % 10000
 
 
-def _launcher_layout(env: Mapping[str, str], kind: Kind, rank: int, world_size: int) -> Environment:
-    """The layout torchrun-style variables describe around a known rank and world (one node when silent)."""
-    local_world_size = _int(env, "LOCAL_WORLD_SIZE", world_size)
-    node_key = "GROUP_RANK" if "GROUP_RANK" in env else "NODE_RANK"
-    return Environment(
-        kind=kind,
-        rank=rank,
-        local_rank=_int(env, "LOCAL_RANK", rank),
-        node_rank=_int(env, node_key, 0),
-        world_size=world_size,
-        local_world_size=local_world_size,
-        num_nodes=_ceil_div(world_size, local_world_size),
-        master_addr=env.get("MASTER_ADDR"),
-        master_port=_optional_int(env, "MASTER_PORT"),
-        address_from=f"MASTER_ADDR, which {kind} set",
-    )
+class Detector(Protocol):
+    """Finds the ranks one launcher made (torchrun, srun, mpirun, ...) in a process's variables: one class per
+    launcher, in a module of its own, tried in the order of ``environment.DETECTORS``. A process that merely carries
+    some of the variables (a login shell inside an allocation, a leftover ``RANK``) is no rank: ``find`` says None."""
 
+    kind: Kind
 
-def _int(env: Mapping[str, str], name: str, default: int) -> int:
-    """An integer variable, or the default when unset; garbage is an error, not a silent default."""
-    value = _optional_int(env, name)
-    return default if value is None else value
-
-
-def _optional_int(env: Mapping[str, str], name: str) -> int | None:
-    if name not in env:
-        return None
-    raw = env[name]
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
-
-
-def _first_int(env: Mapping[str, str], names: tuple[str, ...]) -> int | None:
-    return next((_optional_int(env, n) for n in names if n in env), None)
-
-
-def _first(env: Mapping[str, str], names: tuple[str, ...]) -> str | None:
-    return next((env[n] for n in names if n in env), None)
-
-
-def _ceil_div(numerator: int, denominator: int) -> int:
-    """Node count from totals, never below one, and safe against a zero denominator."""
-    return max(1, -(-numerator // max(denominator, 1)))
+    def find(self, env: Mapping[str, str]) -> Environment | None: ...

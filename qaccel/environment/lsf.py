@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from qaccel.environment.layout import Environment, Kind, _ceil_div, _int, _optional_int, derived_port
+from qaccel.environment.layout import Environment, Kind, derived_port
+from qaccel.environment.variables import ceil_div, int_of, optional_int
 
 
 class LsfJsrun:
@@ -17,15 +18,15 @@ class LsfJsrun:
     def find(self, env: Mapping[str, str]) -> Environment | None:
         if "JSM_NAMESPACE_RANK" not in env or "JSM_NAMESPACE_SIZE" not in env:
             return None
-        world_size = _int(env, "JSM_NAMESPACE_SIZE", 1)
+        world_size = int_of(env, "JSM_NAMESPACE_SIZE", 1)
         if world_size <= 1:
             return None
-        rank = _int(env, "JSM_NAMESPACE_RANK", 0)
-        local_world_size = _int(env, "JSM_NAMESPACE_LOCAL_SIZE", world_size)
+        rank = int_of(env, "JSM_NAMESPACE_RANK", 0)
+        local_world_size = int_of(env, "JSM_NAMESPACE_LOCAL_SIZE", world_size)
         hosts = env.get("LSB_MCPU_HOSTS", "").split()[::2]  # "launch 1 host1 4 host2 4": names, then counts
         master_addr = env.get("MASTER_ADDR") or (hosts[1] if len(hosts) > 1 else hosts[0] if hosts else None)
         job = env.get("LSB_JOBID")
-        master_port = _optional_int(env, "MASTER_PORT") or (derived_port(job) if job else None)
+        master_port = optional_int(env, "MASTER_PORT") or (derived_port(job) if job else None)
         if master_addr is None or master_port is None:
             raise ValueError(
                 "a jsrun rank needs LSB_MCPU_HOSTS and LSB_JOBID (set by LSF) or MASTER_ADDR and "
@@ -34,11 +35,11 @@ class LsfJsrun:
         return Environment(
             kind=self.kind,
             rank=rank,
-            local_rank=_int(env, "JSM_NAMESPACE_LOCAL_RANK", rank),
+            local_rank=int_of(env, "JSM_NAMESPACE_LOCAL_RANK", rank),
             node_rank=rank // max(local_world_size, 1),
             world_size=world_size,
             local_world_size=local_world_size,
-            num_nodes=_ceil_div(world_size, local_world_size),
+            num_nodes=ceil_div(world_size, local_world_size),
             master_addr=master_addr,
             master_port=master_port,
             address_from="MASTER_ADDR" if env.get("MASTER_ADDR") else "LSB_MCPU_HOSTS",

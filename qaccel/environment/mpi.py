@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from qaccel.environment.layout import Environment, Kind, _ceil_div, _first, _int, _optional_int, derived_port
+from qaccel.environment.layout import Environment, Kind, derived_port
+from qaccel.environment.variables import ceil_div, first, int_of, optional_int
 
 
 class Mpi:
@@ -36,13 +37,13 @@ class Mpi:
         if family is None:
             return None
         rank_key, size_key, local_rank_key, local_size_key = family
-        world_size = _int(env, size_key, 1)
+        world_size = int_of(env, size_key, 1)
         if world_size <= 1:
             return None
-        rank = _int(env, rank_key, 0)
-        local_rank, local_world_size = _int(env, local_rank_key, rank), _int(env, local_size_key, world_size)
-        num_nodes = _ceil_div(world_size, local_world_size)
-        told = _optional_int(env, self.NODES)
+        rank = int_of(env, rank_key, 0)
+        local_rank, local_world_size = int_of(env, local_rank_key, rank), int_of(env, local_size_key, world_size)
+        num_nodes = ceil_div(world_size, local_world_size)
+        told = optional_int(env, self.NODES)
         if local_rank != rank % local_world_size or world_size % local_world_size or told not in (None, num_nodes):
             raise ValueError(
                 f"mpirun placed rank {rank} of {world_size} as local rank {local_rank} of {local_world_size} "
@@ -58,9 +59,9 @@ class Mpi:
                 "needs the rendezvous address of rank 0's node: pass MASTER_ADDR (and MASTER_PORT) to "
                 "every rank, e.g. mpirun -x MASTER_ADDR=<rank 0's host> -x MASTER_PORT=29500"
             )
-        master_port = _optional_int(env, "MASTER_PORT")
+        master_port = optional_int(env, "MASTER_PORT")
         if master_port is None:
-            job = _first(env, self.JOB_IDS)
+            job = first(env, self.JOB_IDS)
             if job is None and num_nodes > 1:
                 raise ValueError(
                     f"an MPI job on {num_nodes} nodes needs MASTER_PORT: mpirun -x MASTER_PORT=<a free "

@@ -7,7 +7,8 @@ import re
 import subprocess
 from collections.abc import Mapping
 
-from qaccel.environment.layout import Environment, Kind, _ceil_div, _first, _first_int, _int, _optional_int
+from qaccel.environment.layout import Environment, Kind
+from qaccel.environment.variables import ceil_div, first, first_int, int_of, optional_int
 
 
 class SlurmStep:
@@ -24,12 +25,12 @@ def _slurm(env: Mapping[str, str]) -> Environment | None:
     if "SLURM_PROCID" not in env or "SLURM_STEP_ID" not in env:
         return None
     count_key = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
-    world_size = _int(env, count_key, 1)
+    world_size = int_of(env, count_key, 1)
     if world_size <= 1:
         return None
 
-    node_rank = _int(env, "SLURM_NODEID", 0)
-    num_nodes = _first_int(env, ("SLURM_STEP_NUM_NODES", "SLURM_NNODES"))
+    node_rank = int_of(env, "SLURM_NODEID", 0)
+    num_nodes = first_int(env, ("SLURM_STEP_NUM_NODES", "SLURM_NNODES"))
     master_addr, address_from = env.get("MASTER_ADDR"), "MASTER_ADDR"
     if num_nodes is None or master_addr is None:
         hosts = _nodelist(env)
@@ -37,15 +38,15 @@ def _slurm(env: Mapping[str, str]) -> Environment | None:
         if master_addr is None:
             master_addr = next(iter(hosts), None)
             address_from = f"the first node of {_nodelist_key(env)}"
-    master_port = _optional_int(env, "MASTER_PORT")
-    job_id = _first(env, ("SLURM_JOB_ID", "SLURM_JOBID"))
+    master_port = optional_int(env, "MASTER_PORT")
+    job_id = first(env, ("SLURM_JOB_ID", "SLURM_JOBID"))
     if master_port is None and job_id is not None:
         master_port = slurm_port(job_id)
 
     return Environment(
         kind=Kind.SLURM,
-        rank=_int(env, "SLURM_PROCID", 0),
-        local_rank=_int(env, "SLURM_LOCALID", 0),
+        rank=int_of(env, "SLURM_PROCID", 0),
+        local_rank=int_of(env, "SLURM_LOCALID", 0),
         node_rank=node_rank,
         world_size=world_size,
         local_world_size=_slurm_local_world_size(env, node_rank, world_size, num_nodes),
@@ -66,7 +67,7 @@ def _slurm_local_world_size(env: Mapping[str, str], node_rank: int, world_size: 
             raise ValueError(f"{key}={env[key]!r}: {err}") from None
         if 0 <= node_rank < len(per_node):
             return per_node[node_rank]
-    return _ceil_div(world_size, num_nodes)
+    return ceil_div(world_size, num_nodes)
 
 
 def _nodelist(env: Mapping[str, str]) -> list[str]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from qaccel.environment.layout import STARTED_BY_QACCEL, Environment, Kind, _int, _launcher_layout, qaccel_run_id
+from qaccel.environment.layout import STARTED_BY_QACCEL, Environment, Kind, qaccel_run_id
+from qaccel.environment.variables import int_of, launcher_layout
 
 
 class Torchrun:
@@ -16,4 +17,4 @@ class Torchrun:
         run_id = env.get("TORCHELASTIC_RUN_ID")
         if run_id is None or (STARTED_BY_QACCEL in env and run_id.startswith(qaccel_run_id(""))):
             return None  # a qaccel rank, or a process it started, looks like a torchrun worker but is none
-        return _launcher_layout(env, self.kind, _int(env, "RANK", 0), _int(env, "WORLD_SIZE", 1))
+        return launcher_layout(env, self.kind, int_of(env, "RANK", 0), int_of(env, "WORLD_SIZE", 1))

@@ -2,9 +2,9 @@
 
 Three launchers answer the same small protocol (protocol.py): a plain launch starts the ranks (caller.PlainLaunch),
 a cluster job submits them to SLURM (cluster.ClusterJob), and everywhere else fn runs in place, as this process's
-rank (under torchrun, srun, mpirun and the other launchers of environment.LAUNCHERS, in a group the user made,
+rank (under torchrun, srun, mpirun and the other launchers environment.DETECTORS finds, in a group the user made,
 inside a rank, or alone: in_place.InPlace). A new way to start ranks is one class in its own module, a line here,
-and its test; a new launcher that starts the ranks itself is only a class in environment.LAUNCHERS.
+and its test; a new launcher that starts the ranks itself is only a detector in environment.DETECTORS.
 """
 
 from __future__ import annotations

@@ -70,8 +70,15 @@ def test_a_single_mpi_process_or_a_stray_variable_is_no_rank():
 
 
 def test_every_launcher_kind_runs_in_place_and_exports_torchruns_variables():
-    from qaccel.environment import LAUNCHERS, Kind
+    from qaccel.environment import DETECTORS, Kind
 
-    assert [launcher.kind for launcher in LAUNCHERS] == ["initialized", "torchrun", "slurm", "mpi", "lsf", "env"]
+    assert [detector.kind for detector in DETECTORS] == [
+        "initialized",
+        "torchrun",
+        "slurm",
+        "mpi",
+        "lsf",
+        "env",
+    ]
     for kind in ("mpi", "lsf", "env"):
         assert Kind(kind).started_by_launcher and Kind(kind).exports_rank_variables and not Kind(kind).creates_processes
