@@ -7,7 +7,7 @@ launcher has one small detector class that reads its own variables (a ``layout.D
 order); a process that merely carries some of them (a login shell inside an allocation, a leftover ``RANK``) is
 taken for no rank.
 
-One module per launcher (``torchrun.py``, ``slurm.py``, ``mpi.py``, ``lsf.py``, ``env_variables.py``) and one for a
+One module per launcher (``torchrun.py``, ``slurm.py``, ``mpi.py``, ``lsf.py``, ``flux.py``, ``env_variables.py``) and one for a
 group the user made (``initialized.py``), sharing the readers of ``variables.py``; a new launcher is one class in a
 new module, a line in ``DETECTORS`` and a Kind.
 """
@@ -18,6 +18,7 @@ import os
 from collections.abc import Mapping
 
 from qaccel.environment.env_variables import EnvVariables
+from qaccel.environment.flux import FluxTasks
 from qaccel.environment.initialized import InitializedGroup
 from qaccel.environment.layout import (
     STARTED_BY_QACCEL,
@@ -70,6 +71,7 @@ DETECTORS: tuple[Detector, ...] = (
     SlurmStep(),
     Mpi(),
     LsfJsrun(),
+    FluxTasks(),
     EnvVariables(),
 )
 """Tried in this order: a live group wins over every launcher; the launchers' own variables over the env://

@@ -28,6 +28,8 @@ class Kind(enum.StrEnum):
     """Each process of mpirun (Open MPI, MPICH, Intel MPI, MVAPICH) is a rank; its layout comes from the MPI's."""
     LSF = "lsf"
     """Each process of LSF's jsrun is a rank; its layout comes from JSM_NAMESPACE_* variables."""
+    FLUX = "flux"
+    """Each task of a Flux job (flux run, flux submit) is a rank; its layout comes from FLUX_TASK_* and FLUX_JOB_*."""
     ENV = "env"
     """A launcher exported torch's env:// variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) without torchrun:
     a Kubernetes PyTorchJob, the DeepSpeed launcher, SageMaker."""
@@ -49,7 +51,7 @@ class Kind(enum.StrEnum):
     def exports_rank_variables(self) -> bool:
         """True when qaccel must export torchrun's variables (RANK, MASTER_ADDR, ...) for torch and user code (all
         of them: a launcher of env:// variables may leave out LOCAL_RANK and the like)."""
-        return self in (Kind.SLURM, Kind.MPI, Kind.LSF, Kind.ENV)
+        return self in (Kind.SLURM, Kind.MPI, Kind.LSF, Kind.FLUX, Kind.ENV)
 
 
 class World(NamedTuple):

@@ -78,7 +78,8 @@ def test_every_launcher_kind_runs_in_place_and_exports_torchruns_variables():
         "slurm",
         "mpi",
         "lsf",
+        "flux",
         "env",
     ]
-    for kind in ("mpi", "lsf", "env"):
+    for kind in ("mpi", "lsf", "flux", "env"):
         assert Kind(kind).started_by_launcher and Kind(kind).exports_rank_variables and not Kind(kind).creates_processes

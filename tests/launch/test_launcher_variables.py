@@ -1,7 +1,7 @@
 """Processes started with exactly the variables other launchers give their ranks, without those launchers: a
 Kubernetes PyTorchJob's pods and the DeepSpeed launcher (torch's env:// variables), MPICH's and MVAPICH's mpirun,
-LSF's jsrun. Each pair of processes is one world of 2, run in place (no ranks of qaccel's own), with the layout the
-launcher gave; a process that merely carries such variables starts its own ranks. (tests/launch/test_mpirun.py runs
+LSF's jsrun, Flux's job shell. Each pair of processes is one world of 2, run in place (no ranks of qaccel's own),
+with the layout the launcher gave; a process that merely carries such variables starts its own ranks. (tests/launch/test_mpirun.py runs
 a real Open MPI.)"""
 
 from __future__ import annotations
@@ -132,6 +132,23 @@ def test_jsrun_ranks_rendezvous_on_the_first_compute_host_at_the_jobs_port():
                 JSM_NAMESPACE_LOCAL_SIZE="2",
                 LSB_JOBID=job,
                 LSB_MCPU_HOSTS="launchnode 1 127.0.0.1 2",
+            )
+            for r in range(2)
+        ]
+    )
+    assert _layout(results) == [(0, 0, 0, 2, 1, "0"), (1, 1, 0, 2, 1, "1")]
+
+
+def test_flux_tasks_of_one_node_rendezvous_on_the_loopback_at_the_jobs_port():
+    job = _free_job()
+    results = _ranks(
+        [
+            _env(
+                FLUX_TASK_RANK=str(r),
+                FLUX_TASK_LOCAL_ID=str(r),
+                FLUX_JOB_SIZE="2",
+                FLUX_JOB_NNODES="1",
+                FLUX_JOB_ID=job,
             )
             for r in range(2)
         ]
