@@ -1,41 +1,8 @@
 """The Trainer's callbacks (qadence's names): ``from qaccel.callbacks import EarlyStopping``."""
 
 from qaccel.train.tracking import make_tracker as get_writer  # qadence's name: the tracker for a tracking tool
-from qaccel.trainer.callbacks import (
-    Callback,
-    EarlyStopping,
-    GradientMonitoring,
-    LoadCheckpoint,
-    LogHyperparameters,
-    LogModelTracker,
-    LRSchedulerCosineAnnealing,
-    LRSchedulerCyclic,
-    LRSchedulerStepDecay,
-    OptimizeResult,
-    PlotMetrics,
-    PrintMetrics,
-    SaveBestCheckpoint,
-    SaveCheckpoint,
-    Stage,
-    WriteMetrics,
-)
+from qaccel.trainer import callbacks as _callbacks
+from qaccel.trainer.callbacks import *  # every name of its __all__
 
-__all__ = [
-    "Callback",
-    "EarlyStopping",
-    "GradientMonitoring",
-    "LRSchedulerCosineAnnealing",
-    "LRSchedulerCyclic",
-    "LRSchedulerStepDecay",
-    "LoadCheckpoint",
-    "LogHyperparameters",
-    "LogModelTracker",
-    "OptimizeResult",
-    "PlotMetrics",
-    "PrintMetrics",
-    "SaveBestCheckpoint",
-    "SaveCheckpoint",
-    "Stage",
-    "WriteMetrics",
-    "get_writer",
-]
+__all__ = ["get_writer"]
+__all__ += _callbacks.__all__
