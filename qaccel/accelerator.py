@@ -21,8 +21,8 @@ from qaccel.comm import collectives, ranks, session
 from qaccel.environment import Environment, detect
 from qaccel.errors import warn_once
 from qaccel.handlers import AutocastKwargs, KwargsHandler, ProfileKwargs, TorchDynamoPlugin
-from qaccel.launch import cluster, in_place, launchers
-from qaccel.launch.protocol import HandBack, Launcher
+from qaccel.launch import cluster, in_place, runners
+from qaccel.launch.protocol import HandBack, Runner
 from qaccel.nested import map_leaves
 from qaccel.options import (
     Backend,
@@ -122,7 +122,7 @@ class Accelerator:
         self._config = options.make_config(env, **options.from_accelerate({**accelerate, **accelerate_only}, chosen))
         nprocs, max_restarts, rank_prefix = chosen["nprocs"], chosen["max_restarts"], chosen["rank_prefix"]
         self._own_registry: Registry | None = None
-        self._launcher: Launcher | None = launchers.choose(self._config, env, _HAND_BACK)
+        self._runner: Runner | None = runners.choose(self._config, env, _HAND_BACK)
         if env.kind.started_by_launcher and nprocs > 1 and nprocs != env.world(nprocs).size and env.rank == 0:
             _warn_world_mismatch(nprocs, env)  # once per job, not once per rank
         if env.kind.started_by_launcher and max_restarts and env.rank == 0:
@@ -141,12 +141,12 @@ class Accelerator:
 
     # ---- where this rank runs (valid in the caller and in every rank) ----
 
-    def _where(self) -> Launcher:
+    def _where(self) -> Runner:
         """How fn runs from this process, chosen once per process (an Accelerator unpickled in a rank chooses
         again there)."""
-        if self._launcher is None:
-            self._launcher = launchers.choose(self._config, detect(), _HAND_BACK)
-        return self._launcher
+        if self._runner is None:
+            self._runner = runners.choose(self._config, detect(), _HAND_BACK)
+        return self._runner
 
     @property
     def starts_ranks(self) -> bool:
@@ -374,8 +374,8 @@ class Accelerator:
         return self._registry().updates
 
     def __getstate__(self) -> dict[str, Any]:
-        # step state (scaler, counters) and the launcher check belong to one process
-        return {**self.__dict__, "_own_registry": None, "_launcher": None}
+        # step state (scaler, counters) and the runner chosen belong to one process
+        return {**self.__dict__, "_own_registry": None, "_runner": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

@@ -49,7 +49,7 @@ from qaccel.environment import Environment
 from qaccel.errors import ErrorReport, Preempted, RankError
 from qaccel.launch import inherit, output, pickling, server, worker
 from qaccel.launch.failures import RankFailure, cause_exception
-from qaccel.launch.protocol import HandBack, Launcher
+from qaccel.launch.protocol import HandBack, Runner
 from qaccel.launch.run_dir import run_directory
 from qaccel.options import Config
 
@@ -61,8 +61,8 @@ CAUSE_GRACE_S = 3.0
 _PREPARE_LOCK = threading.Lock()
 
 
-class PlainLaunch(Launcher):
-    """The ranks start here, on this node: the launcher for a plain process with ``nprocs`` > 1. Made with its
+class PlainLaunch(Runner):
+    """The ranks start here, on this node: the runner for a plain process with ``nprocs`` > 1. Made with its
     Accelerator, so the server the ranks are forked from starts warming up at once."""
 
     def __init__(self, config: Config, env: Environment, hand_back: HandBack) -> None:

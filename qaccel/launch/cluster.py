@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, cast
 from qaccel.environment import Environment, node_name, slurm_job_state
 from qaccel.errors import ErrorReport, Preempted, RankError
 from qaccel.launch import pickling
-from qaccel.launch.protocol import HandBack, Launcher
+from qaccel.launch.protocol import HandBack, Runner
 from qaccel.options import JobOutput, SlurmCluster, minutes, on_node
 
 if TYPE_CHECKING:
@@ -41,8 +41,8 @@ ENDED = (
 )  # UNKNOWN: SLURM forgot the job, long ended
 
 
-class ClusterJob(Launcher):
-    """The ranks are the tasks of one SLURM job, submitted from here: the launcher for a plain process given
+class ClusterJob(Runner):
+    """The ranks are the tasks of one SLURM job, submitted from here: the runner for a plain process given
     ``cluster=``."""
 
     def __init__(self, config: Config, env: Environment, hand_back: HandBack) -> None:
@@ -51,7 +51,7 @@ class ClusterJob(Launcher):
 
     def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], all_results: bool) -> Any:
         """Submit, wait (following the job), and return rank 0's result or every rank's."""
-        cluster = cast(SlurmCluster, self.config.cluster)  # set: launchers.choose picks this launcher only then
+        cluster = cast(SlurmCluster, self.config.cluster)  # set: runners.choose picks this runner only then
         job = submit(fn, args, kwargs, self.config, cluster, self.hand_back.in_place)
         return job.results() if all_results else job.result()
 

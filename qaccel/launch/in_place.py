@@ -1,7 +1,7 @@
 """Run fn as this process's rank when the ranks already exist: under torchrun, in an srun step, inside a group
 the user made, inside a rank qaccel started (a nested distribute), or alone (nprocs=1).
 
-The launcher's counterpart: here no process is started, only the process group is made (and torn down).
+The plain launch's counterpart: here no process is started, only the process group is made (and torn down).
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ from qaccel.comm.session import RankContext
 from qaccel.environment import Environment, rank_variables
 from qaccel.errors import raised_note, type_name
 from qaccel.launch import launcher_report, output
-from qaccel.launch.protocol import HandBack, Launcher
+from qaccel.launch.protocol import HandBack, Runner
 from qaccel.launch.running import rank_session, run_as_rank
 from qaccel.options import Config
 
 
-class InPlace(Launcher):
-    """fn runs here, as this process's rank: the launcher of every process that starts no ranks."""
+class InPlace(Runner):
+    """fn runs here, as this process's rank: the runner of every process that starts no ranks."""
 
     starts_ranks = False
 
@@ -46,7 +46,7 @@ class InPlace(Launcher):
         return ambient(self.config, self.env) if self.launched else None
 
 
-_latest: weakref.ref[InPlace] | None = None  # the launcher of this process's latest Accelerator on a launcher's ranks
+_latest: weakref.ref[InPlace] | None = None  # the runner of this process's latest Accelerator on a launcher's ranks
 
 
 def join_latest() -> RankContext | None:
@@ -56,8 +56,8 @@ def join_latest() -> RankContext | None:
     current = session.current()
     if current is not None:
         return current
-    launcher = _latest() if _latest is not None else None
-    return launcher.join() if launcher is not None else None
+    runner = _latest() if _latest is not None else None
+    return runner.join() if runner is not None else None
 
 
 def run(

@@ -1,5 +1,6 @@
-"""The launchers' protocol: what the facade asks of a way to run fn on the ranks (launchers.py picks one), with
-what every launcher answers alike."""
+"""The runners' protocol: what the facade asks of a way to run fn on the ranks (runners.py picks one), with what
+every runner answers alike. (A launcher, in qaccel's words, is the program that started this process's ranks:
+torchrun, srun, mpirun, ...; environment/ detects them.)"""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ class HandBack(NamedTuple):
     pickled: Callable[[Any], Any]
 
 
-class Launcher:
-    """One way to run fn on the ranks, seen from the process that calls distribute(); each launcher gives ``run``.
+class Runner:
+    """One way to run fn on the ranks, seen from the process that calls distribute(); each runner gives ``run``.
 
     ``planned()`` is where this process runs outside any session (its launcher's rank, or rank 0 of the world to
     start); ``join()`` joins the launcher's ranks for the rest of the process, where there are such ranks (code

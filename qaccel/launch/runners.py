@@ -1,6 +1,6 @@
 """Where fn runs, decided once per Accelerator and process: the seam between the facade and the ways ranks start.
 
-Three launchers answer the same small protocol (protocol.py): a plain launch starts the ranks (caller.PlainLaunch),
+Three runners answer the same small protocol (protocol.py): a plain launch starts the ranks (caller.PlainLaunch),
 a cluster job submits them to SLURM (cluster.ClusterJob), and everywhere else fn runs in place, as this process's
 rank (under torchrun, srun, mpirun and the other launchers environment.DETECTORS finds, in a group the user made,
 inside a rank, or alone: in_place.InPlace). A new way to start ranks is one class in its own module, a line here,
@@ -12,12 +12,12 @@ from __future__ import annotations
 from qaccel.comm import session
 from qaccel.environment import Environment
 from qaccel.launch import caller, cluster, in_place
-from qaccel.launch.protocol import HandBack, Launcher
+from qaccel.launch.protocol import HandBack, Runner
 from qaccel.options import Config
 
 
-def choose(config: Config, env: Environment, hand_back: HandBack) -> Launcher:
-    """The launcher for this process: a plain process with several ranks to start launches them (on the cluster,
+def choose(config: Config, env: Environment, hand_back: HandBack) -> Runner:
+    """The runner for this process: a plain process with several ranks to start launches them (on the cluster,
     if one is given); every other process, and every process inside a session (a rank), runs fn in place."""
     starts = _starts_ranks(env)
     if starts and config.cluster is not None:
