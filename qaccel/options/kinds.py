@@ -4,6 +4,7 @@ working) and as the ``Literal`` types a type checker reads: an option takes the 
 from __future__ import annotations
 
 import enum
+import importlib.util
 from typing import Literal
 
 import torch
@@ -115,6 +116,11 @@ class TrackingTool(enum.StrEnum):
     def package(self) -> str | None:
         """The pip package (and qaccel's extra of the tracker's name) that installs ``module``."""
         return {TrackingTool.MLFLOW: "mlflow-skinny", TrackingTool.CSV: None}.get(self, self.value)
+
+    @property
+    def installed(self) -> bool:
+        """Its module can be imported here (CSV needs none)."""
+        return self.module is None or importlib.util.find_spec(self.module) is not None
 
     @property
     def writes_folder(self) -> bool:

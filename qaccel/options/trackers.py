@@ -4,7 +4,6 @@ user's own tracker objects."""
 from __future__ import annotations
 
 import enum
-import importlib.util
 from collections.abc import Sequence
 from typing import Any, Protocol, TypeGuard, cast
 
@@ -38,15 +37,15 @@ def log_with(value: object, logging_dir: str | None) -> tuple[Any, ...]:
                 f"log_with must be one of {allowed}, a tracker object with Accelerate's GeneralTracker "
                 f"methods, or a list of them; got {item!r}"
             )
-        for one in [t.value for t in ALL_TRACKERS if _installed(t)] if name == "all" else [name]:
+        for one in [t.value for t in ALL_TRACKERS if t.installed] if name == "all" else [name]:
             if one not in chosen:
                 chosen.append(one)
     for name in chosen:
         if not isinstance(name, str):
             continue
         tool = TrackingTool(name)
-        module, package = tool.module, tool.package
-        if module is not None and importlib.util.find_spec(module) is None:
+        package = tool.package
+        if not tool.installed:
             raise ImportError(
                 f"log_with={name!r} needs the {package} package: pip install {package} (from qaccel's "
                 f"checkout: pip install -e '.[{name}]')"
@@ -67,11 +66,6 @@ class TrackerObject(Protocol):
     def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None: ...
 
     def finish(self) -> None: ...
-
-
-def _installed(tool: TrackingTool) -> bool:
-    module = tool.module
-    return module is None or importlib.util.find_spec(module) is not None
 
 
 def _is_tracker_object(item: object) -> TypeGuard[TrackerObject]:
