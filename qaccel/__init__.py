@@ -14,6 +14,7 @@ Layers, each importing only the ones below it:
 __version__ = "0.1.0"
 
 from qaccel.accelerator import Accelerator
+from qaccel.checkpoints.state import consolidate
 from qaccel.errors import (
     CheckpointError,
     CollectiveMismatchError,
@@ -32,7 +33,6 @@ from qaccel.options import (
     SlurmCluster,
 )
 from qaccel.train.batch_size import should_reduce_batch_size
-from qaccel.train.checkpoint import consolidate
 from qaccel.train.loaders import DictDataLoader, InfiniteTensorDataset, to_dataloader
 from qaccel.trainer.callbacks import OptimizeResult
 from qaccel.trainer.config import TrainConfig

@@ -17,6 +17,8 @@ from typing import Any, Never, TypeVar, cast
 import torch
 
 from qaccel import handlers, options
+from qaccel.checkpoints import background
+from qaccel.checkpoints import state as checkpoint
 from qaccel.comm import collectives, ranks, session
 from qaccel.environment import Environment, detect
 from qaccel.errors import warn_once
@@ -42,9 +44,7 @@ from qaccel.options import (
     StrategyName,
 )
 from qaccel.train import (
-    background,
     batch,
-    checkpoint,
     gradients,
     precision,
     prepare,
@@ -705,7 +705,7 @@ class Accelerator:
         self.wait_for_everyone()
         in_place.end_ambient()
 
-    # ---- Accelerate's experiment trackers (log_with; qaccel/train/trackers.py) ----
+    # ---- Accelerate's experiment trackers (log_with; qaccel/tracking/trackers.py) ----
 
     def init_trackers(
         self,

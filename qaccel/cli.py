@@ -16,10 +16,10 @@ import torch.distributed as dist
 
 import qaccel
 from qaccel.accelerator import Accelerator
+from qaccel.checkpoints import state as checkpoint
 from qaccel.comm import hangs, session
 from qaccel.environment import Environment, detect
 from qaccel.environment import gpus as gpu_rule
-from qaccel.train import checkpoint
 
 
 def _accelerator(args: argparse.Namespace) -> Accelerator:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from qaccel.comm.session import RankContext
 
 if TYPE_CHECKING:
-    from qaccel.train.data import BatchShard
+    from qaccel.train.shards import BatchShard
 
 
 class AllRanks:

@@ -14,7 +14,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from qaccel.comm import session
-from qaccel.train import background, sharding
+from qaccel.train import sharding
+from qaccel.wrapping import is_sharded
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -66,8 +67,8 @@ class PreparedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         self.step_was_skipped = False
         registry = self._registry
-        if registry.saving is not None:  # a background save's failure is raised here, at the same step on every rank
-            background.poll(registry, session.current())
+        if registry.saves is not None:  # a background save's failure is raised here, at the same step on every rank
+            registry.saves.poll(session.current())
         if registry.accumulation_steps > 1 and not registry.accumulating_loop:
             raise RuntimeError(_outside_accumulate(registry))
         if not registry.sync_gradients:
@@ -164,7 +165,7 @@ def no_sync(models: Iterable[torch.nn.Module]) -> Iterator[None]:
         for model in models:
             if isinstance(model, DistributedDataParallel):
                 stack.enter_context(model.no_sync())
-            elif sharding.is_sharded(model):
+            elif is_sharded(model):
                 sharded = cast("FSDPModule", model)
                 sharded.set_requires_gradient_sync(False)
                 stack.callback(sharded.set_requires_gradient_sync, True)

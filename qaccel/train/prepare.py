@@ -18,6 +18,7 @@ from qaccel.train import batch, data, loaders, precision, schedulers, sharding, 
 from qaccel.train.gradients import PreparedOptimizer
 from qaccel.train.registry import Registry
 from qaccel.train.schedulers import PreparedScheduler
+from qaccel.wrapping import inner_module, is_sharded, is_wrapped
 
 
 def prepare_one(obj: Any, ctx: RankContext, config: Config, registry: Registry, place: bool | None = None) -> Any:
@@ -27,10 +28,10 @@ def prepare_one(obj: Any, ctx: RankContext, config: Config, registry: Registry, 
     if isinstance(obj, torch.nn.Module):
         model = prepare_model(obj, ctx, config, registry, place)
         run = session.current_run()
-        if run is not None and (isinstance(model, DistributedDataParallel) or sharding.is_sharded(model)):
+        if run is not None and (is_wrapped(model)):
             run.bound.add(model)  # destroyed before the session's group is (session.Run.release)
         inner = unwrap_model(model)
-        if config.mixed_precision is not MixedPrecision.NO and not sharding.is_sharded(model):
+        if config.mixed_precision is not MixedPrecision.NO and not is_sharded(model):
             precision.wrap_forward(inner, "autocast", (config.mixed_precision, ctx.device, config.handlers.autocast))
         if config.compile is not None:  # torch 2.13 compiles no graph over the DDP wrapper (its forward is skipped)
             precision.wrap_forward(inner, "compile", config.compile)
@@ -84,7 +85,7 @@ def prepare_model(
 
     A model already wrapped or sharded, or with nothing to train, is not wrapped (again).
     """
-    if isinstance(model, DistributedDataParallel) or sharding.is_sharded(model):
+    if is_wrapped(model):
         return model
     trainable = any(p.requires_grad for p in model.parameters())
     if config.strategy is Strategy.FSDP and trainable and dist.is_initialized():
@@ -182,7 +183,7 @@ def unwrap_model(
     """The user's module inside a DDP wrapper (or the module itself). ``keep_fp32_wrapper=False`` takes mixed
     precision's autocast off its forward, ``keep_torch_compile=False`` the compilation (in place, as Accelerate's:
     also through the prepared model); a module the user compiled (``torch.compile``) then gives the one inside."""
-    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    inner = inner_module(model)
     if not keep_torch_compile:
         if isinstance(inner, torch._dynamo.eval_frame.OptimizedModule):  # compiled by the user
             inner = inner._orig_mod
@@ -202,7 +203,7 @@ def plain_object(obj: Any) -> Any:
         for layer in list(vars(obj)[precision.LAYERS]):  # compiled code and closures stay in the rank
             precision.unwrap_forward(obj, layer)
         return obj
-    if sharding.is_sharded(obj):
+    if is_sharded(obj):
         raise TypeError(
             f"a model sharded by strategy='fsdp' ({type(obj).__name__}) holds only this rank's shards and cannot "
             "leave its rank; return acc.get_state_dict(model) instead (called on every rank; rank 0 gets it)"

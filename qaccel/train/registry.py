@@ -8,22 +8,84 @@ registered objects).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
-from qaccel.train.trackers import Trackers
+from qaccel.comm.session import RankContext
+from qaccel.tracking.trackers import Trackers
+from qaccel.train.shards import BatchShard
 
 if TYPE_CHECKING:
     import weakref
 
     from torch.distributed.checkpoint.stateful import Stateful  # 0.6 s to import: for the annotation only
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.utils.data import DataLoader
 
-    from qaccel.train.background import Flight, Peers, Staging
-    from qaccel.train.data import PreparedDataLoader
-    from qaccel.train.gradients import PreparedOptimizer
     from qaccel.train.stopping import Stopper
+
+
+class Loader(Protocol):
+    """What is asked of a prepared DataLoader (data.PreparedDataLoader) through the registry: declared here so that
+    the registry, which the loaders write to, does not import them back."""
+
+    worker_init_fn: Any
+    batch_size: int | None
+
+    @property
+    def shard(self) -> BatchShard | None:
+        """This rank's share of the batches (None: a stream or a loader left as it is)."""
+        ...
+
+    @property
+    def remainder(self) -> int:
+        """Samples in the short last step of all ranks together (-1: none, or a stream)."""
+        ...
+
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def batches_to_skip(self) -> int: ...
+
+    def __len__(self) -> int: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, int]) -> None: ...
+
+    def check_state_dict(self, state: dict[str, int]) -> None: ...
+
+    def release(self) -> None:
+        """Stop its workers: the session ends."""
+        ...
+
+
+class Optimizer(Protocol):
+    """What is asked of a prepared optimizer (gradients.PreparedOptimizer) through the registry."""
+
+    optimizer: torch.optim.Optimizer  # the user's
+    step_was_skipped: bool  # fp16's scaler skipped this step's update
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+class BackgroundSaves(Protocol):
+    """What the training step and the session's end ask of the background saves (checkpoints.background.Saves)."""
+
+    def poll(self, ctx: RankContext | None) -> None:
+        """At a step: raise the failure of a save that ended on every rank."""
+        ...
+
+    def close(self) -> None:
+        """The session ends: its staging memory goes."""
+        ...
 
 
 class LoopMarks:
@@ -45,7 +107,7 @@ class LoopMarks:
         self.end_of_epoch = False
         self.remainder: int | None = None
         self.padding = 0
-        self.loader: PreparedDataLoader | None = None
+        self.loader: Loader | None = None
 
 
 @dataclass
@@ -60,10 +122,10 @@ class Registry:
     accumulating_loop: bool = False  # accumulate() was called: the loop counts micro-steps
     micro_step: int = 0
     sync_gradients: bool = True
-    optimizers: list[PreparedOptimizer] = field(default_factory=list)
+    optimizers: list[Optimizer] = field(default_factory=list)
     models: list[torch.nn.Module] = field(default_factory=list)
     schedulers: list[torch.optim.lr_scheduler.LRScheduler] = field(default_factory=list)
-    loaders: list[PreparedDataLoader] = field(default_factory=list)
+    loaders: list[Loader] = field(default_factory=list)
     registered: list[Stateful] = field(default_factory=list)
     marks: LoopMarks = field(default_factory=LoopMarks)
     updates: int = 0  # steps of the first prepared optimizer, over resumes too (the Accelerator's ``step``)
@@ -75,9 +137,7 @@ class Registry:
     accumulating: bool = False  # strategy="fsdp": sharded models hold unsharded gradients over micro-steps
     trigger: bool = False  # set_trigger() was called on this rank since the last check_trigger() that saw one
     trackers: Trackers = field(default_factory=Trackers)  # log_with's, once init_trackers() started them
-    saving: Flight | None = None  # the background save in flight (background.py)
-    save_peers: Peers | None = None  # how the background saves' threads talk, from the session's first one
-    staging: Staging | None = None  # the background saves' copy of the state, kept from one to the next
+    saves: BackgroundSaves | None = None  # the background saves (checkpoints/background.py), from the first
 
     def release(self, finished: bool = True) -> None:
         """Forget the session's objects as it ends. Prepared optimizers and loaders point back here, so these lists
@@ -89,9 +149,9 @@ class Registry:
         for kept in (self.optimizers, self.models, self.schedulers, self.loaders, self.registered):
             kept.clear()
         self.replaced.clear()
-        if self.staging is not None:
-            self.staging.close()
-        self.stopper = self.mesh = self.checkpoints = self.staging = None
+        if self.saves is not None:
+            self.saves.close()
+        self.stopper = self.mesh = self.checkpoints = None
 
 
 class GradientState:
@@ -112,9 +172,9 @@ class GradientState:
         return self._registry.marks.loader is not None
 
     @property
-    def active_dataloader(self) -> PreparedDataLoader | None:
+    def active_dataloader(self) -> DataLoader[Any] | None:
         """The prepared DataLoader whose loop is running (the innermost), or None."""
-        return self._registry.marks.loader
+        return cast("DataLoader[Any] | None", self._registry.marks.loader)  # a PreparedDataLoader
 
     @property
     def end_of_dataloader(self) -> bool:

@@ -21,16 +21,12 @@ import torch
 from qaccel import storage
 from qaccel.comm.session import RankContext
 from qaccel.options import MixedPrecision
+from qaccel.wrapping import is_sharded
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
-
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported yet: nothing can be sharded
-    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
 def _has_dtensor(tensors: list[torch.Tensor]) -> bool:

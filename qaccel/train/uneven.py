@@ -27,8 +27,8 @@ from qaccel.comm.session import RankContext
 from qaccel.options import Config, check_uneven
 
 if TYPE_CHECKING:
-    from qaccel.train.data import BatchShard
     from qaccel.train.registry import Registry
+    from qaccel.train.shards import BatchShard
 
 
 @contextlib.contextmanager

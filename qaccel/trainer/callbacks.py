@@ -22,7 +22,7 @@ from qaccel.options import count
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-    from qaccel.train.tracking import Tracker
+    from qaccel.tracking.tools import Tracker
     from qaccel.trainer.config import TrainConfig
     from qaccel.trainer.trainer import Trainer
 

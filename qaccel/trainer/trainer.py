@@ -28,9 +28,9 @@ from torch.utils.data import DataLoader, Dataset
 from qaccel.accelerator import Accelerator
 from qaccel.nested import map_leaves
 from qaccel.options import Strategy, count
+from qaccel.tracking.tools import Axis, NullTracker, Tracker, make_tracker
 from qaccel.train import loaders, sharding
 from qaccel.train.batch import real_dtype
-from qaccel.train.tracking import Axis, NullTracker, Tracker, make_tracker
 from qaccel.trainer import plots, steps
 from qaccel.trainer.callbacks import (
     Callback,

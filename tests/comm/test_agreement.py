@@ -1,5 +1,5 @@
 """One failure raised on every rank: which rank's, and what the others raise (reports made here, as a gather would
-hand them over; the collectives themselves are tested in tests/train/test_checkpoint_errors.py)."""
+hand them over; the collectives themselves are tested in tests/checkpoints/test_state_errors.py)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 child that signals itself from an after-fork hook registered first must still die of it.
 
 Prints whether SIGTERM was blocked in the child, then the child's exit status and whether SIGTERM is still blocked
-in the parent. Run by tests/train/test_resume.py.
+in the parent. Run by tests/checkpoints/test_resume.py.
 """
 
 import os

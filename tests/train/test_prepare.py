@@ -22,7 +22,7 @@ from torch.utils.data import (
 )
 
 from qaccel import Accelerator
-from qaccel.train.data import BatchShard
+from qaccel.train.shards import BatchShard
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -19,8 +19,8 @@ from support.states import FailsWhenTold
 from torch.utils.data import DataLoader, TensorDataset
 
 from qaccel import Accelerator, Preempted
-from qaccel.train import background
-from qaccel.train.checkpoint import MARKER_FILE, newest_checkpoint
+from qaccel.checkpoints import background
+from qaccel.checkpoints.state import MARKER_FILE, newest_checkpoint
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -78,7 +78,7 @@ def _save_then_spoil(acc, folder, background):
 
 def _staged_memory(acc):
     """Where this rank's staging memory is (under DDP, only rank 0 copies anything)."""
-    staging = acc._registry().staging
+    staging = background.staging_of(acc._registry())
     return (
         [] if staging is None else [(t.to_local() if hasattr(t, "to_local") else t).data_ptr() for t in staging.staged]
     )
@@ -271,7 +271,7 @@ def _saves_in_a_row(acc, folder, count):
             acc.wait_for_checkpoint()
             idle.append(_rss_mib())  # no save in flight: the staging memory kept
     names = sorted(os.listdir(folder))
-    kept = [weakref.ref(t) for t in acc._registry().staging.staged]
+    kept = [weakref.ref(t) for t in background.staging_of(acc._registry()).staged]
     acc.free_memory()
     gc.collect()
     return at_call, idle, [ref() is None for ref in kept], names

@@ -23,11 +23,13 @@ import numpy as np
 import torch
 
 from qaccel import storage, unpickling
+from qaccel.checkpoints import background
 from qaccel.comm import agreement, collectives
 from qaccel.comm.session import RankContext
 from qaccel.errors import CheckpointError
-from qaccel.train import background, prepare, sharding
+from qaccel.train import prepare, sharding
 from qaccel.train.registry import Registry
+from qaccel.wrapping import is_sharded
 
 MODEL_FILE = "model.pt"
 MARKER_FILE = "qaccel_state.json"  # written last: a checkpoint folder holding it is complete
@@ -66,7 +68,7 @@ def get_state_dict(model: torch.nn.Module) -> dict[str, Any]:
     Its keys carry no ``module.`` or ``_orig_mod.`` prefix, so it loads strictly into the plain model. A model
     sharded by FSDP2 is gathered: every rank must call this, and rank 0 gets the full dict ({} elsewhere).
     """
-    if sharding.is_sharded(model):
+    if is_sharded(model):
         return sharding.full_state_dict(model)
     return _plain_module(model).state_dict()
 
@@ -126,7 +128,9 @@ def save_state(
     directory = os.path.abspath(os.fspath(directory))
     target = os.path.join(directory, f"checkpoint_{registry.updates:08d}") if numbered else directory
     background.wait(registry)
-    later = in_background and registry.staging is not None  # its copy takes no new memory: pages go in the thread
+    later = (
+        in_background and background.staging_of(registry) is not None
+    )  # its copy takes no new memory: pages go in the thread
     if not later:
         _hand_on_pages(directory, target, numbered, ctx.rank)
     tmp = _from_rank_0(functools.partial(_new_tmp, target), ctx, _failed(ctx, "save_state()", "making its folder"))
@@ -207,7 +211,7 @@ def _collect(
         [rng for rng, _ in gathered] if ctx.rank == 0 else [],
         marker,
         sharded,
-        registry.staging if copy else None,
+        background.staging_of(registry) if copy else None,
     )
 
 
@@ -811,7 +815,7 @@ def _world(marker: dict[str, Any], ctx: RankContext) -> int:
 
 def _target(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
     """The full shape of each tensor in ``model``'s state dict (a sharded parameter's too)."""
-    module = model if sharding.is_sharded(model) else _plain_module(model)
+    module = model if is_sharded(model) else _plain_module(model)
     return {k: tuple(v.shape) for k, v in module.state_dict().items() if torch.is_tensor(v)}
 
 

@@ -17,7 +17,7 @@ import pytest
 from support import component
 from support.wandb_records import curve, offline_runs
 
-from qaccel.train.tracking import (
+from qaccel.tracking.tools import (
     Axis,
     CsvTracker,
     MlflowTracker,
@@ -309,7 +309,7 @@ def test_a_missing_optional_dependency_names_the_extra_to_install(tool, tmp_path
         "\n".join(
             [
                 "from pathlib import Path",
-                "from qaccel.train.tracking import make_tracker",
+                "from qaccel.tracking.tools import make_tracker",
                 f"tracker = make_tracker({tool!r})",
                 "try:",
                 "    tracker.open(Path(sys.argv[1]), 'run', None, 0)",

@@ -225,73 +225,111 @@ def _fits(tensor: torch.Tensor, kept: torch.Tensor, plain: bool) -> bool:
     )
 
 
+class Saves:
+    """One Accelerator's background saves in a session (its Registry's ``saves``): the save in flight, how their
+    threads talk (from the session's first save), and the staging memory kept from one save to the next."""
+
+    def __init__(self) -> None:
+        self.flight: Flight | None = None
+        self.peers: Peers | None = None
+        self.staging: Staging | None = None
+
+    def poll(self, ctx: RankContext | None) -> None:
+        """At a step, on every rank: raise the failure of a save in flight once it ended on every rank, or forget
+        it."""
+        if self.flight is None:
+            return
+        ended = self.flight.ended()
+        if ctx is not None and ctx.world_size > 1:
+            run = session.current_run()
+            if run is not None and run.alone is not None:  # a step only some ranks take: ask at the next one
+                return
+            ended = bool(collectives.all_reduce_dict({"ended": int(ended)}, "min", ctx, _CPU)["ended"])
+        if ended:
+            self.wait()
+
+    def wait(self) -> str | None:
+        """Wait for the save in flight, if any: its checkpoint's path (None without one), or its failure raised."""
+        flight, self.flight = self.flight, None
+        return None if flight is None else flight.outcome()
+
+    def settle(self) -> None:
+        """wait(), its failure said on stderr instead of raised."""
+        flight = self.flight
+        if flight is None:
+            return
+        try:
+            self.wait()
+        except Exception as exc:  # noqa: BLE001 - said, with the checkpoint it concerns
+            sys.stderr.write(f"qaccel: the background save of {flight.target} failed: {type(exc).__name__}: {exc}\n")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        """The session's objects go: the staging memory with them."""
+        if self.staging is not None:
+            self.staging.close()
+        self.staging = None
+
+
+def saves_of(registry: Registry) -> Saves:
+    """The registry's background saves, made at its first."""
+    if registry.saves is None:
+        registry.saves = Saves()
+    return cast(Saves, registry.saves)  # the only kind the registry is given
+
+
+def staging_of(registry: Registry) -> Staging | None:
+    """The staging memory an earlier background save left, if any."""
+    return None if registry.saves is None else saves_of(registry).staging
+
+
 def stage(registry: Registry, state: Any, device: torch.device) -> Any:
-    """``state`` copied into this rank's staging memory, made at its first background save (registry.staging) and
-    kept until free_memory() or the end of the session."""
-    if registry.staging is None:
-        registry.staging = Staging(pin=device.type == "cuda")
-    return registry.staging.copy(state)
+    """``state`` copied into this rank's staging memory, made at its first background save and kept until
+    free_memory() or the end of the session."""
+    saves = saves_of(registry)
+    if saves.staging is None:
+        saves.staging = Staging(pin=device.type == "cuda")
+    return saves.staging.copy(state)
 
 
 def start(registry: Registry, ctx: RankContext, target: str, write: Callable[[Peers], None]) -> None:
     """Run ``write`` in this rank's background thread (every rank calls this, after any save in flight ended)."""
-    if registry.save_peers is None:
+    saves = saves_of(registry)
+    if saves.peers is None:
         run, group = session.current_run(), None
         if collectives.is_distributed():  # a collective on the default group: every rank is here
             timeout = datetime.timedelta(seconds=run.timeout if run is not None else 1800.0)
             group = dist.new_group(backend="gloo", timeout=timeout)
-        registry.save_peers = Peers(ctx, group)
+        saves.peers = Peers(ctx, group)
         if run is not None:  # after the registry's own closer, so it runs first: the group is still there
-            run.closers.append(functools.partial(_end, registry))
+            run.closers.append(functools.partial(_end, saves))
     flight = Flight(target, registry.updates)
-    flight.thread = threading.Thread(target=flight.run, args=(write, registry.save_peers), name="qaccel-save")
-    registry.saving = flight
+    flight.thread = threading.Thread(target=flight.run, args=(write, saves.peers), name="qaccel-save")
+    saves.flight = flight
     flight.thread.start()
 
 
 def wait(registry: Registry) -> str | None:
     """Wait for the save in flight, if any: its checkpoint's path (None without one), or its failure raised."""
-    flight, registry.saving = registry.saving, None
-    return None if flight is None else flight.outcome()
-
-
-def poll(registry: Registry, ctx: RankContext | None) -> None:
-    """At a step, on every rank: raise the failure of a save in flight once it ended on every rank, or forget it."""
-    flight = registry.saving
-    if flight is None:
-        return
-    ended = flight.ended()
-    if ctx is not None and ctx.world_size > 1:
-        run = session.current_run()
-        if run is not None and run.alone is not None:  # a step only some ranks take: ask at the next one
-            return
-        ended = bool(collectives.all_reduce_dict({"ended": int(ended)}, "min", ctx, _CPU)["ended"])
-    if ended:
-        wait(registry)
+    return None if registry.saves is None else saves_of(registry).wait()
 
 
 def settle(registry: Registry) -> None:
     """Wait for the save in flight; say its failure on stderr instead of raising it (what comes next matters more:
     a stop's own save, or the error that ends the call)."""
-    flight = registry.saving
-    if flight is None:  # nothing in flight: wait() would return None
-        return
-    try:
-        wait(registry)
-    except Exception as exc:  # noqa: BLE001 - said, with the checkpoint it concerns
-        sys.stderr.write(f"qaccel: the background save of {flight.target} failed: {type(exc).__name__}: {exc}\n")
-        sys.stderr.flush()
+    if registry.saves is not None:
+        saves_of(registry).settle()
 
 
-def _end(registry: Registry, finished: bool) -> None:
+def _end(saves: Saves, finished: bool) -> None:
     """The session ends: wait for the save in flight and raise its failure (said, when fn raised: fn's error is
     the one raised); the threads' group goes."""
-    peers, registry.save_peers = registry.save_peers, None
+    peers, saves.peers = saves.peers, None
     try:
         if finished:
-            wait(registry)
+            saves.wait()
         else:
-            settle(registry)
+            saves.settle()
     finally:
         if peers is not None and peers.group is not None and collectives.is_distributed():
             with contextlib.suppress(Exception):  # a group renewed after a rank left (session.renew_group) took it

@@ -1,6 +1,6 @@
 """Accelerate's experiment tracking on the Accelerator: ``Accelerator(log_with=...)``, ``init_trackers``, ``log``,
 ``get_tracker``, ``trackers``, closed by ``end_training``, written through qaccel's trackers
-(qaccel/train/tracking.py) on the main process only; the other ranks get trackers that do nothing.
+(qaccel/tracking/tools.py) on the main process only; the other ranks get trackers that do nothing.
 
 Where each writes is Accelerate's: TensorBoard into ``<logging_dir>/<project_name>``, wandb through
 ``wandb.init(project=project_name, **init_kwargs)``, MLflow to the experiment ``project_name`` (unless
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from qaccel.options import TrackingTool
-from qaccel.train.tracking import (
+from qaccel.tracking.tools import (
     CsvTracker,
     MlflowTracker,
     TensorBoardTracker,

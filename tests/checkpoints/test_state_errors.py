@@ -18,7 +18,7 @@ from support.states import Unwritable
 from torch.utils.data import DataLoader, TensorDataset
 
 from qaccel import Accelerator, CheckpointError, consolidate, storage
-from qaccel.train import checkpoint
+from qaccel.checkpoints import state as checkpoint
 
 pytestmark = pytest.mark.timeout(180)
 

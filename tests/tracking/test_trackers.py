@@ -251,7 +251,7 @@ class _Finishing:
 
 
 def test_closing_finishes_every_tracker_even_after_one_fails():
-    from qaccel.train.trackers import Trackers
+    from qaccel.tracking.trackers import Trackers
 
     for failed in (False, True):
         trackers = Trackers()

@@ -1,4 +1,4 @@
-"""The experiment trackers the Trainer (and the Accelerator's ``log_with``, see qaccel/train/trackers.py) writes
+"""The experiment trackers the Trainer (and the Accelerator's ``log_with``, see qaccel/tracking/trackers.py) writes
 metrics, hyperparameters and figures through (rank 0 only): TensorBoard (the Trainer's default), MLflow, Weights &
 Biases, or a CSV file.
 
@@ -198,10 +198,9 @@ def _state_dict(model: torch.nn.Module) -> dict[str, Any]:
     the GPU. A model sharded by strategy='fsdp' holds only this rank's shards: TypeError."""
     import torch
 
-    from qaccel.train.prepare import unwrap_model
-    from qaccel.train.sharding import is_sharded
+    from qaccel.wrapping import inner_module, is_sharded
 
-    model = unwrap_model(model)
+    model = inner_module(model)
     if is_sharded(model):
         raise TypeError(
             f"log_model cannot log a model sharded by strategy='fsdp' ({type(model).__name__}): rank 0 "
