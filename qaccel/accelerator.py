@@ -53,6 +53,7 @@ from qaccel.train import (
     seeding,
     sharding,
     stopping,
+    strategies,
 )
 from qaccel.train.batch_size import release_memory
 from qaccel.train.registry import GradientState, Registry
@@ -290,9 +291,9 @@ class Accelerator:
         ``MULTI_CPU``."""
         if self.world_size == 1:
             return DistributedType.NO
-        if self.strategy is Strategy.FSDP:
-            return DistributedType.FSDP
-        return DistributedType.MULTI_GPU if self.device.type == "cuda" else DistributedType.MULTI_CPU
+        kind = strategies.of(self.strategy).distributed_type(self.device)
+        assert kind is not None  # a rank's device is known
+        return kind
 
     @property
     def use_distributed(self) -> bool:
@@ -327,7 +328,7 @@ class Accelerator:
             )
         on_nodes = options.ON_THE_NODES
         return AcceleratorState(
-            DistributedType.FSDP if self.strategy is Strategy.FSDP else on_nodes,
+            strategies.of(self.strategy).distributed_type(None) or on_nodes,
             self.num_processes,
             self.process_index,
             self.local_process_index,

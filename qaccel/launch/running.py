@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from qaccel.comm import session
 from qaccel.comm.session import RankContext
-from qaccel.options import Config, Strategy
+from qaccel.options import Config
 
 R = TypeVar("R")
 
@@ -41,7 +41,7 @@ def rank_session(
         ctx,
         config.timeout,
         store=store,
-        group_of_one=config.strategy is Strategy.FSDP,
+        group_of_one=config.strategy.needs_a_group_alone,
         debug=config.debug,
         key=key,
         **options,

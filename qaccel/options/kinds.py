@@ -42,6 +42,11 @@ class Strategy(enum.StrEnum):
     DDP = "ddp"
     FSDP = "fsdp"
 
+    @property
+    def needs_a_group_alone(self) -> bool:
+        """Whether a session of one rank still makes a process group: FSDP2's device mesh needs one."""
+        return self is Strategy.FSDP
+
 
 class Backend(enum.StrEnum):
     GLOO = "gloo"
