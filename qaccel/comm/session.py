@@ -28,7 +28,7 @@ import torch.distributed.nn.functional
 
 from qaccel.comm import hangs, sealed
 from qaccel.environment import Environment, gpus, usable_cores
-from qaccel.options import Backend, Config, DeviceType
+from qaccel.options import Backend, DeviceType
 
 
 @dataclass(frozen=True)
@@ -208,22 +208,30 @@ def explain_timeout(exc: BaseException) -> None:
         run.watch.explain(exc, hangs.traceback_frames(exc.__traceback__))
 
 
-def plan(config: Config, env: Environment) -> RankContext:
-    """The rank this process is (or, in a plain caller, rank 0 of the world it would launch)."""
-    world, local_world = env.world(config.nprocs)
-    return rank_context(config, env.rank, env.local_rank, env.node_rank, world, local_world)
+def plan(env: Environment, nprocs: int, device_type: DeviceType | None, backend: Backend | None) -> RankContext:
+    """The rank this process is (or, in a plain caller, rank 0 of the world of ``nprocs`` it would launch), on a
+    device of ``device_type`` talking over ``backend`` (the resolved options; None: decided on a cluster job's
+    nodes)."""
+    world, local_world = env.world(nprocs)
+    return rank_context(env.rank, env.local_rank, env.node_rank, world, local_world, device_type, backend)
 
 
 def rank_context(
-    config: Config, rank: int, local_rank: int, node_rank: int, world: int, local_world: int
+    rank: int,
+    local_rank: int,
+    node_rank: int,
+    world: int,
+    local_world: int,
+    device_type: DeviceType | None,
+    backend: Backend | None,
 ) -> RankContext:
     """Rank ``rank`` (``local_rank`` of ``local_world`` on node ``node_rank``) and its device: the GPU it sees, or the
     one its local rank picks (environment/gpus.py)."""
     device = torch.device("cpu")
-    if config.device_type is DeviceType.CUDA:
+    if device_type is DeviceType.CUDA:
         choice = gpus.choose(local_rank, local_world, gpus.cuda_device_count(), gpus.node_gpus())
         device = torch.device("cuda", choice.index)
-    return RankContext(rank, local_rank, node_rank, world, local_world, device, config.backend)
+    return RankContext(rank, local_rank, node_rank, world, local_world, device, backend)
 
 
 def env_store(ctx: RankContext, timeout: float, session_number: int) -> dist.Store:

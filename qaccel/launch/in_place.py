@@ -88,7 +88,7 @@ def run(
 def _this_rank(config: Config, env: Environment) -> tuple[RankContext, Callable[[int], dist.Store | None]]:
     """This process's rank, its launcher's variables exported, and how its sessions open their rendezvous store
     (the launcher's, numbered by session; none in a single process, whose group finds its own)."""
-    ctx = session.plan(config, env)
+    ctx = session.plan(env, config.nprocs, config.device_type, config.backend)
     if env.kind.exports_rank_variables:
         _export_rank_variables(env)
     if env.kind.started_by_launcher:  # its ranks share the launcher's stdout and stderr, as ours share the caller's

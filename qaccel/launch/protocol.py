@@ -40,7 +40,7 @@ class Runner:
         raise NotImplementedError
 
     def planned(self) -> RankContext:
-        return session.plan(self.config, self.env)
+        return session.plan(self.env, self.config.nprocs, self.config.device_type, self.config.backend)
 
     def join(self) -> RankContext | None:
         return None

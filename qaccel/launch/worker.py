@@ -136,7 +136,9 @@ def rank_main(
     loopback = session.loopback_interface()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
     os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
-    ctx = session.rank_context(config, spec.rank, spec.rank, 0, spec.world_size, spec.world_size)
+    ctx = session.rank_context(
+        spec.rank, spec.rank, 0, spec.world_size, spec.world_size, config.device_type, config.backend
+    )
 
     def store(session_number: int) -> dist.Store:
         timeout = datetime.timedelta(seconds=config.timeout)
