@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import qaccel
 from qaccel.accelerator import Accelerator
+from qaccel.checkpoints import folders
 from qaccel.checkpoints import state as checkpoint
 from qaccel.comm import hangs, session
 from qaccel.environment import Environment, detect
@@ -217,7 +218,7 @@ def consolidate(args: argparse.Namespace) -> int:
 
 def inspect(args: argparse.Namespace) -> int:
     """A checkpoint's world, step and loader positions, without loading it."""
-    seen = checkpoint.inspect(args.checkpoint)
+    seen = folders.inspect(args.checkpoint)
     print(f"checkpoint   {seen['path']}")
     print(f"written by   {seen['world_size']} rank(s){', sharded (FSDP)' if seen['sharded'] else ''}")
     print(f"step         {seen['step']} optimizer updates, of {seen['accumulation_steps']} micro-step(s) each")

@@ -7,36 +7,25 @@ import concurrent.futures
 import errno
 import functools
 import glob
-import hashlib
 import json
 import os
-import random
-import re
 import secrets
 import shutil
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
-import numpy as np
 import torch
 
 from qaccel import storage, unpickling
-from qaccel.checkpoints import background
+from qaccel.checkpoints import background, folders, random_states
 from qaccel.comm import agreement, collectives
 from qaccel.comm.session import RankContext
 from qaccel.errors import CheckpointError
 from qaccel.train import prepare, sharding
 from qaccel.train.registry import Registry
 from qaccel.wrapping import is_sharded
-
-MODEL_FILE = "model.pt"
-MARKER_FILE = "qaccel_state.json"  # written last: a checkpoint folder holding it is complete
-SHARDED_DIR = "sharded"  # strategy="fsdp": models and optimizers, in torch.distributed.checkpoint's format
-FORMAT = 2  # the marker lists every file's size and checksum
-_NUMBERED = re.compile(r"checkpoint_(\d+)")
-_SIDE = re.compile(r"\.(tmp|old)-[0-9a-f]{12}")  # what a save makes beside its target: .tmp-/.old- + token_hex(6)
 
 T = TypeVar("T")
 
@@ -82,7 +71,7 @@ def save_model(model: torch.nn.Module, directory: str | os.PathLike[str], ctx: R
     if ctx.rank != 0:
         return
     os.makedirs(directory, exist_ok=True)
-    save(state, os.path.join(directory, MODEL_FILE), ctx)
+    save(state, os.path.join(directory, folders.MODEL_FILE), ctx)
 
 
 # ---- saving ----
@@ -133,7 +122,9 @@ def save_state(
     )  # its copy takes no new memory: pages go in the thread
     if not later:
         _hand_on_pages(directory, target, numbered, ctx.rank)
-    tmp = _from_rank_0(functools.partial(_new_tmp, target), ctx, _failed(ctx, "save_state()", "making its folder"))
+    tmp = _from_rank_0(
+        functools.partial(folders.new_tmp, target), ctx, _failed(ctx, "save_state()", "making its folder")
+    )
     try:
         saving = _collect(directory, target, tmp, numbered, keep, registry, ctx, in_background)
     except BaseException:
@@ -158,7 +149,7 @@ def _hand_on_pages(directory: str, target: str, numbered: bool, rank: int) -> No
     cached one is what made the blocking save slower than torch.save overwriting its own file
     (benchmarks/repeated_save.py)."""
     if numbered:
-        complete = _numbered(directory)
+        complete = folders.numbered_in(directory)
         previous = complete[-1][1] if complete else None
     else:
         previous = target if os.path.isdir(target) else None
@@ -167,7 +158,7 @@ def _hand_on_pages(directory: str, target: str, numbered: bool, rank: int) -> No
     if rank == 0:
         storage.release(previous)
     else:
-        for shard in glob.glob(os.path.join(glob.escape(previous), SHARDED_DIR, f"__{rank}_*")):
+        for shard in glob.glob(os.path.join(glob.escape(previous), folders.SHARDED_DIR, f"__{rank}_*")):
             storage.release(shard)
 
 
@@ -188,7 +179,7 @@ def _collect(
     marker: dict[str, Any] = {}
     sharded, rng = None, None
     try:
-        rng = _rng_state()
+        rng = random_states.rng_state()
         if registry.mesh is not None:
             sharded = sharding.state_dicts(registry.models, _optimizers(registry))
         if ctx.rank == 0:
@@ -249,7 +240,7 @@ def _write(saving: _Saving, ctx: RankContext, peers: background.Peers) -> None:
         if saving.hand_on_pages:
             _hand_on_pages(saving.directory, target, saving.numbered, ctx.rank)
         if saving.sharded is not None:  # sharded models: every rank writes its own shards
-            sharded = os.path.join(tmp, SHARDED_DIR)
+            sharded = os.path.join(tmp, folders.SHARDED_DIR)
             sharding.save_sharded(sharded, saving.sharded, peers.group)
             shard_sums = _own_shard_sums(sharded, ctx.rank)
     except (KeyboardInterrupt, SystemExit):
@@ -271,7 +262,7 @@ def _write(saving: _Saving, ctx: RankContext, peers: background.Peers) -> None:
             _write_checkpoint(saving, [sums for sums, _ in gathered])
             if saving.numbered and saving.keep is not None:
                 doing, after = "removing older checkpoints", f"; the new checkpoint {target} is complete"
-                _prune(saving.directory, saving.keep)
+                folders.prune(saving.directory, saving.keep)
         except Exception as exc:  # noqa: BLE001 - told to every rank, then raised on every rank
             failure = _named(exc, saving, ctx.rank)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -303,46 +294,6 @@ def _saving_failed(full: OSError, target: str, written: int | None) -> OSError:
     )
 
 
-def _new_tmp(target: str) -> str:
-    """A new temporary folder beside ``target`` (what killed saves left there removed first), once ``target`` is
-    known to be a folder the save may replace."""
-    _check_replaceable(target)
-    for stale in _beside(target, "tmp"):
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = f"{target}.tmp-{secrets.token_hex(6)}"
-    os.makedirs(tmp)
-    return tmp
-
-
-def _check_replaceable(target: str) -> None:
-    """FileExistsError unless ``target`` is free, an empty folder or a checkpoint: the save swaps a new folder in
-    whole, so a folder of the user's own files (or a file) would be lost."""
-    if not os.path.lexists(target):
-        return
-    if os.path.islink(target) or not os.path.isdir(target):
-        what = "a symbolic link" if os.path.islink(target) else "a file"
-        raise FileExistsError(
-            errno.EEXIST,
-            f"save_state() would replace {target}, which is {what}: give a folder, "
-            "new or a checkpoint, or keep=K to keep numbered checkpoints inside a folder",
-            target,
-        )
-    names = sorted(os.listdir(target))
-    if names and MARKER_FILE not in names:
-        raise FileExistsError(
-            errno.EEXIST,
-            f"save_state() replaces its folder whole, and {target} is not a qaccel "
-            f"checkpoint (it holds {_held(names)}), so nothing was written: give a new or empty "
-            "folder, or keep=K to keep numbered checkpoints inside this one",
-            target,
-        )
-
-
-def _held(names: list[str]) -> str:
-    """What a folder holds, in words: its first names and how many there are."""
-    return ", ".join(names[:8]) + (f", ... ({len(names)} entries)" if len(names) > 8 else "") if names else "nothing"
-
-
 def _optimizers(registry: Registry) -> list[torch.optim.Optimizer]:
     return [o.optimizer for o in registry.optimizers]
 
@@ -351,7 +302,7 @@ def _own_shard_sums(sharded: str, rank: int) -> dict[str, dict[str, int]]:
     """Sizes and checksums of the shard files this rank wrote (torch.distributed.checkpoint names them
     ``__<rank>_*``), taken while they are in the page cache; rank 0 sums whatever no rank claimed."""
     return {
-        f"{SHARDED_DIR}/{name}": storage.sums(os.path.join(sharded, name)).to_json()
+        f"{folders.SHARDED_DIR}/{name}": storage.sums(os.path.join(sharded, name)).to_json()
         for name in sorted(os.listdir(sharded))
         if name.startswith(f"__{rank}_")
     }
@@ -370,13 +321,13 @@ def _write_checkpoint(saving: _Saving, gathered: list[dict[str, dict[str, int]]]
     for rank, (rng, shard_sums) in enumerate(zip(saving.rngs, gathered)):
         files[f"random_states_{rank}.pt"] = storage.save(rng, os.path.join(tmp, f"random_states_{rank}.pt")).to_json()
         files.update(shard_sums)
-    for base, _, names in os.walk(os.path.join(tmp, SHARDED_DIR)):
+    for base, _, names in os.walk(os.path.join(tmp, folders.SHARDED_DIR)):
         for name in names:
             relative = os.path.relpath(os.path.join(base, name), tmp).replace(os.sep, "/")
             if relative not in files:
                 files[relative] = storage.sums(os.path.join(base, name)).to_json()
     marker = {**saving.marker, "files": dict(sorted(files.items()))}
-    storage.write_bytes(json.dumps(marker, indent=1).encode(), os.path.join(tmp, MARKER_FILE))
+    storage.write_bytes(json.dumps(marker, indent=1).encode(), os.path.join(tmp, folders.MARKER_FILE))
     directory = saving.target
     old = f"{directory}.old-{secrets.token_hex(6)}" if os.path.exists(directory) else None
     if old:
@@ -389,7 +340,7 @@ def _write_checkpoint(saving: _Saving, gathered: list[dict[str, dict[str, int]]]
 def _new_marker(registry: Registry, world_size: int) -> dict[str, Any]:
     """The marker's entries but the files, as the registry says now."""
     marker: dict[str, Any] = {
-        "format": FORMAT,
+        "format": folders.FORMAT,
         "step": registry.updates,
         "world_size": world_size,
         "accumulation_steps": registry.accumulation_steps,
@@ -417,81 +368,7 @@ def _parts(registry: Registry) -> dict[str, list[Any]]:
     return parts
 
 
-def _prune(directory: str, keep: int) -> None:
-    """Remove all but the ``keep`` newest complete checkpoints of ``directory``, backups already replaced, and what
-    killed saves left (rank 0, the only writer, has finished writing)."""
-    complete = _numbered(directory)
-    for _, path in complete[:-keep]:
-        shutil.rmtree(path)
-    kept = {path for _, path in complete[-keep:]}
-    for name in os.listdir(directory):
-        path = os.path.join(directory, name)
-        if (match := _NUMBERED.match(name)) and _SIDE.fullmatch(name, match.end()) and path not in kept:
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def _beside(target: str, kind: str) -> list[str]:
-    """The folders saves of ``target`` made beside it (``kind``: ``tmp`` or ``old``), known by their names: a
-    user's ``<target>.tmp-mine`` is none of them."""
-    return [
-        path
-        for path in glob.glob(f"{glob.escape(target)}.{kind}-*")
-        if (match := _SIDE.fullmatch(path, len(target))) and match.group(1) == kind and os.path.isdir(path)
-    ]
-
-
 # ---- finding checkpoints ----
-
-
-def _numbered(directory: str) -> list[tuple[int, str]]:
-    """(step, path) of the complete checkpoints in ``directory``, oldest first. A save that died between its two
-    renames counts through its ``.old-*`` backup, as long as no checkpoint of that step replaced it."""
-    found: dict[int, str] = {}
-    try:
-        names = sorted(os.listdir(directory))
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    for name in names:  # "checkpoint_N" sorts before its "checkpoint_N.old-*"
-        match = _NUMBERED.match(name)
-        path = os.path.join(directory, name)
-        if match is None or not os.path.isfile(os.path.join(path, MARKER_FILE)):
-            continue
-        step = int(match.group(1))
-        side = _SIDE.fullmatch(name, match.end())
-        if match.end() == len(name) or (side is not None and side.group(1) == "old" and step not in found):
-            found[step] = path
-    return sorted(found.items())
-
-
-def _candidates(directory: str) -> list[str]:
-    """The checkpoints load_state(directory) may read, the preferred first: ``directory`` itself if it is one, else
-    its complete ``checkpoint_<step>`` folders, newest first; else the backup a save left between its renames."""
-    if os.path.isfile(os.path.join(directory, MARKER_FILE)):
-        return [directory]
-    numbered = [path for _, path in reversed(_numbered(directory))]
-    if numbered:
-        return numbered
-    backups = sorted(_beside(directory, "old"), key=os.path.getmtime)
-    return backups[-1:]  # a save died between its two renames: the previous checkpoint
-
-
-def newest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
-    """The checkpoint load_state(directory) reads first; None if there is none."""
-    candidates = _candidates(os.path.abspath(os.fspath(directory)))
-    return candidates[0] if candidates else None
-
-
-def _not_a_checkpoint(path: str) -> FileNotFoundError:
-    """What is at ``path`` instead of a checkpoint, in an error."""
-    if not os.path.lexists(path):
-        return FileNotFoundError(f"no checkpoint at {path}: there is no such file or folder")
-    if not os.path.isdir(path):
-        return FileNotFoundError(f"no checkpoint at {path}: it is a file; give the checkpoint's folder")
-    held = _held(sorted(os.listdir(path)))
-    return FileNotFoundError(
-        f"{path} is not a qaccel checkpoint: it holds no {MARKER_FILE} (written last, so a half-written checkpoint "
-        f"has none) and no complete checkpoint_<step> folder; it holds {held}"
-    )
 
 
 # ---- loading ----
@@ -532,14 +409,14 @@ def load_state(
     directory = os.path.abspath(os.fspath(directory))
     background.wait(registry)  # a background save in flight may be writing the checkpoint asked for
     candidates = _from_rank_0(
-        functools.partial(_candidates, directory),
+        functools.partial(folders.candidates_in, directory),
         ctx,
         _failed(ctx, "load_state()", f"looking for a checkpoint in {directory}", ""),
     )
     if not candidates:
         if missing_ok:
             return None
-        raise _not_a_checkpoint(directory)
+        raise folders.not_a_checkpoint(directory)
     skipped: list[CheckpointError] = []
     for found in candidates:
         try:
@@ -613,8 +490,8 @@ def _read_share(
     misfit: tuple[str, str | None] | None = None
     read = None
     try:
-        marker = _marker(found)
-    except _Unreadable as exc:
+        marker = folders.read_marker(found)
+    except folders.Unreadable as exc:
         problems.append((1, exc.file, exc.why))
     else:
         files = sorted(marker["files"].items())
@@ -636,7 +513,7 @@ def _read_share(
             if misfit is None:
                 try:
                     read = _read_parts(found, marker, registry, ctx, allow_pickle)
-                except _Unreadable as exc:
+                except folders.Unreadable as exc:
                     problems.append((1, exc.file, exc.why))
                 except unpickling.Untrusted as exc:
                     misfit = (f"checkpoint {found} was not loaded: {exc}", exc.path)
@@ -648,42 +525,12 @@ def _read_share(
     return read
 
 
-class _Unreadable(Exception):
-    def __init__(self, file: str, why: str) -> None:
-        super().__init__(f"{file} {why}")
-        self.file, self.why = file, why
-
-
-def _marker(directory: str) -> dict[str, Any]:
-    """The checkpoint's marker: complete means a marker of this FORMAT, listing every file (one rule)."""
-    try:
-        with open(os.path.join(directory, MARKER_FILE), "rb") as f:
-            marker = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise _Unreadable(MARKER_FILE, f"cannot be read ({exc})") from exc
-    if not isinstance(marker, dict) or marker.get("format") != FORMAT or not isinstance(marker.get("files"), dict):
-        raise _Unreadable(MARKER_FILE, f"is not what save_state() writes (format {FORMAT}, listing every file)")
-    return marker
-
-
-def _listed(marker: dict[str, Any], kind: str) -> int:
-    """How many ``kind`` parts (``<kind>_0.pt``, ``<kind>_1.pt``, ...) the marker lists."""
-    count = 0
-    while f"{kind}_{count}.pt" in marker["files"]:
-        count += 1
-    return count
-
-
-def _sharded(marker: dict[str, Any]) -> bool:
-    return "sharded" in marker
-
-
 def _read_parts(
     found: str, marker: dict[str, Any], registry: Registry, ctx: RankContext, allow_pickle: bool | None
 ) -> _Read:
     """The parts the marker lists, read as plain data; a registered object's state that needs more, and a sharded
     checkpoint's metadata (torch.distributed.checkpoint pickles it), as ``allow_pickle`` says (unpickling.py)."""
-    read = _Read(marker, _sharded(marker))
+    read = _Read(marker, folders.marks_sharded(marker))
     kinds = (
         ["scheduler", "loader", "registered"]
         if read.sharded
@@ -692,7 +539,7 @@ def _read_parts(
     for kind in kinds:
         read.parts[kind] = [
             _read(found, f"{kind}_{i}.pt", ctx, registered=kind == "registered", allow_pickle=allow_pickle)
-            for i in range(_listed(marker, kind))
+            for i in range(folders.listed_count(marker, kind))
         ]
     if registry.scaler is not None:
         read.parts["scaler"] = [_read(found, "scaler.pt", ctx)]
@@ -700,12 +547,14 @@ def _read_parts(
         read.rng = _read(found, f"random_states_{ctx.rank}.pt", ctx)
     if read.sharded:
         unpickling.check(
-            os.path.join(found, SHARDED_DIR), "torch.distributed.checkpoint pickles its metadata", allow_pickle
+            os.path.join(found, folders.SHARDED_DIR), "torch.distributed.checkpoint pickles its metadata", allow_pickle
         )
         try:
-            read.shapes = sharding.saved_shapes(os.path.join(found, SHARDED_DIR))
+            read.shapes = sharding.saved_shapes(os.path.join(found, folders.SHARDED_DIR))
         except Exception as exc:
-            raise _Unreadable(f"{SHARDED_DIR}/.metadata", f"cannot be read ({type(exc).__name__}: {exc})") from exc
+            raise folders.Unreadable(
+                f"{folders.SHARDED_DIR}/.metadata", f"cannot be read ({type(exc).__name__}: {exc})"
+            ) from exc
     return read
 
 
@@ -721,20 +570,20 @@ def _read(found: str, name: str, ctx: RankContext, registered: bool = False, all
         raise
     except Exception as exc:
         first = str(exc).splitlines()[0].split(". ")[0] if str(exc) else ""
-        raise _Unreadable(name, f"cannot be read ({type(exc).__name__}: {first})") from exc
+        raise folders.Unreadable(name, f"cannot be read ({type(exc).__name__}: {first})") from exc
 
 
 def _check_counts(found: str, marker: dict[str, Any], registry: Registry) -> None:
     """Raise CheckpointError, before any file is read, when the checkpoint holds other numbers of objects than this
     run prepared and registered."""
     counts = {"scheduler": registry.schedulers, "loader": registry.loaders, "registered": registry.registered}
-    if _sharded(marker):
+    if folders.marks_sharded(marker):
         for kind, objects in (("model", registry.models), ("optimizer", registry.optimizers)):
             _check_count(found, kind, marker.get("sharded", {}).get(kind, 0), len(objects))
     else:
         counts = {"model": registry.models, "optimizer": registry.optimizers, **counts}
     for kind, objects in counts.items():
-        _check_count(found, kind, _listed(marker, kind), len(objects))
+        _check_count(found, kind, folders.listed_count(marker, kind), len(objects))
 
 
 def _check_fit(found: str, read: _Read, registry: Registry, ctx: RankContext) -> None:
@@ -747,7 +596,7 @@ def _check_fit(found: str, read: _Read, registry: Registry, ctx: RankContext) ->
             saved = {k: tuple(v.shape) for k, v in read.parts["model"][i].items() if torch.is_tensor(v)}
         mismatch = _first_mismatch(saved, _target(model))
         if mismatch:
-            file = SHARDED_DIR if read.sharded else f"model_{i}.pt"
+            file = folders.SHARDED_DIR if read.sharded else f"model_{i}.pt"
             raise CheckpointError(
                 f"checkpoint {found} was not written for this run's model {i} (prepared model "
                 f"number {i}): {mismatch}; nothing was loaded",
@@ -859,7 +708,7 @@ def _apply_everywhere(found: str, read: _Read, registry: Registry, ctx: RankCont
 def _apply(found: str, read: _Read, registry: Registry, ctx: RankContext) -> None:
     """Load what was read into the prepared objects (a sharded checkpoint's models and optimizers are read here)."""
     if read.sharded:
-        sharding.load_sharded(os.path.join(found, SHARDED_DIR), registry.models, _optimizers(registry))
+        sharding.load_sharded(os.path.join(found, folders.SHARDED_DIR), registry.models, _optimizers(registry))
     elif registry.mesh is not None:  # a DDP checkpoint's full states, into sharded models
         sharding.load_full(registry.models, _optimizers(registry), read.parts["model"], read.parts["optimizer"])
     else:
@@ -877,10 +726,10 @@ def _apply(found: str, read: _Read, registry: Registry, ctx: RankContext) -> Non
     if registry.scaler is not None:
         registry.scaler.load_state_dict(read.parts["scaler"][0])
     if _world(read.marker, ctx) == ctx.world_size:
-        _set_rng_state(read.rng)
+        random_states.set_rng_state(read.rng)
     else:  # one rank's states cannot stand for another's: every rank derives its own
         seed = read.parts["loader"][0]["seed"] if read.parts["loader"] else 0
-        _seed_rng_states(seed, int(read.marker["step"]), ctx.rank)
+        random_states.seed_rng_states(seed, int(read.marker["step"]), ctx.rank)
     registry.updates = int(read.marker["step"])
     registry.trackers.restore(read.marker.get("trackers"))
     if registry.keep_global_batch:
@@ -893,50 +742,10 @@ def _apply(found: str, read: _Read, registry: Registry, ctx: RankContext) -> Non
             )
 
 
-def inspect(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """What a checkpoint holds, read without loading it: its path (the newest of a folder of them), the world that
-    wrote it, its step, whether it is sharded, and each prepared loader's position and batch."""
-    found = _found(os.path.abspath(os.fspath(path)))
-    try:
-        marker = _marker(found)
-    except _Unreadable as exc:
-        raise CheckpointError(f"checkpoint {found}: {exc}", found) from None
-    accumulation = int(marker.get("accumulation_steps", 1))
-    loaders = []
-    for i in range(_listed(marker, "loader")):
-        state = torch.load(os.path.join(found, f"loader_{i}.pt"), weights_only=True)
-        world = int(state.get("world_size", marker.get("world_size", 1)))
-        batch = state.get("batch_size")
-        loaders.append(
-            {
-                **state,
-                "global_batch": None
-                if batch is None
-                else batch * accumulation * (1 if state.get("split_batches") else world),
-            }
-        )
-    return {
-        "path": found,
-        "world_size": marker.get("world_size"),
-        "step": marker.get("step"),
-        "accumulation_steps": accumulation,
-        "sharded": _sharded(marker),
-        "loaders": loaders,
-    }
-
-
-def _found(directory: str) -> str:
-    """``directory`` if it is a checkpoint, else the newest complete one in it."""
-    candidates = _candidates(directory)
-    if not candidates:
-        raise _not_a_checkpoint(directory)
-    return candidates[0]
-
-
 def resumed_line(found: str, registry: Registry, ctx: RankContext) -> str:
     """What resume() did, in one line: the checkpoint, the world that wrote it and this one, where the first
     prepared loader goes on, and what became of the batch of all ranks together."""
-    marker = _marker(found)
+    marker = folders.read_marker(found)
     written, saved = _world(marker, ctx), _saved_accumulation(marker, registry)
     line = f"qaccel: resumed {os.path.basename(found)} (written by {written} rank{'s' * (written != 1)})"
     line += f" on {ctx.world_size} rank{'s' * (ctx.world_size != 1)}"
@@ -974,27 +783,27 @@ def consolidate(
     newest is read). Runs in one process, without ranks. Returns the checkpoint read. A sharded checkpoint's
     metadata is a pickle: read as ``allow_pickle`` says (unpickling.py)."""
     path = os.path.abspath(os.fspath(checkpoint))
-    found = newest_checkpoint(path)
+    found = folders.newest_checkpoint(path)
     if found is None:
-        raise _not_a_checkpoint(path)
+        raise folders.not_a_checkpoint(path)
     try:
-        marker = _marker(found)
+        marker = folders.read_marker(found)
         for name, recorded in sorted(marker["files"].items()):
             if why := storage.damage(os.path.join(found, name), recorded):
-                raise _Unreadable(name, why)
-        sharded = os.path.join(found, SHARDED_DIR)
-        if _sharded(marker):
+                raise folders.Unreadable(name, why)
+        sharded = os.path.join(found, folders.SHARDED_DIR)
+        if folders.marks_sharded(marker):
             unpickling.check(sharded, "torch.distributed.checkpoint pickles its metadata", allow_pickle)
             state = sharding.read_full_model(sharded, model)
         elif f"model_{model}.pt" in marker["files"]:
             state = torch.load(os.path.join(found, f"model_{model}.pt"), map_location="cpu", weights_only=True)
         else:
             raise CheckpointError(
-                f"checkpoint {found} holds no model {model} (it holds {_listed(marker, 'model')})", found
+                f"checkpoint {found} holds no model {model} (it holds {folders.listed_count(marker, 'model')})", found
             )
     except unpickling.Untrusted as exc:
         raise CheckpointError(f"checkpoint {found} was not read: {exc}", found, exc.path) from None
-    except _Unreadable as exc:
+    except folders.Unreadable as exc:
         raise CheckpointError(
             f"checkpoint {found} is damaged: {exc}", found, os.path.join(found, exc.file), damaged=True
         ) from exc
@@ -1004,35 +813,3 @@ def consolidate(
         raise CheckpointError(f"checkpoint {found} cannot be read: {type(exc).__name__}: {exc}", found) from exc
     storage.save(state, out)
     return found
-
-
-def _rng_state() -> dict[str, Any]:
-    """This process's random states in types torch.load(weights_only=True) accepts."""
-    # the legacy global RandomState is an MT19937: its legacy state is this tuple, never the dict
-    state = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
-    name, keys, pos, has_gauss, cached = state
-    return {
-        "python": random.getstate(),
-        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
-    }
-
-
-def _seed_rng_states(seed: int, step: int, rank: int) -> None:
-    """Seed every random generator from the run's shuffling seed, the step and the rank: deterministic, and
-    different on every rank (a resume on another number of ranks)."""
-    digest = hashlib.blake2b(f"{seed}/{step}/{rank}".encode(), digest_size=8).digest()
-    derived = int.from_bytes(digest, "big") % 2**63
-    random.seed(derived)
-    np.random.seed(derived % 2**32)
-    torch.manual_seed(derived)  # CUDA's generators too
-
-
-def _set_rng_state(saved: dict[str, Any]) -> None:
-    random.setstate(saved["python"])
-    name, keys, pos, has_gauss, cached = saved["numpy"]
-    np.random.set_state((name, keys.cpu().numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(saved["torch"].cpu())
-    if saved["cuda"]:
-        torch.cuda.set_rng_state_all([s.cpu() for s in saved["cuda"]])

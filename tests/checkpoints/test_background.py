@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from qaccel import Accelerator, Preempted
 from qaccel.checkpoints import background
-from qaccel.checkpoints.state import MARKER_FILE, newest_checkpoint
+from qaccel.checkpoints.folders import MARKER_FILE, newest_checkpoint
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -18,6 +18,7 @@ from support.states import Unwritable
 from torch.utils.data import DataLoader, TensorDataset
 
 from qaccel import Accelerator, CheckpointError, consolidate, storage
+from qaccel.checkpoints import folders
 from qaccel.checkpoints import state as checkpoint
 
 pytestmark = pytest.mark.timeout(180)
@@ -419,9 +420,9 @@ def _every_failure(acc, root):
         saved("rename", acc.save_state, os.path.join(root, "new"))
     acc.save_state(os.path.join(root, "numbered"), keep=1)
     _train(acc, model, optimizer, loader, 1)
-    with _broken(checkpoint, "_prune", PermissionError(errno.EACCES, "Permission denied"), 0, rank):
+    with _broken(folders, "prune", PermissionError(errno.EACCES, "Permission denied"), 0, rank):
         saved("pruning", functools.partial(acc.save_state, keep=1), os.path.join(root, "numbered"))
-    with _broken(checkpoint, "_candidates", PermissionError(errno.EACCES, "Permission denied"), 0, rank):
+    with _broken(folders, "candidates_in", PermissionError(errno.EACCES, "Permission denied"), 0, rank):
         saved("finding", acc.load_state, os.path.join(root, "after"))
     with _broken(checkpoint, "_check_fit", MemoryError("no memory left to check"), 1, rank):
         saved("reading", acc.load_state, os.path.join(root, "after"))
