@@ -85,3 +85,85 @@ def test_the_check_sees_an_upward_import(tmp_path):
     path = tmp_path / "fake.py"
     path.write_text("from qaccel.train import checkpoint\nimport qaccel.launch.caller\n")
     assert {_layer(name) for name in _imports(path)} == {3, 5} and _layer("qaccel.comm.fake") == 1
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan's algorithm): each is a circle of imports."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _import_graph() -> dict[str, set[str]]:
+    modules = {name.removesuffix(".__init__"): path for name, path in _modules().items()}
+    graph = {}
+    for module, path in modules.items():
+        if module in ("qaccel", "qaccel.__main__"):  # re-exports: above everything
+            continue
+        graph[module] = {name if name in modules else name.rpartition(".")[0] for name in _imports(path)}
+        graph[module] = {name for name in graph[module] if name in modules and name != module}
+    return graph
+
+
+def test_no_module_imports_itself_back():
+    """No circle of modules, not even through annotations: two modules that need each other's types share them
+    through a small module both import (as train/registry.py's protocols do)."""
+    assert _circles(_import_graph()) == []
+
+
+def test_the_circle_check_sees_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _circles(graph) == [["a", "b", "c"]]
+
+
+def _names_from(path: Path, prefix: str) -> set[str]:
+    tree = ast.parse(path.read_text())
+    return {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(prefix)
+        for alias in node.names
+    }
+
+
+def test_comm_is_handed_pieces_of_the_options_not_the_whole_config():
+    """comm needs a rank's device type, backend, world and timeout, and is handed those: an option added to the
+    Config cannot reach it unseen."""
+    takers = [path.name for path in (PACKAGE / "comm").glob("*.py") if "Config" in _names_from(path, "qaccel.options")]
+    assert takers == []
+
+
+def test_launch_knows_nothing_of_training_checkpoints_or_trackers():
+    """Getting fn onto the ranks is apart from what fn does there."""
+    found = {
+        f"{path.name} imports {name}"
+        for path in (PACKAGE / "launch").glob("*.py")
+        for name in _imports(path)
+        if name.startswith(("qaccel.train", "qaccel.checkpoints", "qaccel.tracking"))
+    }
+    assert found == set()

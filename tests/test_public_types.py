@@ -1,6 +1,6 @@
 """What a type checker and an IDE see of the public API: pyright (what VS Code's Pylance runs) on a user's script
 reports a wrong option type, an unknown option, a value outside a closed set and an unknown member, and nothing in a
-correct script."""
+correct script (callbacks written as qadence's, annotated with the Trainer and TrainConfig, included)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 GOOD = """
 import torch
-from qaccel import Accelerator
+from qaccel import Accelerator, TrainConfig, Trainer
+from qaccel.callbacks import Callback
+
+
+class Show(Callback):  # qadence's override, its parameters annotated with the classes a callback is handed
+    def run_callback(self, trainer: Trainer, config: TrainConfig, writer) -> None:
+        print(trainer.current_epoch, config.max_iter)
+
+
+def show(trainer: Trainer, config: TrainConfig, writer) -> None:
+    print(trainer.global_step)
+
+
+CALLBACKS = [Show(on="train_epoch_end"), Callback(on="train_end", callback=show)]
 
 
 def train(acc: Accelerator, width: int) -> float:

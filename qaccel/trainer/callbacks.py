@@ -5,149 +5,29 @@ ranks in step; the ones that print or write do so on rank 0 only. One that raise
 that rank's traceback, as any error in a distributed function does. A callback with state (early stopping's
 patience, a schedule's base rates) has ``state_dict``/``load_state_dict``: the Trainer keeps that state in its
 checkpoints, so a resumed fit continues where it stopped.
+
+The base class ``Callback``, ``Stage`` and ``OptimizeResult`` are defined in hooks.py, which the config and the
+Trainer import too, and are importable from here as before.
 """
 
 from __future__ import annotations
 
-import enum
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
-import torch
-
 from qaccel.options import count
+from qaccel.trainer.hooks import Callback, ConfigView, OptimizeResult, Stage, TrainerView
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
     from qaccel.tracking.tools import Tracker
-    from qaccel.trainer.config import TrainConfig
-    from qaccel.trainer.trainer import Trainer
-
-
-class Stage(enum.StrEnum):
-    """The points of training a callback can run at (qadence's names)."""
-
-    TRAIN_START = "train_start"
-    TRAIN_END = "train_end"
-    TRAIN_EPOCH_START = "train_epoch_start"
-    TRAIN_EPOCH_END = "train_epoch_end"
-    TRAIN_BATCH_START = "train_batch_start"
-    TRAIN_BATCH_END = "train_batch_end"
-    VAL_EPOCH_START = "val_epoch_start"
-    VAL_EPOCH_END = "val_epoch_end"
-    VAL_BATCH_START = "val_batch_start"
-    VAL_BATCH_END = "val_batch_end"
-    TEST_BATCH_START = "test_batch_start"
-    TEST_BATCH_END = "test_batch_end"
-
-    @property
-    def per_batch(self) -> bool:
-        """Whether the stage comes once per batch: its ``called_every`` counts batches."""
-        return "_batch_" in self.value
-
-
-@dataclass
-class OptimizeResult:
-    """Where training is, for callbacks: the epoch (``iteration``), the model and optimizer, the latest loss and
-    metrics (``train_*``, ``val_*`` or ``test_*``, as plain floats), ``extra`` for callbacks' own use, the rank and
-    its device (qadence's fields, in its order), and ``batch``.
-
-    At batch stages, ``batch`` is the batch's number (from 1): counted over the whole fit in training (resumed fits
-    included), within the pass in validation and test; the loss and metrics are the batch's. At other stages they
-    are the epoch's means.
-    """
-
-    iteration: int
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    loss: float | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
-    rank: int = 0
-    device: str = "cpu"
-    batch: int = 0
-
-
-CallbackFunction = Callable[["Trainer", "TrainConfig", "Tracker | None"], Any]
-
-
-class Callback:
-    """Run ``callback(trainer, config, tracker)`` (or a subclass's ``run_callback``) at stage ``on``.
-
-    Args:
-        on: the stage (a ``Stage`` or its name, e.g. ``"train_epoch_end"``).
-        called_every: every this many epochs, or batches at a batch stage (at ``train_start`` and ``train_end``:
-            always); 0: never.
-        callback: the function to run, for a callback that is not a subclass.
-        callback_condition: ``condition(optimize_result) -> bool``, checked first.
-        modify_optimize_result: a function of the OptimizeResult returning it changed, or a dict merged into its
-            ``extra``, applied before the callback runs.
-    """
-
-    def __init__(
-        self,
-        on: Stage | str = Stage.TRAIN_EPOCH_END,
-        called_every: int = 1,
-        callback: CallbackFunction | None = None,
-        callback_condition: Callable[[OptimizeResult], bool] | None = None,
-        modify_optimize_result: Callable[[OptimizeResult], OptimizeResult] | dict[str, Any] | None = None,
-    ) -> None:
-        self.on = on
-        count("called_every", called_every, 0)
-        if callback is not None and not callable(callback):
-            raise TypeError(f"callback must be a function (trainer, config, tracker); got {callback!r}")
-        self.called_every = called_every
-        self.callback = callback
-        self.callback_condition = callback_condition
-        self.modify_optimize_result = modify_optimize_result
-
-    @property
-    def on(self) -> Stage:
-        return self._on
-
-    @on.setter
-    def on(self, on: Stage | str) -> None:
-        try:
-            self._on = Stage(on)
-        except ValueError:
-            allowed = ", ".join(repr(s.value) for s in Stage)
-            raise ValueError(f"on must be one of {allowed}; got {on!r}") from None
-
-    def should_call(self, when: Stage, result: OptimizeResult) -> bool:
-        if when in (Stage.TRAIN_START, Stage.TRAIN_END):
-            return True
-        count = result.batch if when.per_batch else result.iteration
-        if self.called_every == 0 or count == 0 or count % self.called_every:
-            return False
-        return self.callback_condition is None or bool(self.callback_condition(result))
-
-    def __call__(self, when: Stage, trainer: Trainer, config: TrainConfig, tracker: Tracker | None) -> Any:
-        if when != self.on:
-            return None
-        if isinstance(self.modify_optimize_result, dict):
-            trainer.opt_result.extra.update(self.modify_optimize_result)
-        elif self.modify_optimize_result is not None:
-            trainer.opt_result = self.modify_optimize_result(trainer.opt_result)
-        if self.should_call(when, trainer.opt_result):
-            return self.run_callback(trainer, config, tracker)
-        return None
-
-    def run_callback(self, trainer: Trainer, config: TrainConfig, tracker: Tracker | None) -> Any:
-        if self.callback is None:
-            raise NotImplementedError(f"{type(self).__name__}: pass callback=... or override run_callback")
-        return self.callback(trainer, config, tracker)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(on={self.on.value!r}, called_every={self.called_every})"
 
 
 class PrintMetrics(Callback):
     """Print the latest loss and metrics on rank 0."""
 
-    def run_callback(self, trainer: Trainer, config: TrainConfig, tracker: Tracker | None) -> None:
+    def run_callback(self, trainer: TrainerView, config: ConfigView, writer: Tracker | None) -> None:
         if trainer.accelerator.is_main_process:
             result = trainer.opt_result
             values = "  ".join(f"{name} {value:.6g}" for name, value in sorted(result.metrics.items()))
@@ -159,37 +39,37 @@ class WriteMetrics(Callback):
     """Write the latest metrics to the tracker (rank 0): at a training batch stage the batch's, on the batch axis;
     elsewhere at the epoch as step."""
 
-    def run_callback(self, trainer: Trainer, config: TrainConfig, tracker: Tracker | None) -> None:
-        if tracker is not None and trainer.opt_result.metrics:
+    def run_callback(self, trainer: TrainerView, config: ConfigView, writer: Tracker | None) -> None:
+        if writer is not None and trainer.opt_result.metrics:
             trainer.write_metrics(trainer.opt_result.metrics)
 
 
 class PlotMetrics(Callback):
     """Log the figures of ``config.plotting_functions`` to the tracker (rank 0)."""
 
-    def run_callback(self, trainer: Trainer, config: TrainConfig, tracker: Tracker | None) -> None:
+    def run_callback(self, trainer: TrainerView, config: ConfigView, writer: Tracker | None) -> None:
         trainer.plot()
 
 
 class LogHyperparameters(Callback):
     """Log ``config.hyperparams`` (with the latest metrics) to the tracker (rank 0)."""
 
-    def run_callback(self, trainer: Trainer, config: TrainConfig, tracker: Tracker | None) -> None:
-        if tracker is not None and config.hyperparams:
-            tracker.log_hyperparams(config.hyperparams, trainer.opt_result.metrics)
+    def run_callback(self, trainer: TrainerView, config: ConfigView, writer: Tracker | None) -> None:
+        if writer is not None and config.hyperparams:
+            writer.log_hyperparams(config.hyperparams, trainer.opt_result.metrics)
 
 
 class SaveCheckpoint(Callback):
     """Save a numbered checkpoint in the run's ``checkpoints`` folder (every rank: a collective)."""
 
-    def run_callback(self, trainer: Trainer, config: TrainConfig, tracker: Tracker | None) -> None:
+    def run_callback(self, trainer: TrainerView, config: ConfigView, writer: Tracker | None) -> None:
         trainer.save_checkpoint()
 
 
 class SaveBestCheckpoint(Callback):
     """Save the ``best`` checkpoint when the latest validation is the best so far (every rank)."""
 
-    def run_callback(self, trainer: Trainer, config: TrainConfig, tracker: Tracker | None) -> None:
+    def run_callback(self, trainer: TrainerView, config: ConfigView, writer: Tracker | None) -> None:
         if trainer.validation_improved:
             trainer.save_checkpoint(best=True)
 
@@ -199,7 +79,7 @@ class LoadCheckpoint(Callback):
     ``config.log_folder``, as qadence's Trainer and ``write_checkpoint`` write them) into the model and optimizer,
     on every rank; returns ``(model, optimizer, iteration)``. A fit continues such a folder by itself."""
 
-    def run_callback(self, trainer: Trainer, config: TrainConfig, tracker: Tracker | None) -> Any:
+    def run_callback(self, trainer: TrainerView, config: ConfigView, writer: Tracker | None) -> Any:
         from qaccel.trainer import saveload
 
         model = trainer.accelerator.unwrap_model(trainer.model)
@@ -213,9 +93,9 @@ class LogModelTracker(Callback):
     """Log the model to the tracker (rank 0): MLflow logs it with its signature, CSV writes ``model.pt``;
     TensorBoard has no place for it and says so."""
 
-    def run_callback(self, trainer: Trainer, config: TrainConfig, tracker: Tracker | None) -> None:
-        if tracker is not None and trainer.accelerator.is_main_process:
-            tracker.log_model(
+    def run_callback(self, trainer: TrainerView, config: ConfigView, writer: Tracker | None) -> None:
+        if writer is not None and trainer.accelerator.is_main_process:
+            writer.log_model(
                 trainer.accelerator.unwrap_model(trainer.model),
                 trainer.train_dataloader,
                 trainer.val_dataloader,
@@ -238,7 +118,7 @@ class EarlyStopping(Callback):
         self.best = math.inf if mode == "min" else -math.inf
         self.counter = 0
 
-    def run_callback(self, trainer: Trainer, config: TrainConfig, tracker: Tracker | None) -> None:
+    def run_callback(self, trainer: TrainerView, config: ConfigView, writer: Tracker | None) -> None:
         metrics = trainer.opt_result.metrics
         if self.monitor not in metrics:
             raise KeyError(
@@ -267,7 +147,7 @@ class _Schedule(Callback):
         super().__init__(on, called_every)
         self.base: list[float] | None = None
 
-    def run_callback(self, trainer: Trainer, config: TrainConfig, tracker: Tracker | None) -> None:
+    def run_callback(self, trainer: TrainerView, config: ConfigView, writer: Tracker | None) -> None:
         groups = trainer.optimizer.param_groups
         if self.base is None:
             self.base = [group["lr"] for group in groups]
@@ -329,7 +209,7 @@ class GradientMonitoring(Callback):
     def __init__(self, on: Stage | str = Stage.TRAIN_BATCH_END, called_every: int = 1) -> None:
         super().__init__(on, called_every)
 
-    def run_callback(self, trainer: Trainer, config: TrainConfig, tracker: Tracker | None) -> None:
+    def run_callback(self, trainer: TrainerView, config: ConfigView, writer: Tracker | None) -> None:
         named = [
             (n, p.grad)
             for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()

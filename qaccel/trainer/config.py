@@ -23,7 +23,7 @@ import torch
 from qaccel import options
 from qaccel.environment import detect
 from qaccel.options import TrackingTool
-from qaccel.trainer.callbacks import Callback
+from qaccel.trainer.hooks import Callback
 
 
 class SchedulerStep(enum.StrEnum):
