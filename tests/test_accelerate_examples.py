@@ -284,23 +284,37 @@ ALONE = [
 ]
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("stem, args, env", ALONE)
-def test_an_example_runs_under_torchrun_and_the_notebook_launcher_as_under_accelerate(tmp_path, stem, args, env):
-    """One example per launch: under torchrun, through notebook_launcher, and under Accelerate (torchrun): the
-    same training under qaccel's two launches, the same printed metrics as Accelerate's."""
+@pytest.fixture(scope="module")
+def alone_runs(tmp_path_factory):
+    """The ALONE examples one after another in one launch each: under torchrun, through notebook_launcher, and
+    under Accelerate (torchrun) where it is installed."""
     component.installed("transformers")
-    if stem == "schedule_free":
-        component.installed("schedulefree")
-    runs = [(stem, args, env)]
-    torchrun = _launch("torchrun", runs, PORTS, tmp_path, tmp_path / "torchrun")[0]
-    notebook = _launch("notebook", runs, PORTS, tmp_path, tmp_path / "notebook")[0]
-    assert [line for line in torchrun["lines"] if line.startswith("epoch ")], "metrics printed every epoch"
+    component.installed("schedulefree")
+    runs = [tuple(param.values) for param in ALONE]
+
+    def compute():
+        base = tmp_path_factory.mktemp("alone")
+        out = {how: _launch(how, runs, PORTS, base, base / how) for how in ("torchrun", "notebook")}
+        out["accelerate"] = None
+        if importlib.util.find_spec("accelerate") is not None:
+            files = _files(base / "accelerate_files", accelerate=True)
+            out["accelerate"] = _launch("torchrun", runs, files, base, base / "accelerate")
+        return out
+
+    return once_per_session(tmp_path_factory, "accelerate-examples-alone", compute)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("index", range(len(ALONE)), ids=[param.id for param in ALONE])
+def test_an_example_runs_under_torchrun_and_the_notebook_launcher_as_under_accelerate(alone_runs, index):
+    """Under torchrun and through notebook_launcher: the same training under qaccel's two launches, the same printed
+    metrics as Accelerate's."""
+    torchrun, notebook = alone_runs["torchrun"][index], alone_runs["notebook"][index]
+    assert torchrun["example"] == notebook["example"] == ALONE[index].values[0]
     epochs = [line for line in torchrun["lines"] if line.startswith("epoch ")]
+    assert epochs, "metrics printed every epoch"
     assert [line for line in notebook["lines"] if line.startswith("epoch ")] == epochs
     assert notebook["weights"] == torchrun["weights"] and len(set(torchrun["weights"])) == 1
     component.installed("accelerate")
-    theirs = _launch(
-        "torchrun", runs, _files(tmp_path / "accelerate_files", accelerate=True), tmp_path, tmp_path / "accelerate"
-    )[0]
+    theirs = alone_runs["accelerate"][index]
     assert [line for line in theirs["lines"] if line.startswith("epoch ")] == epochs
