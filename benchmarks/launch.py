@@ -274,14 +274,14 @@ def child_qaccel_seed(world: int, kind: str, top: int = 0) -> dict:
     return {"call": ready - t_call, "ready": ready, "steps": max(s for _, s in results)}
 
 
-KERNEL_IMPORTS = {
-    "qaccel": "import time, torch\nfrom qaccel import Accelerator\nimport launch",
+KERNEL_IMPORTS = {  # qaccel's Accelerator is made in the import cell: its server starts there, as in a script's top
+    "qaccel": "import time, torch\nfrom qaccel import Accelerator\nimport launch\n"
+    'acc = Accelerator(nprocs={world}, compute_setup="cpu")',
     "accelerate": "import tempfile, time, torch\nfrom accelerate import notebook_launcher\nimport launch",
 }
 KERNEL_LAUNCH = {
     "qaccel": """
 t_call = time.time()
-acc = Accelerator(nprocs={world}, compute_setup="cpu")
 
 def train(model, optimizer, x, y):
     return launch._seed_work(model, optimizer, x, y, acc.prepare, acc.wait_for_everyone)
@@ -300,9 +300,9 @@ with tempfile.TemporaryDirectory() as out_dir:
 
 
 def child_kernel(world: int, kind: str, runner: str, pause: int = 0) -> dict:
-    """A first launch in a Jupyter kernel, the set-up-first script as a notebook: an import cell, a set-up cell, then
-    the launch cell, timed from the call; run back to back ("Run All"), or ``pause`` seconds after the import cell
-    (a person running the cells)."""
+    """A first launch in a Jupyter kernel, the set-up-first script as a notebook: an import cell (which makes qaccel's
+    Accelerator), a set-up cell, then the launch cell, timed from the call; run back to back ("Run All"), or
+    ``pause`` seconds after the import cell (a person running the cells)."""
     import textwrap
 
     import jupyter_client
@@ -315,7 +315,7 @@ def child_kernel(world: int, kind: str, runner: str, pause: int = 0) -> dict:
     try:
         client.wait_for_ready(timeout=60)
         cells = [
-            KERNEL_IMPORTS[runner],
+            KERNEL_IMPORTS[runner].format(world=world),
             f"time.sleep({pause})" if pause else "",
             f"built = launch._seed_setup('{kind}')",
             KERNEL_LAUNCH[runner].format(world=world, kind=kind),
