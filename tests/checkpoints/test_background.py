@@ -283,9 +283,10 @@ def test_saves_in_a_row_wait_for_each_other_and_reuse_one_copy_until_free_memory
     assert at_call[0] <= 1.25 * STATE_MIB + 4, f"the first save takes one copy of the state: {at_call} MiB"
     assert max(at_call[1:]) <= 0.25 * STATE_MIB + 4, f"the later ones copy into it: {at_call} MiB"
     # RSS after saves 5, 10, 15, 20: the heap may grow once while the first saves run (+8 MiB over saves 5 to 15 in a
-    # loaded suite, then flat); a kept copy per save would add a state's size each time
+    # loaded suite, then flat) and move by a few MiB either way (387 then 379 then 383 MiB in one run); a kept copy
+    # per save would add a state's size each time, five of them over the last 5 saves
     assert idle[-1] <= idle[0] + STATE_MIB, f"20 saves grow the process by less than one state: {idle} MiB"
-    assert idle[-1] <= idle[-2] + 0.25 * STATE_MIB, f"the last 5 saves do not grow the process: {idle} MiB"
+    assert idle[-1] <= max(idle[:-1]) + 0.25 * STATE_MIB, f"the last 5 saves do not grow the process: {idle} MiB"
     assert freed and all(freed), "free_memory() lets the copy go (RSS need not fall: glibc keeps freed heap memory)"
 
 
