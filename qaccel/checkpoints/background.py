@@ -234,11 +234,12 @@ class Saves:
         self.peers: Peers | None = None
         self.staging: Staging | None = None
 
-    def poll(self, ctx: RankContext | None) -> None:
+    def poll(self) -> None:
         """At a step, on every rank: raise the failure of a save in flight once it ended on every rank, or forget
-        it."""
+        it. Nothing else is done without a save in flight: this runs at every optimizer step."""
         if self.flight is None:
             return
+        ctx = session.current()
         ended = self.flight.ended()
         if ctx is not None and ctx.world_size > 1:
             run = session.current_run()

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from qaccel.comm import session
 from qaccel.train import sharding
 from qaccel.wrapping import is_sharded
 
@@ -68,7 +67,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self.step_was_skipped = False
         registry = self._registry
         if registry.saves is not None:  # a background save's failure is raised here, at the same step on every rank
-            registry.saves.poll(session.current())
+            registry.saves.poll()
         if registry.accumulation_steps > 1 and not registry.accumulating_loop:
             raise RuntimeError(_outside_accumulate(registry))
         if not registry.sync_gradients:

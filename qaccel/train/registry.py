@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
-from qaccel.comm.session import RankContext
 from qaccel.tracking.trackers import Trackers
 from qaccel.train.shards import BatchShard
 
@@ -79,7 +78,7 @@ class Optimizer(Protocol):
 class BackgroundSaves(Protocol):
     """What the training step and the session's end ask of the background saves (checkpoints.background.Saves)."""
 
-    def poll(self, ctx: RankContext | None) -> None:
+    def poll(self) -> None:
         """At a step: raise the failure of a save that ended on every rank."""
         ...
 
