@@ -608,6 +608,28 @@ def _step_at_or_after(line: str, start_step: int) -> bool:
     return len(fields) >= 3 and fields[2].lstrip("-").isdigit() and int(fields[2]) >= start_step
 
 
+def _init_wandb(wandb: Any, kwargs: dict[str, Any]) -> Any:
+    """``wandb.init(**kwargs)``. A process started by one that runs a W&B service (a notebook's kernel, a script
+    that called ``wandb.init``) talks to that service (``WANDB_SERVICE``). A rank killed with its run open leaves
+    the run in that service, which then refuses to resume it ("run ID ... is in use") for as long as its owner
+    lives: this process then starts a service of its own, as one with no owner to inherit from does."""
+    try:
+        return wandb.init(**kwargs)
+    except Exception as error:
+        if "is in use" not in str(error):
+            raise
+        token = os.environ.get("WANDB_SERVICE", "")
+        owner = token.split("-")[1] if token.count("-") >= 2 else ""
+        if not owner.isdigit() or int(owner) == os.getpid() or wandb.run is not None:
+            raise RuntimeError(
+                f"W&B run {kwargs.get('id')!r} is open already in the W&B service this process uses "
+                f"(WANDB_SERVICE={token or 'unset'}): finish it there first ({error})"
+            ) from error
+    wandb.teardown()  # closes this process's connection only: the service is its owner's
+    os.environ.pop("WANDB_SERVICE")
+    return wandb.init(**kwargs)
+
+
 class WandbTracker(_Opened):
     """A Weights & Biases run, made by ``wandb.init(project=project, **init_kwargs)``; wandb's own variables apply
     (``WANDB_MODE=offline``, ``WANDB_DIR``, ``WANDB_PROJECT``, ``WANDB_API_KEY``, ...). The run's local files go to
@@ -647,7 +669,7 @@ class WandbTracker(_Opened):
                 kwargs["resume"] = "allow"
         elif run_name and "name" not in kwargs:
             kwargs["name"] = run_name
-        self.run = wandb.init(**kwargs)
+        self.run = _init_wandb(wandb, kwargs)
         self.run.define_metric("batch")
         self.run.define_metric("batch/*", step_metric="batch")
         self._opened, self._step = True, start_step

@@ -3,9 +3,11 @@ which prints the records of the ``.wandb`` file as JSON lines)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,8 @@ def offline_runs(wandb_dir: Path) -> list[dict[str, Any]]:
     resumed attempt's folder ends with the id and a suffix (``-1``): the id is the run record's."""
     runs = []
     for folder in sorted(Path(wandb_dir).glob("offline-run-*"), key=lambda p: p.stat().st_mtime_ns):
+        if not any(folder.glob("run-*.wandb")):  # an init the service refused ("run ID ... is in use") made it
+            continue
         done = subprocess.run(
             [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(folder)],
             capture_output=True,
@@ -43,3 +47,18 @@ def offline_runs(wandb_dir: Path) -> list[dict[str, Any]]:
 def curve(run: dict[str, Any], name: str, axis: str = "_step") -> list[tuple[int, Any]]:
     """``name``'s points (``axis`` value, value) in a run's history."""
     return [(row[axis], row[name]) for row in run["history"] if name in row]
+
+
+@contextlib.contextmanager
+def a_wandb_service() -> Iterator[str]:
+    """A W&B service owned by another live process (as a notebook kernel that ran ``wandb.init`` owns one): yields
+    its ``WANDB_SERVICE`` token, which processes started with it in their environment connect to."""
+    code = "import os, sys, wandb; wandb.setup(); print(os.environ['WANDB_SERVICE'], flush=True); sys.stdin.read()"
+    owner = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        token = owner.stdout.readline().strip()
+        assert token.startswith("3-"), f"wandb.setup() printed {token!r}"
+        yield token
+    finally:
+        owner.stdin.close()
+        owner.wait(timeout=60)

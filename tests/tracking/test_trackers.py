@@ -13,7 +13,7 @@ import pytest
 import torch
 from support import component
 from support.procs import result_lines, run_torchrun, script_env, script_file
-from support.wandb_records import curve, offline_runs
+from support.wandb_records import a_wandb_service, curve, offline_runs
 
 from qaccel import Accelerator, ProjectConfiguration
 
@@ -136,12 +136,16 @@ def test_two_ranks_write_once_from_rank_0_and_a_resumed_job_continues_its_runs_w
 @pytest.mark.timeout(200)
 def test_a_torchrun_job_killed_after_its_checkpoint_continues_its_runs_when_run_again(tmp_path):
     """Accelerate's script order under torchrun: the rank killed after step 4 (checkpoint after step 3); the job
-    run again continues the TensorBoard run from step 4 and the same W&B run."""
+    run again continues the TensorBoard run from step 4 and the same W&B run. Both jobs start from a shell whose
+    W&B service (a notebook's, say) they share, as wandb has child processes do: the killed rank's run stays open
+    there, and the job run again still resumes it."""
     script, folder = script_file("accelerate_trackers.py"), tmp_path / "project"
     env = script_env(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=str(tmp_path))
-    killed = run_torchrun(script, str(folder), "4", cwd=tmp_path, env=env, timeout=150)
-    assert killed.returncode != 0 and not result_lines(killed.stdout), killed.stderr[-2000:]
-    again = run_torchrun(script, str(folder), "-1", cwd=tmp_path, env=env, timeout=150)
+    with a_wandb_service() as token:
+        env["WANDB_SERVICE"] = token
+        killed = run_torchrun(script, str(folder), "4", cwd=tmp_path, env=env, timeout=150)
+        assert killed.returncode != 0 and not result_lines(killed.stdout), killed.stderr[-2000:]
+        again = run_torchrun(script, str(folder), "-1", cwd=tmp_path, env=env, timeout=150)
     said = [line for line in again.stderr.splitlines() if line.startswith("[rank0]")]  # the root cause's own lines
     assert again.returncode == 0, "\n".join(said[-40:]) + "\n" + again.stderr[-3000:]
     [result] = result_lines(again.stdout)
@@ -154,7 +158,6 @@ def test_a_torchrun_job_killed_after_its_checkpoint_continues_its_runs_when_run_
         [(s, 100.0 + s) for s in range(4)] + [(s, float(s)) for s in (4, 5)]
     ), "steps 0-3 of the killed job, once"
     runs = offline_runs(tmp_path / "wandb")
-    # SIGKILL left the killed attempt's offline log empty (wandb-core writes it every 15 s): its id is its folder's
     assert [(r["id"], r["resume"]) for r in runs] == [(result["wandb_id"], False), (result["wandb_id"], True)]
     assert curve(runs[1], "loss") == [(4, 4), (5, 5)] and runs[1]["config"] == {"lr": 0.1}
 
