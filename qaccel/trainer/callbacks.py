@@ -12,6 +12,7 @@ Trainer import too, and are importable from here as before.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import TYPE_CHECKING, Any, cast
 
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
     from qaccel.tracking.tools import Tracker
+
+logger = logging.getLogger(__name__)
 
 
 class PrintMetrics(Callback):
@@ -49,6 +52,9 @@ class PlotMetrics(Callback):
 
     def run_callback(self, trainer: TrainerView, config: ConfigView, writer: Tracker | None) -> None:
         trainer.plot()
+
+
+WritePlots = PlotMetrics  # perceptrain's name
 
 
 class LogHyperparameters(Callback):
@@ -201,6 +207,74 @@ class LRSchedulerCosineAnnealing(_Schedule):
         )
 
 
+class LRSchedulerReduceOnPlateau(Callback):
+    """Multiply every group's learning rate by ``gamma`` when ``monitor`` (e.g. ``"train_loss"``, ``"val_loss"``)
+    has not improved by more than ``threshold`` for ``patience`` calls; a rate that would fall below ``min_lr`` is set
+    to it, and the rates then stay. perceptrain's callback, with its messages (``verbose``: rank 0 logs them at
+    INFO); every rank sees the same metrics, so the rates agree."""
+
+    def __init__(
+        self,
+        on: Stage | str,
+        called_every: int = 1,
+        monitor: str = "train_loss",
+        patience: int = 20,
+        mode: str = "min",
+        gamma: float = 0.5,
+        threshold: float = 1e-4,
+        min_lr: float = 1e-6,
+        verbose: bool = True,
+    ) -> None:
+        super().__init__(on, called_every)
+        if mode not in ("min", "max"):
+            raise ValueError(f"LRSchedulerReduceOnPlateau: mode must be 'min' or 'max'; got {mode!r}")
+        count("patience", patience, 1)
+        for name, value in (("gamma", gamma), ("threshold", threshold), ("min_lr", min_lr)):
+            if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"LRSchedulerReduceOnPlateau: {name} must be a number >= 0; got {value!r}")
+        self.monitor, self.patience, self.mode, self.gamma = monitor, patience, mode, gamma
+        self.threshold, self.min_lr, self.verbose = threshold, min_lr, verbose
+        self.best_value = math.inf if mode == "min" else -math.inf
+        self.counter = 0
+        self.reached_minimum_lr = False
+
+    def run_callback(self, trainer: TrainerView, config: ConfigView, writer: Tracker | None) -> None:
+        if self.reached_minimum_lr:
+            return
+        metrics = trainer.opt_result.metrics
+        if self.monitor not in metrics:
+            raise ValueError(
+                f"LRSchedulerReduceOnPlateau monitors {self.monitor!r}, which is not among the metrics at "
+                f"{self.on.value}: {sorted(metrics)}"
+            )
+        value = float(metrics[self.monitor])
+        better = (
+            value + self.threshold < self.best_value if self.mode == "min" else value - self.threshold > self.best_value
+        )
+        self.best_value, self.counter = (value, 0) if better else (self.best_value, self.counter + 1)
+        if self.counter < self.patience:
+            return
+        self.counter = 0
+        say = self.verbose and trainer.accelerator.is_main_process
+        for group in trainer.optimizer.param_groups:
+            lr = group["lr"] * self.gamma
+            if lr < self.min_lr:
+                group["lr"], self.reached_minimum_lr = self.min_lr, True
+                if say:
+                    logger.info("Learning rate has reached the minimum learning rate %s", self.min_lr)
+            else:
+                group["lr"] = lr
+                if say:
+                    logger.info("Loss has reached a plateau, reducing learning rate to %s", lr)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best_value": self.best_value, "counter": self.counter, "reached_minimum_lr": self.reached_minimum_lr}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best_value, self.counter = state["best_value"], state["counter"]
+        self.reached_minimum_lr = state["reached_minimum_lr"]
+
+
 class GradientMonitoring(Callback):
     """Write each parameter's gradient statistics, ``<name>_mean``, ``_std``, ``_max`` and ``_min`` (qadence's
     names), to the tracker (rank 0): per batch by default, on the batch axis; at an epoch stage, the epoch's last
@@ -234,6 +308,7 @@ __all__ = [
     "GradientMonitoring",
     "LRSchedulerCosineAnnealing",
     "LRSchedulerCyclic",
+    "LRSchedulerReduceOnPlateau",
     "LRSchedulerStepDecay",
     "LoadCheckpoint",
     "LogHyperparameters",
@@ -245,4 +320,5 @@ __all__ = [
     "SaveCheckpoint",
     "Stage",
     "WriteMetrics",
+    "WritePlots",
 ]
