@@ -193,11 +193,9 @@ def print_metrics(result: Any) -> None:
     print(msg)
 
 
-def _state_dict(model: torch.nn.Module) -> dict[str, Any]:
-    """The user's module's state_dict (inside a DDP wrapper), its tensors on the CPU so that the file loads without
-    the GPU. A model sharded by strategy='fsdp' holds only this rank's shards: TypeError."""
-    import torch
-
+def _whole_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's module (inside a DDP wrapper), to log whole. A model sharded by strategy='fsdp' holds only this
+    rank's shards: TypeError."""
     from qaccel.wrapping import inner_module, is_sharded
 
     model = inner_module(model)
@@ -206,6 +204,14 @@ def _state_dict(model: torch.nn.Module) -> dict[str, Any]:
             f"log_model cannot log a model sharded by strategy='fsdp' ({type(model).__name__}): rank 0 "
             "holds only its shards; save a checkpoint instead (SaveCheckpoint, trainer.save_checkpoint())"
         )
+    return model
+
+
+def _state_dict(model: torch.nn.Module) -> dict[str, Any]:
+    """The user's module's state_dict, its tensors on the CPU so that the file loads without the GPU."""
+    import torch
+
+    model = _whole_module(model)
     return {
         name: value.detach().cpu() if isinstance(value, torch.Tensor) else value
         for name, value in model.state_dict().items()
@@ -349,11 +355,12 @@ class TensorBoardTracker(_Opened):
         val_dataloader: Any = None,
         test_dataloader: Any = None,
     ) -> None:
-        """TensorBoard has nowhere to keep a model: nothing is logged, and a warning says so (as qadence logs one)."""
+        """TensorBoard has nowhere to keep a model: nothing is logged, and a warning says so in qadence's and
+        perceptrain's words, which scripts look for."""
         self._check_open()
         warnings.warn(
-            "TensorBoard cannot log a model: nothing was logged. Track to mlflow (the state_dict as an "
-            "artifact) or csv (model.pt in the tracking folder), or save a checkpoint (SaveCheckpoint, "
+            "Model logging is not supported by tensorboard. No model will be logged. Track to mlflow (an MLflow "
+            "model) or csv (model.pt in the tracking folder), or save a checkpoint (SaveCheckpoint, "
             "trainer.save_checkpoint())",
             stacklevel=2,
         )
@@ -558,18 +565,29 @@ class MlflowTracker(_Opened):
         val_dataloader: Any = None,
         test_dataloader: Any = None,
     ) -> None:
-        """The model's state_dict (torch.save) as the run's artifact model/state_dict.pt; ``torch.load`` it into the
-        model's class. Not qadence's ``mlflow.pytorch.log_model``: that call, as qadence makes it (no input example),
-        fails with MLflow 3.17 (mlflow-skinny 3.17.2: its default pt2 format traces the model on an example input),
-        and it logs to MLflow's global active run, which this tracker leaves alone. The data loaders are not used
-        (qadence infers a signature from the training one)."""
+        """The model as an MLflow model, the run's artifact ``model``, so that
+        ``mlflow.pytorch.load_model("runs:/<run id>/model")`` gives it back, as qadence and perceptrain intend; its
+        signature is inferred from the training data's first sample, as theirs from the first batch. MLflow's own
+        ``save_model`` writes it, pickled (cloudpickle, MLflow's default module), since MLflow 3's default pt2
+        format needs a model ``torch.export`` can trace; ``mlflow.pytorch.log_model`` itself would log to MLflow's
+        global active run, which this tracker leaves alone. Its requirements are MLflow's for PyTorch (torch,
+        cloudpickle): MLflow's inference of them, which imports the model in a new process, took 18 s here and
+        listed every package this process happened to import."""
         self._check_open()
-        import torch
+        import mlflow.pytorch
 
+        module = _whole_module(model)
         with tempfile.TemporaryDirectory(prefix="qaccel-model-") as folder:
-            path = Path(folder) / "state_dict.pt"
-            torch.save(_state_dict(model), path)  # a file of its own: the artifact store copies it
-            self._client.log_artifact(self._run_id, str(path), "model")
+            path = Path(folder) / "model"
+            signature = _signature(module, train_dataloader)
+            mlflow.pytorch.save_model(
+                module,
+                str(path),
+                signature=signature,
+                serialization_format="pickle",
+                pip_requirements=mlflow.pytorch.get_default_pip_requirements(),
+            )
+            self._client.log_artifacts(self._run_id, str(path), "model")
 
     def state(self) -> dict[str, Any]:
         return {} if self._run_id is None else {"run_id": self._run_id}
@@ -578,6 +596,34 @@ class MlflowTracker(_Opened):
         if self._run_id is not None and not self._closed:
             self._client.set_terminated(self._run_id)
         self._closed = True
+
+
+def _signature(module: torch.nn.Module, loader: Any) -> Any:
+    """MLflow's signature of ``module`` on the first sample of ``loader``'s dataset (its first item, when a sample
+    is a tuple), or None when that is no tensor. The loader itself is not iterated: that would move a prepared
+    loader's place in its epochs. The module runs once, without gradients, in eval mode."""
+    import torch
+    from mlflow.models import infer_signature
+
+    dataset = getattr(loader, "dataset", None)
+    try:
+        sample = dataset[0] if dataset is not None and len(dataset) > 0 else None
+    except (TypeError, NotImplementedError, IndexError, KeyError):  # an iterable dataset, or one with no 0
+        sample = None
+    x = sample[0] if isinstance(sample, tuple | list) and sample else sample
+    if not isinstance(x, torch.Tensor):
+        return None
+    device = next((p.device for p in module.parameters()), x.device)
+    training = module.training
+    try:
+        module.eval()
+        with torch.no_grad():
+            y = module(x.unsqueeze(0).to(device))
+    finally:
+        module.train(training)
+    if not isinstance(y, torch.Tensor):
+        return None
+    return infer_signature(x.unsqueeze(0).cpu().numpy(), y.detach().cpu().numpy())
 
 
 @contextlib.contextmanager

@@ -402,9 +402,12 @@ def _qadence_plots(figures):
 def test_a_qadence_callbacks_writer_calls_read_back_with_each_tools_reader(tool, tmp_path):
     """What qadence's callbacks call on their ``writer``: the metrics at the epoch given (tensors accepted), each
     figure under the name its function gave (no step added to a name with an image suffix), the hyperparameters,
-    the model's weights (TensorBoard: a warning, nothing logged); pyplot's figures closed once written."""
+    the model (MLflow: an MLflow model that mlflow.pytorch.load_model reads, its signature from the training data;
+    CSV: its weights; TensorBoard: a warning in qadence's words, nothing logged); pyplot's figures closed once
+    written."""
     _needs(tool)
     import torch
+    from torch.utils.data import DataLoader, TensorDataset
 
     pyplot = component.module("matplotlib.pyplot")
     model = torch.nn.Linear(3, 2)
@@ -417,10 +420,12 @@ def test_a_qadence_callbacks_writer_calls_read_back_with_each_tools_reader(tool,
     tracker.plot(model, 2, _qadence_plots(figures))
     tracker.log_hyperparams({"lr": 0.1})
     if tool == "tensorboard":
-        with pytest.warns(UserWarning, match=r"TensorBoard cannot log a model: nothing was logged\. Track to mlflow"):
+        with pytest.warns(
+            UserWarning, match=r"Model logging is not supported by tensorboard\. No model will be logged\."
+        ):
             tracker.log_model(model)
     else:
-        tracker.log_model(model)
+        tracker.log_model(model, DataLoader(TensorDataset(torch.randn(5, 3), torch.randn(5, 2)), batch_size=2))
     tracker.close()
 
     assert not pyplot.fignum_exists(figures[0].number)  # pyplot's closed; the other is left to its maker
@@ -440,12 +445,20 @@ def test_a_qadence_callbacks_writer_calls_read_back_with_each_tools_reader(tool,
         client = MlflowClient((tmp_path / "mlruns").absolute().as_uri())
         run_id = tracker.state()["run_id"]
         assert sorted(a.path for a in client.list_artifacts(run_id)) == ["curve_2.png", "error_epoch_2.png", "model"]
-        assert [a.path for a in client.list_artifacts(run_id, "model")] == ["model/state_dict.pt"]
+        assert "model/MLmodel" in [a.path for a in client.list_artifacts(run_id, "model")]
         files = {
             name: Path(client.download_artifacts(run_id, name, str(tmp_path / "download")))
-            for name in ("curve_2.png", "error_epoch_2.png", "model/state_dict.pt")
+            for name in ("curve_2.png", "error_epoch_2.png")
         }
-        weights = files.pop("model/state_dict.pt")
+        assert all(path.read_bytes().startswith(PNG) for path in files.values())
+        import mlflow.pytorch
+
+        mlflow.set_tracking_uri((tmp_path / "mlruns").absolute().as_uri())
+        loaded = mlflow.pytorch.load_model(f"runs:/{run_id}/model")  # MLflow's own reader, as qadence's users call it
+        assert type(loaded) is torch.nn.Linear and torch.equal(loaded.weight, model.weight)
+        signature = mlflow.models.get_model_info(f"runs:/{run_id}/model").signature.to_dict()
+        assert '"shape": [-1, 3]' in signature["inputs"] and '"shape": [-1, 2]' in signature["outputs"]
+        return
     else:
         files = {p.name: p for p in (tmp_path / "plots").iterdir()}
         assert sorted(files) == ["curve_00000002.png", "error_epoch_2.png"]
