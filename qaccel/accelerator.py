@@ -912,8 +912,11 @@ class Accelerator:
         return prepare.unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
 
     def prepare_batch(self, data: Any) -> Any:
-        """Move a batch to this rank's device, casting floating-point tensors to ``dtype``; labels keep theirs."""
-        return batch.prepare_batch(data, self.device, self.dtype)
+        """Move a batch to this rank's device, casting floating-point tensors to ``dtype``; labels keep theirs. A list
+        (what a DataLoader gives for a TensorDataset) comes back as a tuple, as from qadence's and perceptrain's;
+        the containers inside keep their types."""
+        prepared = batch.prepare_batch(data, self.device, self.dtype)
+        return tuple(prepared) if type(data) is list else prepared
 
 
 @dataclasses.dataclass(frozen=True)

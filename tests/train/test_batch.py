@@ -40,6 +40,16 @@ def test_facade_moves_and_casts_floats_only():
     assert out["mask"].dtype == torch.bool and out["mask"].tolist() == [True, False]
 
 
+def test_the_facade_gives_a_list_batch_back_as_a_tuple_as_qadence_does():
+    acc = Accelerator(compute_setup="cpu", dtype=torch.float64)
+    x, labels = torch.ones(2, 3), torch.tensor([0, 1])
+    out = acc.prepare_batch([x, [labels], {"y": labels}])
+    assert type(out) is tuple and type(out[1]) is list and type(out[2]) is dict, "only the outer list"
+    assert out[0].dtype == torch.float64 and out[1][0] is labels
+    assert type(acc.prepare_batch([x.double(), labels])) is tuple, "a batch already in place too"
+    assert type(acc.prepare_batch((x,))) is tuple and type(acc.prepare_batch({"x": x})) is dict
+
+
 def test_container_types_are_kept():
     x = torch.ones(1)
     ordered = OrderedDict([("b", x), ("a", x)])
