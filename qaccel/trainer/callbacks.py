@@ -57,6 +57,56 @@ class PlotMetrics(Callback):
 WritePlots = PlotMetrics  # perceptrain's name
 
 
+class LivePlotMetrics(Callback):
+    """Follow the metrics on screen as training goes, as perceptrain's callback does: rank 0 hands each call's
+    metrics to livelossplot's ``PlotLosses``, which draws them with matplotlib (in a notebook below the cell, from a
+    script in a window, when matplotlib's backend can show one). ``arrange``: the subplots, as
+    ``{title: [metric names]}``; by default one with every metric. Needs ``livelossplot`` (the ``plots`` extra)."""
+
+    def __init__(self, on: Stage | str, called_every: int, arrange: dict[str, list[str]] | None = None) -> None:
+        super().__init__(on, called_every)
+        try:
+            import livelossplot  # noqa: F401  (here, where the callback is made, not at the first epoch's end)
+        except ImportError as exc:
+            raise ImportError(
+                "LivePlotMetrics needs livelossplot: pip install livelossplot (from qaccel's checkout: "
+                "pip install -e '.[plots]')"
+            ) from exc
+        self.arrange = arrange
+        self.plot: Any = None  # livelossplot's PlotLosses, made at the first call on rank 0
+
+    def run_callback(self, trainer: TrainerView, config: ConfigView, writer: Tracker | None) -> None:
+        if not trainer.accelerator.is_main_process:
+            return
+        if self.plot is None:
+            import livelossplot
+            from livelossplot.outputs import MatplotlibPlot
+
+            groups = self.arrange or {"Training": list(trainer.opt_result.metrics)}
+            self.plot = livelossplot.PlotLosses(outputs=[MatplotlibPlot(after_plots=_show)], groups=groups)
+        self.plot.update(trainer.opt_result.metrics, current_step=trainer.opt_result.iteration)
+        self.plot.send()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**vars(self), "plot": None}  # the figure stays in the process that draws it
+
+
+def _show(figure: Any) -> None:
+    """Show livelossplot's figure: in a notebook, below the cell; from a script, a moment in its window, as
+    perceptrain does. A backend that cannot show (Agg, without a display) draws nothing, without a warning."""
+    import matplotlib
+    from livelossplot.plot_losses import get_mode
+    from matplotlib import pyplot
+
+    figure.tight_layout()
+    if get_mode() == "notebook":
+        pyplot.show()
+    elif matplotlib.get_backend().lower() not in ("agg", "pdf", "ps", "svg", "cairo", "template"):
+        pyplot.draw()
+        pyplot.pause(0.1)
+    pyplot.close(figure)
+
+
 class LogHyperparameters(Callback):
     """Log ``config.hyperparams`` (with the latest metrics) to the tracker (rank 0)."""
 
@@ -310,6 +360,7 @@ __all__ = [
     "LRSchedulerCyclic",
     "LRSchedulerReduceOnPlateau",
     "LRSchedulerStepDecay",
+    "LivePlotMetrics",
     "LoadCheckpoint",
     "LogHyperparameters",
     "LogModelTracker",

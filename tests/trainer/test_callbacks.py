@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from qaccel import TrainConfig, Trainer
-from qaccel.callbacks import Callback, LRSchedulerReduceOnPlateau, PlotMetrics, WritePlots
+from qaccel.callbacks import Callback, LivePlotMetrics, LRSchedulerReduceOnPlateau, PlotMetrics, WritePlots
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -100,3 +100,12 @@ def test_bad_arguments_are_refused_naming_them(fields, message):
 
 def test_write_plots_is_plot_metrics():
     assert WritePlots is PlotMetrics
+
+
+def test_live_plot_metrics_hands_rank_0s_metrics_to_livelossplot_every_call(tmp_path):
+    live = LivePlotMetrics("train_epoch_end", 2, arrange={"losses": ["train_loss"]})
+    _fit(tmp_path, _flat, live, max_iter=4)
+    history = live.plot.logger.log_history
+    assert [entry.step for entry in history["train_loss"]] == [2, 4]
+    assert [entry.value for entry in history["train_loss"]] == [1.0, 1.0]
+    assert live.plot.logger.groups == {"losses": ["train_loss"]}
