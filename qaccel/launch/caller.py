@@ -185,12 +185,13 @@ def _attempt(
             )
             ends = streams.ends if streams is not None else None
             proc = ctx.Process(target=worker.rank_main, args=(spec, writer, ends), name=f"qaccel-rank-{rank}")
-            _start_without_main(proc)
+            with _sigint_after():  # a Ctrl-C during start() comes once the rank is among those _stop() stops
+                _start_without_main(proc)
+                procs.append(proc)
+                readers.append(reader)
             writer.close()
             if streams is not None:
                 streams.close_ends()
-            procs.append(proc)
-            readers.append(reader)
         if received:  # a signal came while the ranks were starting: they get it too
             _forward(procs, received[0])
         failures = _supervise(procs, readers, run_dir, received.wake)
@@ -349,11 +350,20 @@ def _sigint_after() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    # Blocking SIGINT in this thread is not enough: another thread of the caller's can take it, and Python then
+    # runs the handler in this thread at its next instruction, inside the block. That raised KeyboardInterrupt
+    # in start() after the forkserver had forked the rank: a rank whose pid the caller never learnt, left waiting
+    # for its peers (seen under load). So the handler only notes the Ctrl-C until the block ends.
+    came: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum))
     held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a Ctrl-C that came meanwhile is delivered now
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+        if came:
+            signal.raise_signal(signal.SIGINT)  # the Ctrl-C, now, to the handler it was meant for
 
 
 def _dumps_payload(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
