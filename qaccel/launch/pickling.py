@@ -1,5 +1,5 @@
 """How a call travels to its ranks: fn and its arguments pickled by value with cloudpickle, keeping the file names
-of code pickled by value, and a failure that names the argument at fault."""
+of code pickled by value and a torch optimizer's own attributes, and a failure that names the argument at fault."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import collections
 import inspect
 import io
 import marshal
+import sys
 import types
 from collections.abc import Callable
 from typing import Any, ClassVar, cast
@@ -36,7 +37,41 @@ class _FileNamesKept(cloudpickle.Pickler):
             reduced = self._caller_state(obj)
             if reduced is not NotImplemented:
                 return reduced
+        if _torch_pickles_part_of(obj):
+            return _whole_optimizer(obj)
         return super().reducer_override(obj)
+
+
+# What a torch optimizer's pickle leaves out: its hooks (torch's __setstate__ makes them anew) and an LR scheduler's
+# wrapper of the instance's step (it holds a weak reference; the scheduler made on a rank wraps it again).
+_PROCESS_LOCAL = ("step", "_opt_called")
+
+
+def _torch_pickles_part_of(obj: Any) -> bool:
+    """Whether ``obj`` is a torch optimizer pickled by torch's ``Optimizer.__getstate__`` (not its class's own)."""
+    optim = sys.modules.get("torch.optim")  # not imported: obj is no optimizer
+    return (
+        optim is not None
+        and isinstance(obj, optim.Optimizer)
+        and type(obj).__getstate__ is optim.Optimizer.__getstate__
+    )
+
+
+def _whole_optimizer(optimizer: Any) -> tuple[Any, ...]:
+    """A torch optimizer with its own attributes: torch's ``Optimizer.__getstate__`` keeps only ``defaults``,
+    ``state`` and ``param_groups``, so on the ranks LBFGS would miss its ``_params`` and a subclass what its
+    ``__init__`` set (perceptrain's AdamLBFGS its inner Adam and L-BFGS, its step count)."""
+    state = {
+        name: value
+        for name, value in vars(optimizer).items()
+        if name not in _PROCESS_LOCAL and not (name.startswith("_optimizer_") and name.endswith("_hooks"))
+    }
+    return _new, (type(optimizer),), state
+
+
+def _new(cls: Any) -> Any:
+    """An instance of ``cls`` not yet initialised, for pickle to set its state (copyreg's ``__newobj__``)."""
+    return cls.__new__(cls)
 
 
 def dumps(obj: Any) -> bytes:
