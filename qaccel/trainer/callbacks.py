@@ -83,7 +83,8 @@ class LivePlotMetrics(Callback):
             from livelossplot.outputs import MatplotlibPlot
 
             groups = self.arrange or {"Training": list(trainer.opt_result.metrics)}
-            self.plot = livelossplot.PlotLosses(outputs=[MatplotlibPlot(after_plots=_show)], groups=groups)
+            outputs: Any = [MatplotlibPlot(after_plots=_show)]  # an instance: livelossplot's annotation says a class
+            self.plot = livelossplot.PlotLosses(outputs=outputs, groups=groups)
         self.plot.update(trainer.opt_result.metrics, current_step=trainer.opt_result.iteration)
         self.plot.send()
 

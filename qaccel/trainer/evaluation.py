@@ -87,7 +87,7 @@ def evaluate(
                     batch, size = map_leaves(batch, lambda t, real=size - padding: t[:real]), size - padding
                 elif padding:
                     size = 0  # counts for nothing, but every rank keeps every name
-                loss, metrics = trainer.loss_fn(model, batch)
+                loss, metrics = trainer._loss_order.call(trainer.loss_fn, model, batch)
                 values = loop.detached(phase, loss, metrics)
                 for name, value in values.items():
                     sums[name] = sums.get(name, 0.0) + value * size

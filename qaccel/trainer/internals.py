@@ -11,19 +11,18 @@ import math
 import pickle
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
 
 import torch
 
 from qaccel.trainer.hooks import Callback, Stage, TrainerView
+from qaccel.trainer.losses import BatchResult, LossOrder
 
 if TYPE_CHECKING:
     from qaccel.tracking.tools import Tracker
     from qaccel.trainer.config import TrainConfig
 
-LossFunction = Callable[[torch.nn.Module, Any], tuple[torch.Tensor, dict[str, Any]]]
 OptimizeStep = Callable[..., tuple[torch.Tensor, dict[str, Any]]]
-BatchResult = tuple[torch.Tensor, dict[str, Any]]  # a batch's (loss, metrics), as qadence's hooks get them
 
 
 class _Stateful(Protocol):
@@ -82,12 +81,13 @@ class TrainerInternals(TrainerView, Protocol):
     log_folder: Path | None
     history: list[dict[str, float]]
     _ng_params: Any
+    _loss_order: ClassVar[LossOrder]  # how the parts call loss_fn
 
     @property
     def config(self) -> TrainConfig: ...
 
     @property
-    def loss_fn(self) -> LossFunction: ...
+    def loss_fn(self) -> Callable[..., BatchResult]: ...
 
     @property
     def optimize_step(self) -> OptimizeStep | None: ...
@@ -124,7 +124,7 @@ class TrainerInternals(TrainerView, Protocol):
         self,
         model: torch.nn.Module,
         optimizer: Any,
-        loss_fn: LossFunction,
+        loss_fn: Callable[..., BatchResult],
         xs: Any,
         device: Any = None,
         dtype: Any = None,

@@ -8,10 +8,11 @@ through the Trainer (``trainer._train_batch``, ``trainer.on_train_epoch_end``, .
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import pickle
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -22,7 +23,8 @@ from qaccel.train.batch import real_dtype
 from qaccel.trainer import steps
 from qaccel.trainer.config import SchedulerStep
 from qaccel.trainer.hooks import OptimizeResult, Stage
-from qaccel.trainer.internals import BatchResult, LossFunction, TrainerInternals
+from qaccel.trainer.internals import BatchResult, TrainerInternals
+from qaccel.trainer.losses import LossOrder
 
 
 def train(trainer: TrainerInternals, train_loader: Any, val_loader: Any) -> None:
@@ -139,22 +141,35 @@ def train_batch(trainer: TrainerInternals, batch: Any) -> BatchResult:
 
 
 def optimize_step(
-    accelerator: Accelerator, model: torch.nn.Module, optimizer: Any, loss_fn: LossFunction, xs: Any
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    optimizer: Any,
+    loss_fn: Callable[..., BatchResult],
+    xs: Any,
+    order: LossOrder = LossOrder.MODEL_BATCH,
 ) -> BatchResult:
-    """qaccel's training step: the loss, its backward (scaled, divided over accumulation steps), the update.
-    An optimizer that needs a closure (LBFGS) gets one, evaluated as often as it asks, as qadence does."""
+    """qaccel's training step: the loss (``loss_fn`` called in ``order``), its backward (scaled, divided over
+    accumulation steps), the update. An optimizer whose step takes a closure gets one, as qadence's and perceptrain's
+    steps give it, evaluated as often as it asks (LBFGS, perceptrain's AdamLBFGS); torch's others evaluate it once.
+    Under fp16's GradScaler, which steps without a closure, and on the micro-steps of an accumulation, which do not
+    step, the loss is evaluated first and ``step()`` is called without one."""
     out: list[Any] = []
 
     def closure() -> torch.Tensor:
         if out:  # evaluated again (LBFGS): gradients of this evaluation only
             optimizer.zero_grad()
-        loss, metrics = loss_fn(model, xs)
+        loss, metrics = order.call(loss_fn, model, xs)
         accelerator.backward(loss)
         out[:] = [loss, metrics]
         return loss
 
-    if accelerator.sync_gradients and _needs_closure(optimizer):
+    if accelerator.sync_gradients and accelerator.scaler is None and takes_closure(optimizer):
         optimizer.step(closure)
+        if not out:
+            raise RuntimeError(
+                f"{_name(optimizer)}.step(closure) returned without calling its closure, so no loss was computed: "
+                "an optimizer that takes a closure must evaluate it"
+            )
     else:
         closure()
         optimizer.step()
@@ -163,17 +178,34 @@ def optimize_step(
 
 def gradient_free_step(trainer: TrainerInternals, batch: Any) -> BatchResult:
     """One nevergrad step (qadence's update_ng_parameters), telling the loss's mean over the ranks, so that every
-    rank's optimizer takes the same path."""
+    rank's optimizer takes the same path. Autograd stays on, as in qadence and perceptrain: a loss may take
+    gradients of its own (a physics-informed loss's derivatives of the model's output)."""
     acc = trainer.accelerator
 
     def mean(loss: torch.Tensor) -> float:
         return float(acc.reduce(loss.detach().reshape(()), reduction="mean")) if acc.world_size > 1 else float(loss)
 
-    with torch.no_grad():
-        loss, metrics, trainer._ng_params = steps.update_ng_parameters(
-            acc.unwrap_model(trainer.model), trainer._optimizer, trainer.loss_fn, batch, trainer._ng_params, told=mean
-        )
+    loss, metrics, trainer._ng_params = steps.update_ng_parameters(
+        acc.unwrap_model(trainer.model),
+        trainer._optimizer,
+        trainer.loss_fn,
+        batch,
+        trainer._ng_params,
+        told=mean,
+        order=trainer._loss_order,
+    )
     return loss, metrics
+
+
+def check_closure(optimizer: Any, scaled: bool) -> None:
+    """Refuse an optimizer whose step requires a closure where fp16's GradScaler steps it (``scaled``): torch's
+    GradScaler steps without one."""
+    if scaled and requires_closure(optimizer):
+        raise ValueError(
+            f"{_name(optimizer)}.step() requires a closure, which torch's GradScaler cannot pass: "
+            "mixed_precision='fp16' steps every optimizer through it. Train with mixed_precision='bf16' or 'no', "
+            "or with an optimizer that steps without a closure"
+        )
 
 
 # ---- an epoch's metrics and its end ----
@@ -262,8 +294,30 @@ def _first(loader: Any, count: int) -> Iterator[Any]:
             close()
 
 
-def _needs_closure(optimizer: Any) -> bool:
+def takes_closure(optimizer: Any) -> bool:
+    """Whether the optimizer's step() takes a closure (torch's optimizers do: LBFGS's requires one)."""
+    return _closure_parameter(_user_class(optimizer)) is not None
+
+
+def requires_closure(optimizer: Any) -> bool:
     """Whether the optimizer's step() requires a closure (LBFGS's does; Adam's takes an optional one)."""
-    inner = getattr(optimizer, "optimizer", optimizer)
-    parameter = inspect.signature(type(inner).step).parameters.get("closure")
+    parameter = _closure_parameter(_user_class(optimizer))
     return parameter is not None and parameter.default is inspect.Parameter.empty
+
+
+@functools.cache
+def _closure_parameter(optimizer_class: type) -> inspect.Parameter | None:
+    """The ``closure`` parameter of the class's step() (the class's: an LR scheduler wraps the instance's step)."""
+    try:
+        return inspect.signature(optimizer_class.step).parameters.get("closure")
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _user_class(optimizer: Any) -> type:
+    """The class of the user's optimizer, prepared (which holds it as ``.optimizer``) or not."""
+    return type(getattr(optimizer, "optimizer", optimizer))
+
+
+def _name(optimizer: Any) -> str:
+    return _user_class(optimizer).__name__

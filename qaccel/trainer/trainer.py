@@ -14,12 +14,13 @@ folder and tracker in runs.py (plots in plots.py, callbacks in callbacks.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 import pickle
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -39,28 +40,11 @@ from qaccel.trainer.callbacks import (
 )
 from qaccel.trainer.config import TrainConfig
 from qaccel.trainer.hooks import Callback, OptimizeResult, Stage
-from qaccel.trainer.internals import BatchResult, FitState, LossFunction, OptimizeStep
+from qaccel.trainer.internals import BatchResult, FitState, OptimizeStep
+from qaccel.trainer.losses import BatchFirstLossFunction, LossFunction, LossOrder
 
 CHECKPOINTS = "checkpoints"
 BEST = "best"
-
-
-def mse_loss(model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Mean squared error of ``model(inputs)`` against ``targets`` for a batch ``(inputs, targets)``."""
-    inputs, targets = batch
-    loss = torch.nn.functional.mse_loss(model(inputs), targets)
-    return loss, {"mse": loss}
-
-
-def cross_entropy_loss(model: torch.nn.Module, batch: Any) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Cross entropy of ``model(inputs)`` (logits) against class ``targets``, and the batch's accuracy."""
-    inputs, targets = batch
-    logits = model(inputs)
-    loss = torch.nn.functional.cross_entropy(logits, targets)
-    return loss, {"cross_entropy": loss, "accuracy": (logits.argmax(-1) == targets).float().mean()}
-
-
-LOSSES: dict[str, LossFunction] = {"mse": mse_loss, "cross_entropy": cross_entropy_loss}
 
 
 class Trainer:
@@ -69,18 +53,21 @@ class Trainer:
     Args:
         model: the model (a plain ``torch.nn.Module``).
         optimizer: its torch optimizer, or a nevergrad optimizer for gradient-free training
-            (``Trainer.set_use_grad(False)`` first, or ``with trainer.disable_grad_opt(ng_optimizer):``).
+            (``Trainer.set_use_grad(False)`` first), or None: then fit inside
+            ``with trainer.disable_grad_opt(ng_optimizer):`` (or ``enable_grad_opt(torch_optimizer)``).
         config: a TrainConfig.
-        loss_fn: ``"mse"``, ``"cross_entropy"`` or ``fn(model, batch) -> (loss, metrics)``; metrics are a dict of
-            numbers or scalar tensors, logged as ``train_<name>``, ``val_<name>`` or ``test_<name>``. Without a
-            training loader, ``batch`` is None: the function makes its own points.
+        loss_fn: ``"mse"``, ``"cross_entropy"`` or ``fn(model, batch) -> (loss, metrics)`` (qadence's order;
+            ``qaccel.perceptrain.Trainer`` calls ``fn(batch, model)``); metrics are a dict of numbers or scalar
+            tensors, logged as ``train_<name>``, ``val_<name>`` or ``test_<name>``. Without a training loader,
+            ``batch`` is None: the function makes its own points. A function whose parameters are named
+            ``(batch, model)`` is refused: it is written for perceptrain's order.
         train_dataloader: the training DataLoader, a ``DictDataLoader``, or None (then ``loss_fn(model, None)`` once
             per epoch); or pass it to fit().
         val_dataloader: the validation DataLoader (or pass it to fit()).
         test_dataloader: the test DataLoader (or pass it to test()).
         optimize_step: ``fn(model, optimizer, loss_fn, xs, device, dtype) -> (loss, metrics)``, one training step
-            of your own (qadence's argument); by default qaccel's, which accumulates gradients, scales fp16 losses
-            and passes a closure to optimizers that need one (LBFGS).
+            of your own (qadence's argument), handed ``loss_fn`` as you wrote it; by default qaccel's, which
+            accumulates gradients, scales fp16 losses and passes a closure to an optimizer whose step takes one.
         max_batches: at most this many batches per epoch; from a loader with no length (an infinite one) an epoch
             takes ``max_batches`` batches, by default one (qadence's rule).
         lr_scheduler: an LR scheduler of ``optimizer``, stepped per epoch or per optimizer update
@@ -88,14 +75,16 @@ class Trainer:
     """
 
     _use_grad: bool = True  # gradient-based training; set_use_grad() changes it for every Trainer, as in qadence
-    _optimizer: Any  # torch's or nevergrad's; inside a rank, prepared (the torch one wrapped: .optimizer)
+    _optimizer: Any  # torch's, nevergrad's or None; inside a rank, prepared (the torch one wrapped: .optimizer)
+    _loss_order: ClassVar[LossOrder] = LossOrder.MODEL_BATCH  # how every part of a fit calls loss_fn
+    _default_steps: ClassVar[tuple[OptimizeStep, ...]] = (steps.optimize_step,)  # passed, they select the own step
 
     def __init__(
         self,
         model: torch.nn.Module,
         optimizer: Any,
         config: TrainConfig,
-        loss_fn: str | LossFunction = "mse",
+        loss_fn: str | LossFunction | BatchFirstLossFunction = "mse",
         train_dataloader: Any = None,
         val_dataloader: Any = None,
         test_dataloader: Any = None,
@@ -108,17 +97,20 @@ class Trainer:
             raise TypeError(f"Trainer(model=...) takes a torch.nn.Module; got {type(model).__name__}")
         if not isinstance(config, TrainConfig):
             raise TypeError(f"Trainer(config=...) takes a qaccel.TrainConfig; got {type(config).__name__}")
+        order = self._loss_order
         if isinstance(loss_fn, str):
-            if loss_fn not in LOSSES:
+            if loss_fn not in order.losses:
                 raise ValueError(
-                    f"loss_fn must be one of {', '.join(map(repr, LOSSES))} or a function "
-                    f"fn(model, batch) -> (loss, metrics); got {loss_fn!r}"
+                    f"loss_fn must be one of {', '.join(map(repr, order.losses))} or a function "
+                    f"fn{order.arguments} -> (loss, metrics); got {loss_fn!r}"
                 )
-            loss_fn = LOSSES[loss_fn]
+            loss_fn = order.losses[loss_fn]
         elif not callable(loss_fn):
             raise TypeError(
-                f"loss_fn must be a name or a function fn(model, batch) -> (loss, metrics); got {loss_fn!r}"
+                f"loss_fn must be a name or a function fn{order.arguments} -> (loss, metrics); got {loss_fn!r}"
             )
+        else:
+            order.check(loss_fn)
         if optimize_step is not None and not callable(optimize_step):
             raise TypeError(
                 "optimize_step must be a function fn(model, optimizer, loss_fn, xs, device, dtype) -> "
@@ -128,7 +120,10 @@ class Trainer:
             count("max_batches", max_batches, 1, "or None")
         if lr_scheduler is not None and not hasattr(lr_scheduler, "step"):
             raise TypeError(f"lr_scheduler must be an LR scheduler of the optimizer; got {lr_scheduler!r}")
-        self.model, self.config, self.loss_fn = model, config, loss_fn
+        self.model, self.config = model, config
+        # the user's function as written: every part of a fit calls it through _loss_order, and a step of the user's
+        # own is handed it to call in its own order
+        self.loss_fn: Callable[..., BatchResult] = loss_fn
         self._ng_params: Any = None  # gradient-free: nevergrad's current candidate (set with the optimizer)
         self.optimizer = optimizer
         self.train_dataloader, self.val_dataloader, self.test_dataloader = (
@@ -136,8 +131,8 @@ class Trainer:
             val_dataloader,
             test_dataloader,
         )
-        # qadence's default step, passed as its tutorials do: the Trainer's own, which extends it
-        self.optimize_step = None if optimize_step is steps.optimize_step else optimize_step
+        # qadence's (or perceptrain's) default step, passed as its tutorials do: the Trainer's own, which extends it
+        self.optimize_step = None if optimize_step in self._default_steps else optimize_step
         self.max_batches, self.lr_scheduler = max_batches, lr_scheduler
         self.accelerator = Accelerator(**config.accelerator_options())
         self.opt_result = OptimizeResult(0, model, optimizer)
@@ -180,7 +175,9 @@ class Trainer:
 
     @optimizer.setter
     def optimizer(self, optimizer: Any) -> None:
-        if self.use_grad:
+        if optimizer is None:  # one comes with enable_grad_opt() or disable_grad_opt(), before fit()
+            pass
+        elif self.use_grad:
             if not isinstance(optimizer, torch.optim.Optimizer):
                 raise TypeError(
                     f"Trainer(optimizer=...) takes a torch.optim.Optimizer (gradient-free training takes a "
@@ -307,7 +304,18 @@ class Trainer:
                     f"{name} must be a torch DataLoader or a qaccel DictDataLoader; got {type(loader).__name__}"
                 )
         if self.config.val_every and self.val_dataloader is None:
-            raise ValueError("TrainConfig.val_every > 0 needs a val_dataloader (in fit() or Trainer(...))")
+            raise ValueError(  # qadence's and perceptrain's words first (missing space included): scripts match them
+                "If `config.val_every` is provided as an integer > 0, validation_dataloadermust be an instance of "
+                "`DataLoader` or `DictDataLoader`. TrainConfig.val_every > 0 needs a val_dataloader (in fit() or "
+                "Trainer(...))"
+            )
+        if self._optimizer is None:
+            kind = "torch" if self.use_grad else "nevergrad"
+            raise ValueError(
+                f"fit() needs a {kind} optimizer, and this Trainer has none (Trainer(optimizer=None)): fit inside "
+                "`with trainer.disable_grad_opt(ng_optimizer):` to train without gradients, or inside "
+                "`with trainer.enable_grad_opt(torch_optimizer):` to train with them"
+            )
         if self.optimize_step is not None and self.config.gradient_accumulation_steps > 1:
             raise ValueError(
                 "optimize_step=... is one whole step of your own; gradient accumulation "
@@ -364,7 +372,8 @@ class Trainer:
             )
         loader = dataloader if dataloader is not None else self.train_dataloader
         batch = None if loader is None else next(iter(loader))
-        content = InformationContent(self.model, self.loss_fn, batch, epsilons)
+        loss_fn = functools.partial(self._loss_order.call, self.loss_fn)  # InformationContent calls (model, batch)
+        content = InformationContent(self.model, loss_fn, batch, epsilons)
         lower, upper = content.get_grad_norm_bounds_max_IC()
         return lower, upper, content.get_grad_norm_bounds_sensitivity_IC(eta)
 
@@ -421,6 +430,8 @@ class Trainer:
         )
         self.model, self._optimizer, train_loader = prepared[:3]
         val_loader = prepared[3] if self.val_dataloader is not None else None
+        if self.use_grad:
+            loop.check_closure(self._optimizer, acc.scaler is not None)
         self._hooked = self._overrides_a_results_hook()
         self._callbacks[:] = self._make_callbacks()
         self._per_batch = {c.on.value.split("_")[0] for c in self._callbacks if c.on.per_batch}
@@ -492,13 +503,14 @@ class Trainer:
         self,
         model: torch.nn.Module,
         optimizer: Any,
-        loss_fn: LossFunction,
+        loss_fn: Callable[..., BatchResult],
         xs: Any,
         device: Any = None,
         dtype: Any = None,
     ) -> BatchResult:
-        """qaccel's training step (loop.optimize_step), called as an ``optimize_step`` is."""
-        return loop.optimize_step(self.accelerator, model, optimizer, loss_fn, xs)
+        """qaccel's training step (loop.optimize_step), called as an ``optimize_step`` is; it calls ``loss_fn`` in
+        the Trainer's order."""
+        return loop.optimize_step(self.accelerator, model, optimizer, loss_fn, xs, self._loss_order)
 
     def _gradient_free_step(self, batch: Any) -> BatchResult:
         return loop.gradient_free_step(self, batch)
@@ -571,8 +583,9 @@ def _test_on_rank(trainer: Trainer) -> dict[str, float]:
 
 
 class _NoData(Dataset):
-    """A Trainer's epoch without a training loader: one None per rank, so loss_fn(model, None) runs once per
-    epoch, and the epoch goes through a prepared loader like any other (resume, stop check points)."""
+    """A Trainer's epoch without a training loader: one None per rank, so loss_fn(model, None) (in perceptrain's
+    order, loss_fn(None, model)) runs once per epoch, and the epoch goes through a prepared loader like any other
+    (resume, stop check points)."""
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
