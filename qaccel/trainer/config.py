@@ -65,6 +65,9 @@ class TrainConfig(options.Options):
     write, True always, False never."""
     plot_every: int = 0
     """Call ``plotting_functions`` and log their figures every this many epochs."""
+    live_plot_every: int = 0
+    """Draw the training metrics on screen every this many epochs, as they come (``LivePlotMetrics``, perceptrain's:
+    livelossplot on rank 0, the ``plots`` extra); 0: never."""
     callbacks: list[Callback] = field(default_factory=list[Callback])
     """Callbacks of your own (see ``qaccel.callbacks``), run before the ones the fields above make (qadence's order)."""
     log_model: bool = False
@@ -106,7 +109,7 @@ class TrainConfig(options.Options):
     def __post_init__(self) -> None:
         options.count("TrainConfig.max_iter", self.max_iter, 0)
         options.count("TrainConfig.batch_size", self.batch_size, 1)
-        for name in ("print_every", "write_every", "checkpoint_every", "plot_every", "val_every"):
+        for name in ("print_every", "write_every", "checkpoint_every", "plot_every", "live_plot_every", "val_every"):
             options.count(f"TrainConfig.{name}", getattr(self, name), 0)
         for name in (
             "log_model",

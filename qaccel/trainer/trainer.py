@@ -31,6 +31,7 @@ from qaccel.tracking.tools import Axis, Tracker
 from qaccel.train import loaders, strategies
 from qaccel.trainer import evaluation, loop, runs, steps
 from qaccel.trainer.callbacks import (
+    LivePlotMetrics,
     LogHyperparameters,
     LogModelTracker,
     PlotMetrics,
@@ -559,6 +560,8 @@ class Trainer:
             made.append(WriteMetrics(Stage.TRAIN_EPOCH_END, config.write_every))
         if config.plot_every and config.plotting_functions:
             made.append(PlotMetrics(Stage.TRAIN_EPOCH_END, config.plot_every))
+        if config.live_plot_every:
+            made.append(LivePlotMetrics(Stage.TRAIN_EPOCH_END, config.live_plot_every))
         if config.hyperparams:
             made.append(LogHyperparameters(Stage.TRAIN_END, 1))
         if config.log_model:

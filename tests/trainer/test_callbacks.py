@@ -109,3 +109,21 @@ def test_live_plot_metrics_hands_rank_0s_metrics_to_livelossplot_every_call(tmp_
     assert [entry.step for entry in history["train_loss"]] == [2, 4]
     assert [entry.value for entry in history["train_loss"]] == [1.0, 1.0]
     assert live.plot.logger.groups == {"losses": ["train_loss"]}
+
+
+def test_live_plot_every_makes_the_live_plot_at_the_training_epochs_end(tmp_path):
+    noted = Callback("train_epoch_end", 1, lambda trainer, config, writer: None)
+    model = torch.nn.Linear(1, 1)
+    config = TrainConfig(
+        max_iter=4,
+        compute_setup="cpu",
+        log_folder=tmp_path / "run",
+        verbose=False,
+        live_plot_every=2,
+        callbacks=[noted],
+    )
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), config, _flat)
+    trainer.fit()
+    [live] = [c for c in trainer._callbacks if isinstance(c, LivePlotMetrics)]
+    assert (live.on.value, live.called_every) == ("train_epoch_end", 2)
+    assert [entry.step for entry in live.plot.logger.log_history["train_loss"]] == [2, 4]
