@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from qaccel.options import count
+from qaccel.tracking.tools import Axis
 from qaccel.trainer.hooks import Callback, ConfigView, OptimizeResult, Stage, TrainerView
 
 if TYPE_CHECKING:
+    import torch
     from torch.distributed.tensor import DTensor
 
     from qaccel.tracking.tools import Tracker
+    from qaccel.train.loaders import R3Dataset
 
 logger = logging.getLogger(__name__)
 
@@ -38,20 +42,34 @@ class PrintMetrics(Callback):
             print(f"{where}: {values}", flush=True)
 
 
+def _write(callback: Callback, trainer: TrainerView, writer: Tracker | None, metrics: dict[str, Any]) -> None:
+    """``metrics`` through ``writer``, the tracker the callback is handed (rank 0's in a fit, a ``NullTracker``
+    elsewhere, or one of yours when you call the callback): at a training batch stage on the batch axis at the
+    batch's number, elsewhere as qadence's and perceptrain's ``writer.write(iteration, metrics)``."""
+    if writer is None or not metrics:
+        return
+    if callback.on in (Stage.TRAIN_BATCH_START, Stage.TRAIN_BATCH_END):
+        writer.log_metrics({k: float(v) for k, v in metrics.items()}, trainer.opt_result.batch, Axis.BATCH)
+    else:
+        writer.write(trainer.opt_result.iteration, metrics)
+
+
 class WriteMetrics(Callback):
     """Write the latest metrics to the tracker (rank 0): at a training batch stage the batch's, on the batch axis;
     elsewhere at the epoch as step."""
 
     def run_callback(self, trainer: TrainerView, config: ConfigView, writer: Tracker | None) -> None:
-        if writer is not None and trainer.opt_result.metrics:
-            trainer.write_metrics(trainer.opt_result.metrics)
+        _write(self, trainer, writer, trainer.opt_result.metrics)
 
 
 class PlotMetrics(Callback):
-    """Log the figures of ``config.plotting_functions`` to the tracker (rank 0)."""
+    """Log the figures of ``config.plotting_functions`` to the tracker it is handed (rank 0's; the other ranks'
+    draw nothing)."""
 
     def run_callback(self, trainer: TrainerView, config: ConfigView, writer: Tracker | None) -> None:
-        trainer.plot()
+        if writer is not None and trainer.accelerator.is_main_process:
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            writer.plot(model, trainer.opt_result.iteration, config.plotting_functions)
 
 
 WritePlots = PlotMetrics  # perceptrain's name
@@ -350,7 +368,50 @@ class GradientMonitoring(Callback):
             stats[f"{name}_std"] = grad.std().item() if grad.numel() > 1 else math.nan
             stats[f"{name}_max"] = grad.max().item()
             stats[f"{name}_min"] = grad.min().item()
-        trainer.write_metrics(stats)
+        if trainer.accelerator.is_main_process:
+            _write(self, trainer, writer, stats)
+
+
+class R3Sampling(Callback):
+    """R3 sampling (https://arxiv.org/abs/2207.02338), perceptrain's callback: at each training epoch's start,
+    ``fitness_function(dataset.features, model)`` scores every sample with your model (unwrapped) and
+    ``dataset.update`` releases the unfit ones and draws new ones. On several ranks every rank scores, rank 0 alone
+    updates, and its dataset is broadcast, so every rank trains on the same samples, each sample on one rank
+    (perceptrain's ranks each draw their own). ``verbose``: rank 0 prints the retained and released counts."""
+
+    def __init__(
+        self,
+        initial_dataset: R3Dataset,
+        fitness_function: Callable[[torch.Tensor, torch.nn.Module], torch.Tensor],
+        verbose: bool = False,
+        called_every: int = 1,
+    ) -> None:
+        self.dataset = initial_dataset
+        self.fitness_function = fitness_function
+        self.verbose = verbose
+        super().__init__(on=Stage.TRAIN_EPOCH_START, called_every=called_every)
+
+    def run_callback(self, trainer: TrainerView, config: ConfigView, writer: Tracker | None) -> None:
+        acc, dataset = trainer.accelerator, self.dataset
+        # every rank scores: a sharded model's forward is a collective
+        fitnesses = self.fitness_function(dataset.features, acc.unwrap_model(trainer.model))
+        if acc.is_main_process:
+            dataset.update(fitnesses)
+        if acc.num_processes > 1:  # in place: the training loader holds this same dataset object
+            state = {name: getattr(dataset, name) for name in _R3_STATE} if acc.is_main_process else None
+            for name, value in acc.broadcast(state).items():
+                setattr(dataset, name, value)
+        if self.verbose and acc.is_main_process:
+            print(
+                f"Epoch {trainer.opt_result.iteration};"
+                f" num. retained: {dataset.n_samples - dataset.n_released:5d};"
+                f" num. released: {dataset.n_released:5d}",
+                flush=True,
+            )
+
+
+# what R3Dataset.update changes: rank 0's values reach the other ranks
+_R3_STATE = ("features", "_released", "_released_indices", "_resampled", "n_released", "n_retained")
 
 
 __all__ = [
@@ -368,6 +429,7 @@ __all__ = [
     "OptimizeResult",
     "PlotMetrics",
     "PrintMetrics",
+    "R3Sampling",
     "SaveBestCheckpoint",
     "SaveCheckpoint",
     "Stage",

@@ -79,6 +79,9 @@ class ConfigView(Protocol):
     @property
     def hyperparams(self) -> dict[str, Any]: ...
 
+    @property
+    def plotting_functions(self) -> tuple[Callable[[torch.nn.Module, int], tuple[str, Any]], ...]: ...
+
 
 class TrainerView(Protocol):
     """What the built-in callbacks use of the Trainer they are given (the Trainer is one): its model, optimizer,
