@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from qaccel import storage, unpickling
+from qaccel.checkpoints import folders
 from qaccel.errors import CheckpointError
 from qaccel.train.prepare import plain_object
 
@@ -143,7 +144,9 @@ def load_checkpoint(
     *,
     allow_pickle: bool | None = None,
 ) -> tuple[Module, Any, int | str]:
-    """Load the latest (or the named) model and optimizer checkpoints of ``folder``, as qadence does.
+    """Load the latest (or the named) model and optimizer checkpoints of ``folder``, as qadence does; from a run's
+    folder where a qaccel fit saved its checkpoints (``checkpoint_every``) and no qadence files are, the newest
+    checkpoint's, as a perceptrain script reads what its fit saved.
 
     A folder that does not exist is created and nothing is loaded (iteration 0); so is a folder without
     checkpoints. Returns the model, the optimizer (a nevergrad one is the loaded object) and the iteration the
@@ -155,9 +158,49 @@ def load_checkpoint(
     if not folder.exists():
         folder.mkdir(parents=True)
         return model, optimizer, 0
+    if not model_ckpt_name and not opt_ckpt_name and not any(folder.glob("model_*_ckpt_*.pt")):
+        newest = folders.newest_checkpoint(folder / "checkpoints")
+        if newest is not None:
+            return _load_fit_checkpoint(Path(newest), model, optimizer, device)
     model, iteration = load_model(folder, model, model_ckpt_name, device, allow_pickle=allow_pickle)
     optimizer = load_optimizer(folder, optimizer, opt_ckpt_name, device, allow_pickle=allow_pickle)
     return model, optimizer, iteration
+
+
+def _load_fit_checkpoint(
+    checkpoint: Path, model: Module, optimizer: Any, device: str | torch.device
+) -> tuple[Module, Any, int | str]:
+    """The model and optimizer of a checkpoint a qaccel fit saved (``<log_folder>/checkpoints/checkpoint_<step>``),
+    read as plain data; the iteration is the last epoch done before it. A sharded (FSDP) checkpoint holds each
+    rank's shards: the Trainer, or ``Accelerator.load_state``, reads it."""
+    try:
+        marker = folders.read_marker(str(checkpoint))
+    except folders.Unreadable as exc:
+        raise CheckpointError(
+            f"checkpoint {checkpoint} cannot be read: {exc}", str(checkpoint), str(checkpoint)
+        ) from exc
+    if folders.marks_sharded(marker):
+        raise CheckpointError(
+            f"checkpoint {checkpoint} holds a model sharded by strategy='fsdp', rank by rank: continue it with the "
+            "Trainer (fit() finds it) or Accelerator.load_state()",
+            str(checkpoint),
+            str(checkpoint),
+        )
+    folder = checkpoint.parent
+
+    def part(name: str) -> Any:
+        path = checkpoint / name
+        return _read(path, folder, lambda: torch.load(path, map_location=device, weights_only=True), None)
+
+    cast(Any, plain_object(model)).load_state_dict(part("model_0.pt"))
+    if optimizer is not None and "optimizer_0.pt" in marker["files"]:
+        getattr(optimizer, "optimizer", optimizer).load_state_dict(part("optimizer_0.pt"))
+    try:  # the fit's state, for its epoch: plain data, or else the step stands for it
+        registered = torch.load(checkpoint / "registered_0.pt", weights_only=True)
+    except Exception:  # noqa: BLE001 - a callback's state of its own, say: not needed for the weights
+        registered = None
+    done = registered.get("epochs_done") if isinstance(registered, dict) else None
+    return model, optimizer, done - 1 if isinstance(done, int) else int(marker["step"])
 
 
 def load_model(

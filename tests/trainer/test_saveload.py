@@ -325,3 +325,22 @@ def test_get_set_and_num_parameters_are_qadences(qd):
         assert _equal(ours.state_dict(), theirs.state_dict())
         assert torch.equal(parameters.get_parameters(ours), theta)
     assert parameters.num_parameters(model) == 4 * 3 + 4 + 1 + 1
+
+
+@pytest.mark.parametrize("nprocs", [1, 2])
+def test_a_run_folder_a_fit_checkpointed_loads_its_newest_checkpoint(tmp_path, nprocs):
+    """A perceptrain script reads what its fit saved with ``load_checkpoint(config.log_folder, ...)``: from a qaccel
+    fit's folder, the newest checkpoint's model and optimizer, at the last epoch done."""
+    from qaccel import TrainConfig, Trainer, to_dataloader
+
+    model, optimizer = _trained(steps=0)
+    x = torch.randn(8, 3)
+    config = TrainConfig(max_iter=3, checkpoint_every=1, nprocs=nprocs, compute_setup="cpu", verbose=False)
+    config.log_folder = tmp_path / "run"
+    Trainer(model, optimizer, config, "mse", to_dataloader(x, x.sum(1, keepdim=True), batch_size=4)).fit()
+    loaded_model, loaded_optimizer = _fresh()
+    got_model, got_optimizer, iteration = saveload.load_checkpoint(config.log_folder, loaded_model, loaded_optimizer)
+    assert iteration == 3 and got_model is loaded_model and got_optimizer is loaded_optimizer
+    assert _equal(model.state_dict(), loaded_model.state_dict()), "the trained weights, as fit() gave them back"
+    assert _equal(optimizer.state_dict()["state"], loaded_optimizer.state_dict()["state"])
+    assert loaded_optimizer.param_groups[0]["lr"] == 0.1, "the fit's rate, not the fresh optimizer's 0.5"
