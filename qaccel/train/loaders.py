@@ -1,21 +1,24 @@
 """qadence's data helpers: ``DictDataLoader`` (several named loaders, one batch of each per step),
-``InfiniteTensorDataset`` (samples drawn without end, reshuffled at every pass) and ``to_dataloader``.
+``InfiniteTensorDataset`` (samples drawn without end, reshuffled at every pass) and ``to_dataloader``; perceptrain's
+``R3Dataset`` (samples that a fitness releases and redraws, for the ``R3Sampling`` callback) and
+``GenerativeIterableDataset`` (a sample drawn from a distribution at every step).
 
 They keep qadence's meaning, so a qadence script runs with its imports changed, and prepare() knows them: it
 prepares each loader of a DictDataLoader, and an InfiniteTensorDataset draws its order from the prepared loader's
 generator, shared by every rank and seeded per epoch, so the ranks read one stream (each keeps every N-th batch)
-and a resumed epoch reads the stream it stopped in.
+and a resumed epoch reads the stream it stopped in. A GenerativeIterableDataset is a stream too: each rank draws
+from its own RNG and keeps every N-th batch, and an epoch takes ``max_batches`` batches.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import singledispatch
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 
 @dataclass
@@ -85,11 +88,79 @@ class InfiniteTensorDataset(IterableDataset):
                 yield tuple(t[index] for t in self.tensors)
 
 
-def to_dataloader(*tensors: torch.Tensor, batch_size: int = 1, infinite: bool = False) -> DataLoader[Any]:
+class R3Dataset(Dataset):
+    """``n_samples`` features drawn by ``proba_dist(n)``, evolving as training goes (R3 sampling,
+    https://arxiv.org/abs/2207.02338): ``update(fitness_values)`` releases the samples whose fitness is below
+    ``release_threshold`` and puts new draws in their place (perceptrain's ``R3Dataset``). The ``R3Sampling``
+    callback updates it at each training epoch's start."""
+
+    def __init__(
+        self, proba_dist: Callable[[int], torch.Tensor], n_samples: int, release_threshold: float = 0.1
+    ) -> None:
+        if release_threshold < 0.0:
+            raise ValueError("Release threshold must be non-negative.")
+        self.proba_dist = proba_dist
+        self.n_samples = n_samples
+        self.release_threshold = release_threshold
+        self.features = proba_dist(n_samples)
+        self._released: torch.Tensor | None = None
+        self._released_indices: torch.Tensor | None = None
+        self._resampled: torch.Tensor | None = None
+        self.n_released: int = 0
+        self.n_retained: int = 0
+
+    def __len__(self) -> int:
+        return self.n_samples
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.features[index]
+
+    def _release(self, fitness_values: torch.Tensor) -> None:
+        """Mark the samples whose fitness is below the threshold as released."""
+        if len(fitness_values) != self.n_samples:
+            raise ValueError("fitness_values must have the same length as the dataset")
+        release_mask = fitness_values < self.release_threshold
+        self._released_indices = torch.nonzero(release_mask).squeeze()  # can be empty
+        self._released = self.features[self._released_indices]
+        self.n_released = torch.numel(self._released_indices)
+        self.n_retained = self.n_samples - self.n_released
+
+    def _resample(self) -> torch.Tensor:
+        """New draws for the released samples."""
+        self._resampled = self.proba_dist(self.n_released)
+        return self._resampled
+
+    def update(self, fitness_values: torch.Tensor) -> None:
+        """Release the samples whose fitness is below the threshold and replace them with new draws, in place."""
+        self._release(fitness_values)
+        if self.n_released > 0:
+            new_samples = self._resample()
+            with torch.no_grad():
+                self.features[self._released_indices] = new_samples
+
+
+class GenerativeIterableDataset(IterableDataset):
+    """Samples without end, one ``proba_dist()`` per item (perceptrain's ``GenerativeIterableDataset``)."""
+
+    def __init__(self, proba_dist: Callable[[], torch.Tensor]) -> None:
+        self.proba_dist = proba_dist
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        while True:
+            yield self.proba_dist()
+
+
+def to_dataloader(
+    *tensors: torch.Tensor,
+    batch_size: int = 1,
+    infinite: bool = False,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+) -> DataLoader[Any]:
     """A DataLoader of ``tensors`` in batches of ``batch_size``: once through, in order (a TensorDataset), or,
-    with ``infinite``, without end in random order (an InfiniteTensorDataset)."""
+    with ``infinite``, without end in random order (an InfiniteTensorDataset); ``collate_fn`` makes the batches
+    (torch's ``default_collate`` when None)."""
     dataset = InfiniteTensorDataset(*tensors) if infinite else TensorDataset(*tensors)
-    return DataLoader(dataset, batch_size=batch_size)
+    return DataLoader(dataset, batch_size=batch_size, collate_fn=collate_fn)
 
 
 def batches_per_epoch(loader: Any, max_batches: int | None) -> int:

@@ -1,7 +1,8 @@
 """qadence's data helpers: a DictDataLoader prepared loader by loader on 2 real gloo ranks gives each rank its share
 of every loader, each sample once an epoch; an InfiniteTensorDataset's ranks read one stream, its order drawn
-from the prepared loader's generator (every rank's, seeded per epoch); the rule for batches per epoch; bad input
-fails naming what is allowed."""
+from the prepared loader's generator (every rank's, seeded per epoch); a GenerativeIterableDataset's loader trains
+``max_batches`` batches a rank each epoch, on one process and on 2 ranks; ``to_dataloader`` batches with a
+``collate_fn``; the rule for batches per epoch; bad input fails naming what is allowed."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+import qaccel
 from qaccel import Accelerator, DictDataLoader, InfiniteTensorDataset, to_dataloader
+from qaccel.callbacks import Callback
+from qaccel.data import GenerativeIterableDataset
 from qaccel.train.loaders import batches_per_epoch
 
 pytestmark = pytest.mark.timeout(120)
@@ -69,6 +73,48 @@ def test_the_ranks_of_an_infinite_loader_read_one_stream_reshuffled_at_every_pas
     assert first[0] != first[1], "each epoch its own order"
     torch.manual_seed(1)
     assert acc.distribute(_stream, all_results=True)(acc, 2, 6) == [first, second], "the same seed, the same stream"
+
+
+def _normal() -> torch.Tensor:
+    return torch.randn(1)
+
+
+def _mean_square(model, batch):
+    return (model(batch) ** 2).mean(), {}
+
+
+class _CountBatches(Callback):
+    """Each rank counts its training batches in a file of its own."""
+
+    def __init__(self, folder) -> None:
+        super().__init__(on="train_batch_end")
+        self.folder, self.batches = folder, 0
+
+    def run_callback(self, trainer, config, writer) -> None:
+        self.batches += 1
+        (self.folder / f"rank{trainer.accelerator.rank}").write_text(str(self.batches))
+
+
+@pytest.mark.parametrize("nprocs", [1, 2])
+def test_a_generative_dataset_trains_max_batches_a_rank_each_epoch(tmp_path, nprocs):
+    model = torch.nn.Linear(1, 1)
+    config = qaccel.TrainConfig(
+        max_iter=2, log_folder=tmp_path / "log", nprocs=nprocs, compute_setup="cpu", callbacks=[_CountBatches(tmp_path)]
+    )
+    loader = DataLoader(GenerativeIterableDataset(_normal), batch_size=4)
+    trainer = qaccel.Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.01), config, _mean_square, loader, max_batches=3
+    )
+    trainer.fit()
+    assert [int((tmp_path / f"rank{rank}").read_text()) for rank in range(nprocs)] == [3 * 3] * nprocs, (
+        "epochs 0 to 2, 3 batches each"
+    )
+    assert len(trainer.history) == 3
+
+
+def test_to_dataloader_batches_with_its_collate_fn():
+    loader = to_dataloader(torch.arange(5.0), batch_size=2, collate_fn=lambda samples: [x for (x,) in samples])
+    assert [[float(x) for x in batch] for batch in loader] == [[0.0, 1.0], [2.0, 3.0], [4.0]]
 
 
 def test_batches_per_epoch_follows_qadence():

@@ -39,14 +39,10 @@ which no test calls.
 Ported, and left out of this module because they fail on qaccel today (the commit that added this module holds
 them as ported):
 
-- what qaccel does not have yet: test_data.py's ``R3Dataset`` tests and ``test_generative_iterable_dataset``;
-- checkpoints, a difference docs/guides/qadence.md states: ``test_basic_save_load_ckpts`` (``load_checkpoint`` reads
-  qadence-format files; a fit writes qaccel's checkpoints), ``test_train_val_checkpoint_best_only`` and
+- checkpoints, a difference docs/guides/qadence.md states: ``test_train_val_checkpoint_best_only`` and
   ``test_save_best_checkpoint`` (the best checkpoint is ``<log_folder>/best/``), ``test_save_checkpoint``
   (``save_checkpoint()`` outside a fit);
-- callbacks called by hand with a mock writer: ``test_write_metrics``, ``test_plot_metrics`` and
-  ``test_gradient_monitoring`` (qaccel's write through the Trainer's tracker, opened by fit()),
-  ``test_print_metrics`` and ``test_log_hyperparameters`` (differences the page states);
+- ``test_print_metrics`` and ``test_log_hyperparameters``: differences the page states, with their reasons;
 - the Accelerator's internals and attributes: ``test_prepare_model_without_ddp``, ``test_prepare_optimizer``,
   ``test_prepare_data_without_distributed``, ``test_prepare_dict_dataloader`` (a settable ``world_size``, a
   ``DistributedSampler``), ``test_prepare_batch_*`` (``acc.execution``), ``test_log_warnings``,
@@ -177,7 +173,7 @@ class BasicNetworkNoInput(nn.Module):
 @pytest.fixture
 def make_mock_r3_dataset():
     """Factory function to create a mock R3Dataset."""
-    from qaccel.perceptrain.data import R3Dataset  # type: ignore[attr-defined]
+    from qaccel.perceptrain.data import R3Dataset
 
     def proba_dist(num_samples: int) -> torch.Tensor:
         _dist = torch.distributions.Normal(0.0, 1.0)
@@ -584,6 +580,33 @@ def test_lr_scheduler_reduce_on_plateau(perceptrain, tmp_path, n_epochs):
     assert runs["qaccel.perceptrain"] == runs["perceptrain"]
 
 
+def test_write_metrics(perceptrain, tmp_path):
+    def run(library):
+        trainer, stage = _trainer(library, tmp_path)
+        writer = Mock()
+        callback = _callbacks(library).WriteMetrics(on=stage, called_every=1)
+        callback(stage, trainer, trainer.config, writer)
+        writer.write.assert_called_once_with(trainer.opt_result.iteration, trainer.opt_result.metrics)
+
+    _each(perceptrain, run)
+
+
+def test_plot_metrics(perceptrain, tmp_path):
+    def run(library):
+        trainer, stage = _trainer(library, tmp_path)
+        trainer.config.plotting_functions = (lambda model, iteration: ("plot_name", None),)
+        writer = Mock()
+        callback = _callbacks(library).WritePlots(stage, called_every=1)
+        callback(stage, trainer, trainer.config, writer)
+        writer.plot.assert_called_once_with(
+            trainer.model,
+            trainer.opt_result.iteration,
+            trainer.config.plotting_functions,
+        )
+
+    _each(perceptrain, run)
+
+
 def test_load_checkpoint(perceptrain, tmp_path):
     def run(library):
         trainer, stage = _trainer(library, tmp_path)
@@ -704,7 +727,142 @@ def test_early_stopping(perceptrain, tmp_path):
     _each(perceptrain, run)
 
 
+def test_gradient_monitoring(perceptrain, tmp_path):
+    def run(library):
+        trainer, stage = _trainer(library, tmp_path)
+        writer = Mock()
+        callback = _callbacks(library).GradientMonitoring(on=stage, called_every=1)
+        for param in trainer.model.parameters():
+            param.grad = torch.ones_like(param) * 0.1
+        callback(stage, trainer, trainer.config, writer)
+        expected_keys = {
+            f"{name}_{stat}"
+            for name, param in trainer.model.named_parameters()
+            for stat in ["mean", "std", "max", "min"]
+        }
+        written_keys = writer.write.call_args[0][1].keys()
+        assert set(written_keys) == expected_keys
+
+    _each(perceptrain, run)
+
+
 # ---- test_data.py: perceptrain's R3Dataset and GenerativeIterableDataset ----
+
+
+@pytest.mark.parametrize("num_samples", [100, 0])
+def test_r3_dataset_init(num_samples, make_mock_r3_dataset):
+    dataset = make_mock_r3_dataset(num_samples)
+    assert len(dataset.features) == num_samples
+
+
+def test_r3_dataset_init_invalid_threshold(make_mock_r3_dataset):
+    with pytest.raises(ValueError):
+        make_mock_r3_dataset(release_threshold=-1.0)
+
+
+@pytest.mark.parametrize("num_samples", [100, 0])
+def test_r3_dataset_len(num_samples, make_mock_r3_dataset):
+    dataset = make_mock_r3_dataset(num_samples)
+    assert len(dataset) == num_samples
+
+
+def test_r3_dataset_getitem(make_mock_r3_dataset):
+    dataset = make_mock_r3_dataset()
+    for _ in range(3):
+        idx = random.randint(0, len(dataset) - 1)
+        assert isinstance(dataset[idx], torch.Tensor)
+
+
+@pytest.mark.parametrize(
+    "fitness, released, retained",
+    [([0.1, 1.1, 2.1], 1, 2), ([0.1, 0.3, 0.9], 3, 0), ([1.1, 1.2, 2.1], 0, 3)],
+    ids=["release", "release_all", "release_none"],
+)
+def test_r3_dataset_release(make_mock_r3_dataset, fitness, released, retained):
+    """perceptrain's test_r3_dataset_release, _release_all and _release_none, one case each."""
+    dataset = make_mock_r3_dataset(3, 1.0)
+    dataset._release(torch.tensor(fitness))
+    assert dataset.n_released == released
+    assert dataset.n_retained == retained
+
+
+def test_r3_dataset_release_invalid(make_mock_r3_dataset):
+    """Case in which the number of fitness values is not equal to the number of samples."""
+    dataset = make_mock_r3_dataset(3)
+    with pytest.raises(ValueError):
+        dataset._release(torch.tensor([1.1, 1.2]))
+
+
+def test_r3_dataset_resample_before_release(make_mock_r3_dataset):
+    dataset = make_mock_r3_dataset()
+    resampled = dataset._resample()
+    assert isinstance(resampled, torch.Tensor)
+    assert torch.numel(resampled) == 0
+
+
+def test_r3_dataset_resample_after_release(make_mock_r3_dataset):
+    dataset = make_mock_r3_dataset(3, 1.0)
+    dataset._release(torch.tensor([0.1, 0.3, 1.1]))
+    resampled = dataset._resample()
+    assert isinstance(resampled, torch.Tensor)
+    assert torch.numel(resampled) == 2
+
+
+def test_r3_dataset_update_no_releases(make_mock_r3_dataset):
+    dataset = make_mock_r3_dataset(3, 1.0)
+    features_before_update = dataset.features
+    dataset.update(torch.tensor([0.1, 0.3, 0.7]))
+    assert dataset.features is features_before_update
+
+
+def test_r3_dataset_update_with_releases(make_mock_r3_dataset):
+    dataset = make_mock_r3_dataset(3, 1.0)
+    dataset.update(torch.tensor([0.1, 3.1, 4.7]))
+    assert dataset.features[0] == dataset._resampled
+
+
+def test_generative_iterable_dataset():
+    """The two-sample Kolmogorov-Smirnov test: the dataset samples from the input distribution."""
+    stats = component.module("scipy.stats")
+    from qaccel.perceptrain.data import GenerativeIterableDataset
+
+    num_samples = 1000
+    input_distribution = torch.distributions.Normal(0, 1)
+    dataset = GenerativeIterableDataset(input_distribution.sample)
+    input_dist_samples = input_distribution.sample((num_samples,)).detach().numpy()
+    _dataset_iter = iter(dataset)
+    dataset_samples = [next(_dataset_iter).item() for _ in range(num_samples)]
+    res = stats.ks_2samp(input_dist_samples, dataset_samples)
+    assert res.pvalue > 0.05
+
+
+def test_basic_save_load_ckpts(perceptrain, tmp_path):
+    def run(library):
+        data = library.to_dataloader(*_cosine(), batch_size=25, infinite=True)
+        model = BasicNetwork()
+        criterion = torch.nn.MSELoss()
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+
+        def loss_fn(data: torch.Tensor, model: torch.nn.Module) -> tuple[torch.Tensor, dict]:
+            x, y = data[0], data[1]
+            out = model(x)
+            loss = criterion(out, y)
+            return loss, {}
+
+        config = library.TrainConfig(
+            root_folder=tmp_path / library.__name__, max_iter=1, checkpoint_every=1, write_every=1
+        )
+        trainer = library.Trainer(model, optimizer, config, loss_fn, data)
+        model, _ = _fit(library, trainer)
+        parameters = _sub(library, "parameters")
+        ps0 = parameters.get_parameters(model)
+        parameters.set_parameters(model, torch.ones(len(parameters.get_parameters(model))))
+        # check that saved model has ones
+        model, _, _ = library.load_checkpoint(trainer.config.log_folder, model, optimizer)
+        ps1 = parameters.get_parameters(model)
+        assert torch.allclose(ps0, ps1)
+
+    _each(perceptrain, run)
 
 
 # ---- test_checkpointing.py ----

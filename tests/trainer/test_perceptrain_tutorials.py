@@ -148,9 +148,8 @@ def test_accelerator_page_trains_on_two_ranks(tmp_path):
 
 def test_default_callbacks_page_makes_perceptrains_callbacks(perceptrain, tmp_path):
     """default.md trains nothing: each built-in callback in a config. Each callback's class (``WritePlots`` is
-    qaccel's ``PlotMetrics``), stage and frequency, and each config's max_iter, as perceptrain's. The last block
-    makes an ``R3Sampling`` callback from an ``R3Dataset``, which qaccel does not have yet: it runs on perceptrain
-    only."""
+    qaccel's ``PlotMetrics``), stage and frequency, and each config's max_iter, as perceptrain's; the last block
+    makes an ``R3Sampling`` callback from an ``R3Dataset``."""
     proc, result, output = _run("default", "qaccel", tmp_path)
     reference_proc, reference, reference_output = _run("default", "perceptrain", tmp_path)
     _ok(reference_proc, reference_output)
@@ -160,7 +159,7 @@ def test_default_callbacks_page_makes_perceptrains_callbacks(perceptrain, tmp_pa
     ]
     _ok(proc, output)
     assert len(reference["configs"]) == 16
-    assert configs == reference["configs"][:15], "every block but the last, which qaccel cannot run yet"
+    assert configs == reference["configs"]
     assert result["arrange"] == reference["arrange"]
 
 

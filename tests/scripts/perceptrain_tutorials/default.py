@@ -11,7 +11,6 @@ Changes from the page:
 - imports: ``perceptrain`` -> ``qaccel.perceptrain``, ``perceptrain.callbacks`` -> ``qaccel.perceptrain.callbacks``,
   ``perceptrain.data`` -> ``qaccel.perceptrain.data``, in a second import block next to perceptrain's;
   ``perceptrain.models.PINN`` (a model) stays imported from perceptrain;
-- the last block (``R3Sampling``, ``R3Dataset``) runs on perceptrain only: qaccel does not have them yet;
 - lines marked ``# test:`` only record values for the RESULT line.
 """
 
@@ -300,9 +299,6 @@ config = TrainConfig(
 record(config)  # test
 
 # ---- 14. R3Sampling ----
-
-if not PERCEPTRAIN:  # test: qaccel has no R3Sampling and R3Dataset yet: this block runs on perceptrain only
-    sys.exit(0)
 
 import torch
 
