@@ -146,7 +146,8 @@ def load_checkpoint(
 ) -> tuple[Module, Any, int | str]:
     """Load the latest (or the named) model and optimizer checkpoints of ``folder``, as qadence does; from a run's
     folder where a qaccel fit saved its checkpoints (``checkpoint_every``) and no qadence files are, the newest
-    checkpoint's, as a perceptrain script reads what its fit saved.
+    checkpoint's, as a perceptrain script reads what its fit saved; from a qaccel checkpoint's own folder (the
+    run's ``best``), that checkpoint's.
 
     A folder that does not exist is created and nothing is loaded (iteration 0); so is a folder without
     checkpoints. Returns the model, the optimizer (a nevergrad one is the loaded object) and the iteration the
@@ -159,6 +160,8 @@ def load_checkpoint(
         folder.mkdir(parents=True)
         return model, optimizer, 0
     if not model_ckpt_name and not opt_ckpt_name and not any(folder.glob("model_*_ckpt_*.pt")):
+        if (folder / folders.MARKER_FILE).exists():  # a checkpoint itself: the run's best/, say
+            return _load_fit_checkpoint(folder, model, optimizer, device)
         newest = folders.newest_checkpoint(folder / "checkpoints")
         if newest is not None:
             return _load_fit_checkpoint(Path(newest), model, optimizer, device)
@@ -171,7 +174,7 @@ def _load_fit_checkpoint(
     checkpoint: Path, model: Module, optimizer: Any, device: str | torch.device
 ) -> tuple[Module, Any, int | str]:
     """The model and optimizer of a checkpoint a qaccel fit saved (``<log_folder>/checkpoints/checkpoint_<step>``),
-    read as plain data; the iteration is the last epoch done before it. A sharded (FSDP) checkpoint holds each
+    read as plain data; the iteration is the last epoch done before it ("best" for the run's best). A sharded (FSDP) checkpoint holds each
     rank's shards: the Trainer, or ``Accelerator.load_state``, reads it."""
     try:
         marker = folders.read_marker(str(checkpoint))
@@ -200,6 +203,8 @@ def _load_fit_checkpoint(
     except Exception:  # noqa: BLE001 - a callback's state of its own, say: not needed for the weights
         registered = None
     done = registered.get("epochs_done") if isinstance(registered, dict) else None
+    if checkpoint.name == "best":  # as qadence's and perceptrain's best file, whose iteration is "best"
+        return model, optimizer, "best"
     return model, optimizer, done - 1 if isinstance(done, int) else int(marker["step"])
 
 

@@ -344,3 +344,20 @@ def test_a_run_folder_a_fit_checkpointed_loads_its_newest_checkpoint(tmp_path, n
     assert _equal(model.state_dict(), loaded_model.state_dict()), "the trained weights, as fit() gave them back"
     assert _equal(optimizer.state_dict()["state"], loaded_optimizer.state_dict()["state"])
     assert loaded_optimizer.param_groups[0]["lr"] == 0.1, "the fit's rate, not the fresh optimizer's 0.5"
+
+
+def test_the_best_checkpoint_of_a_fit_loads_from_its_folder(tmp_path):
+    from qaccel import TrainConfig, Trainer, to_dataloader
+
+    model, optimizer = _trained(steps=0)
+    x = torch.randn(8, 3)
+    loader = to_dataloader(x, x.sum(1, keepdim=True), batch_size=4)
+    config = TrainConfig(max_iter=3, val_every=1, checkpoint_best_only=True, compute_setup="cpu", verbose=False)
+    config.log_folder = tmp_path / "run"
+    trainer = Trainer(model, optimizer, config, "mse", loader, loader)
+    trainer.fit()
+    loaded_model, loaded_optimizer = _fresh()
+    _, _, iteration = saveload.load_checkpoint(config.log_folder / "best", loaded_model, loaded_optimizer)
+    assert iteration == "best", "as qadence's and perceptrain's best file"
+    assert loaded_optimizer.param_groups[0]["lr"] == 0.1 and loaded_optimizer.state_dict()["state"]
+    assert not _equal(loaded_model.state_dict(), _fresh()[0].state_dict()), "the best model's weights"
