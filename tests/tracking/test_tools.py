@@ -453,10 +453,12 @@ def test_a_qadence_callbacks_writer_calls_read_back_with_each_tools_reader(tool,
         assert all(path.read_bytes().startswith(PNG) for path in files.values())
         import mlflow.pytorch
 
-        mlflow.set_tracking_uri((tmp_path / "mlruns").absolute().as_uri())
-        loaded = mlflow.pytorch.load_model(f"runs:/{run_id}/model")  # MLflow's own reader, as qadence's users call it
+        # MLflow's own reader, on the run's artifact downloaded (runs:/<id>/model would need mlflow.set_tracking_uri,
+        # which also sets MLFLOW_TRACKING_URI for every later test of this process)
+        uri = client.download_artifacts(run_id, "model", str(tmp_path / "download"))
+        loaded = mlflow.pytorch.load_model(uri)
         assert type(loaded) is torch.nn.Linear and torch.equal(loaded.weight, model.weight)
-        signature = mlflow.models.get_model_info(f"runs:/{run_id}/model").signature.to_dict()
+        signature = mlflow.models.get_model_info(uri).signature.to_dict()
         assert '"shape": [-1, 3]' in signature["inputs"] and '"shape": [-1, 2]' in signature["outputs"]
         return
     else:

@@ -87,7 +87,7 @@ def test_trainer_page_trains_as_qadence_says_up_to_its_landscape_analysis(qadenc
     fails with MLflow 3.17 (input_example required)."""
     module("mlflow", "mlflow")
     proc, result, output = _run("trainer", "qaccel", tmp_path)
-
+    assert "6.1" in result, output
     first = result["6.1"]  # max_iter=10, an infinite loader: one batch an epoch, epochs 0..10
     assert first["current_epoch"] == first["max_iter"] == 10, output
     assert first["loss_fn_calls"] == 11, "max_iter + 1 epochs of one batch, no validation"
