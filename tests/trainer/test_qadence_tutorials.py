@@ -22,11 +22,13 @@ import re
 import pytest
 import torch
 from support.component import module
-from support.procs import result_lines, run_script, script_env, script_file
+from support.procs import script_file
+from support.tutorials import close as _close
+from support.tutorials import finite as _finite
+from support.tutorials import ok as _ok
+from support.tutorials import run_page
 
 pytestmark = pytest.mark.timeout(300)
-
-RUN_S = 120  # one script's run: the slowest take about 10 s here (two of them fit in the test's timeout)
 
 
 @pytest.fixture(scope="module")
@@ -42,31 +44,7 @@ def qadence():
 
 def _run(page: str, library: str, tmp_path):
     """Run the page's script on ``library`` in a folder of its own; (process, its RESULT, its output)."""
-    cwd = tmp_path / library
-    cwd.mkdir()
-    env = script_env(MLFLOW_DISABLE_TELEMETRY="true", MPLBACKEND="Agg")
-    env.pop("MLFLOW_TRACKING_URI", None)  # the page's MLflow run goes to the run's folder, not a store of yours
-    proc = run_script(script_file(f"qadence_tutorials/{page}.py"), library, cwd=cwd, timeout=RUN_S, env=env)
-    output = f"--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}"
-    results = result_lines(proc.stdout)
-    assert len(results) == 1, f"one RESULT line, printed last:\n{output}"
-    assert results[0]["library"] == library
-    return proc, results[0], output
-
-
-def _ok(proc, output: str) -> None:
-    assert proc.returncode == 0, output
-
-
-def _finite(*values: float) -> bool:
-    return all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
-
-
-def _close(a, b, rel: float = 1e-6) -> bool:
-    """Nested lists of numbers equal within ``rel`` (relative, or absolute near 0)."""
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_close(x, y, rel) for x, y in zip(a, b))
-    return math.isclose(a, b, rel_tol=rel, abs_tol=rel)
+    return run_page("qadence_tutorials", page, library, tmp_path)
 
 
 def _mlflow_run(folder):
