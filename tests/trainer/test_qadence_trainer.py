@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import os
 
 import pytest
 import torch
@@ -26,6 +27,17 @@ pytestmark = pytest.mark.timeout(240)
 
 EPOCHS = 4  # max_iter: epochs 0 to 4
 TOL = {"atol": 1e-10, "rtol": 0}  # float64 throughout
+
+
+@pytest.fixture(autouse=True)
+def _environment_kept():
+    """qadence's fit sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and LOCAL_RANK (``'None'`` in one process) in
+    os.environ: put back after each test, so that the later tests of this worker, and the processes they start (a
+    script importing torchmetrics, which parses LOCAL_RANK), see none of them."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.fixture(scope="module")
