@@ -5,6 +5,7 @@ perceptrain tutorial tests."""
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from .procs import result_lines, run_script, script_env, script_file
@@ -39,3 +40,19 @@ def close(a, b, rel: float = 1e-6) -> bool:
     if isinstance(a, list) and isinstance(b, list):
         return len(a) == len(b) and all(close(x, y, rel) for x, y in zip(a, b))
     return math.isclose(a, b, rel_tol=rel, abs_tol=rel)
+
+
+def accelerator_page_trained(proc, result: dict[str, Any], output: str) -> None:
+    """The accelerator_doc page (qadence's and perceptrain's, the same) on 2 ranks, 10 epochs: ``distribute``
+    returned None, each rank printed every epoch's loss once and it went down, rank 0 alone printed the model."""
+    assert result["returned"] == "None" and result["n_epochs"] == 10
+    losses: dict[int, dict[int, float]] = {0: {}, 1: {}}
+    for rank, epoch, loss in re.findall(
+        r"^Rank:\s+(\d+)\s+\| Epoch:\s+(\d+)\s+\| Loss:\s+(\S+)$", proc.stdout, re.MULTILINE
+    ):
+        assert int(epoch) not in losses[int(rank)], f"rank {rank} printed epoch {epoch} twice:\n{output}"
+        losses[int(rank)][int(epoch)] = float(loss)
+    for rank, by_epoch in losses.items():
+        assert sorted(by_epoch) == list(range(10)), f"rank {rank}:\n{output}"
+        assert finite(*by_epoch.values()) and by_epoch[9] < by_epoch[0], (rank, by_epoch)
+    assert proc.stdout.count("Prepared model of type:") == 1, "rank 0 only"

@@ -17,16 +17,15 @@ that commit: they have no script.
 from __future__ import annotations
 
 import math
-import re
 
 import pytest
 import torch
 from support.component import module
 from support.procs import script_file
+from support.tutorials import accelerator_page_trained, run_page
 from support.tutorials import close as _close
 from support.tutorials import finite as _finite
 from support.tutorials import ok as _ok
-from support.tutorials import run_page
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -182,17 +181,7 @@ def test_accelerator_page_trains_on_two_ranks(tmp_path):
     torch.randn, unseeded."""
     proc, result, output = _run("accelerator_doc", "qaccel", tmp_path)
     _ok(proc, output)
-    assert result["returned"] == "None" and result["n_epochs"] == 10
-    losses: dict[int, dict[int, float]] = {0: {}, 1: {}}
-    for rank, epoch, loss in re.findall(
-        r"^Rank:\s+(\d+)\s+\| Epoch:\s+(\d+)\s+\| Loss:\s+(\S+)$", proc.stdout, re.MULTILINE
-    ):
-        assert int(epoch) not in losses[int(rank)], f"rank {rank} printed epoch {epoch} twice:\n{output}"
-        losses[int(rank)][int(epoch)] = float(loss)
-    for rank, by_epoch in losses.items():
-        assert sorted(by_epoch) == list(range(10)), f"rank {rank}:\n{output}"
-        assert _finite(*by_epoch.values()) and by_epoch[9] < by_epoch[0], (rank, by_epoch)
-    assert proc.stdout.count("Prepared model of type:") == 1, "rank 0 only"
+    accelerator_page_trained(proc, result, output)
 
 
 def test_classification_page_learns_iris(qadence, tmp_path):
