@@ -1,8 +1,16 @@
-"""A Trainer script run as users run it: an uninterrupted plain launch; a SIGTERM or Ctrl-C mid-run that saves, then a
-rerun that ends bitwise where the uninterrupted run ends, with TensorBoard holding each epoch's metrics and each
-batch's loss once, equal to the uninterrupted run's; the same under torchrun (each rank fits in place), under
-``srun -X`` with Ctrl-C, and through slurm/requeue.sbatch, where a USR1 warning requeues the job and the requeued
-job finds its own run folder."""
+"""A Trainer script run as users run it: an uninterrupted plain launch; a SIGTERM (during a slow epoch-end
+callback) or Ctrl-C mid-run that saves, then a rerun that ends bitwise where the uninterrupted run ends, with the
+tracker (TensorBoard, MLflow) holding each epoch's metrics and each batch's loss once, equal to the uninterrupted
+run's; a fit restarted by torchrun --max-restarts; Ctrl-C to ``srun -X``; and slurm/requeue.sbatch, where a USR1
+warning requeues the job and the requeued job finds its own run folder.
+
+Which launcher runs which stop: SIGTERM and Ctrl-C to a plain launch (the caller passes SIGTERM on to its ranks, and
+turns Ctrl-C into a stop of every rank and a KeyboardInterrupt of its own), Ctrl-C's SIGINT to every task under
+``srun -X``, SLURM's USR1 under sbatch, and a failed rank under torchrun --max-restarts, whose restarted ranks fit in
+place. A stop under torchrun needs no Trainer run of its own: a rank stops through the same code armed by resume()
+whichever stop signal it gets, and torchrun's agent handles SIGTERM and Ctrl-C's SIGINT alike (it passes the one it
+got on to its workers); tests/train/test_stopping.py and tests/launch/test_real_script.py stop runs under torchrun
+with SIGTERM and rerun them there, and a rank's own stop on Ctrl-C's SIGINT runs here under srun -X."""
 
 from __future__ import annotations
 
@@ -11,11 +19,13 @@ import re
 import signal
 import sys
 import time
+import uuid
 
 import pytest
 from support import component
 from support.procs import (
     REPO,
+    marked_pids,
     once_per_session,
     result_lines,
     run_script,
@@ -24,7 +34,7 @@ from support.procs import (
     script_file,
     signal_when,
     slurm_env,
-    torchrun_cmd,
+    wait_dead,
     wait_for,
     wait_for_text,
 )
@@ -32,6 +42,7 @@ from support.procs import (
 pytestmark = pytest.mark.timeout(300)
 SCRIPT = script_file("trainer_run.py")
 EPOCHS = "3"  # max_iter: epochs 0 to 3, 6 batches each
+STOPPED = "qaccel: stopped by "
 
 
 def _scalars(folder, tag, run="."):
@@ -85,26 +96,45 @@ def test_an_uninterrupted_fit_tracks_every_epoch_once(reference):
     assert result["lr"] == pytest.approx(0.01 * 0.9**4), "the scheduler stepped once per epoch, and came back"
 
 
-def test_sigterm_saves_and_a_rerun_ends_bitwise_where_the_uninterrupted_fit_ends(reference, tmp_path):
-    cmd = [sys.executable, str(SCRIPT), str(tmp_path / "run"), EPOCHS, "0.1"]
-    first = signal_when(cmd, signal.SIGTERM, "epoch 1 done", env=script_env(), cwd=tmp_path, timeout=200)
-    assert first.returncode == 128 + signal.SIGTERM, first.stdout + first.stderr
-    assert first.stderr.count("qaccel: stopped by SIGTERM after saving state to") == 1, first.stderr
-    assert "epoch 3 done" not in first.stderr, "stopped mid-run"
-    second = run_script(
-        SCRIPT,
-        str(tmp_path / "run"),
-        EPOCHS,
+def test_sigterm_during_a_slow_epoch_end_callback_stops_the_fit_after_that_epoch_and_a_rerun_ends_bitwise(
+    reference, tmp_path
+):
+    """The fit's train_epoch_end callback takes 0.4 s (plots, say): SIGTERM as epoch 1's callback starts (12 batches
+    done) stops the fit within that time and the ranks' agreement, after saving step 12, before epoch 2's first batch,
+    leaving nothing running (the DataLoader workers neither). The rerun trains batches 13 to 24 only and ends where
+    the uninterrupted fit ends, TensorBoard holding each epoch and each batch once, as the uninterrupted run's."""
+    mark = f"QACCEL_TEST_MARK_{uuid.uuid4().hex}"
+    folder = tmp_path / "run"
+    first = signal_when(
+        [sys.executable, str(SCRIPT), str(folder), EPOCHS],
+        signal.SIGTERM,
+        "epoch 1 done",
+        env=script_env(EPOCH_END_S="0.4", **{mark: "1"}),
         cwd=tmp_path,
         timeout=200,
-        env=script_env(BATCH_LOG=str(tmp_path / "batches")),
+        then=STOPPED,
     )
-    _took_the_rest(second.stderr, tmp_path / "run", tmp_path / "batches")
+    assert first.returncode == 128 + signal.SIGTERM, first.stdout + first.stderr
+    stops = [line for line in first.stderr.splitlines() if line.startswith(STOPPED)]
+    assert stops == [f"{STOPPED}SIGTERM after saving state to {folder / 'checkpoints' / 'checkpoint_00000012'}"], (
+        first.stderr
+    )
+    assert first.then_s is not None and first.then_s < 0.4 + 2.0, f"stopped {first.then_s:.2f} s after the signal"
+    assert "epoch 2 done" not in first.stderr, "stopped mid-run"
+    assert wait_dead(marked_pids(mark), timeout=10) == []
+    second = run_script(
+        SCRIPT, str(folder), EPOCHS, cwd=tmp_path, timeout=200, env=script_env(BATCH_LOG=str(tmp_path / "batches"))
+    )
+    resumed = (
+        f"qaccel: resumed {folder / 'checkpoints' / 'checkpoint_00000012'} after epoch 1 (training epochs 2-3 next)"
+    )
+    assert resumed in second.stderr, second.stderr
+    _took_the_rest(second.stderr, folder, tmp_path / "batches")
     result, scalars = reference
     assert _result(second) == result
     for tag in ("train_loss", "val_loss"):
-        assert _scalars(tmp_path / "run", tag) == scalars[tag], f"{tag}: each epoch once, as the uninterrupted run"
-    assert _scalars(tmp_path / "run", "train_loss", "batches") == scalars["batches"], "each batch once"
+        assert _scalars(folder, tag) == scalars[tag], f"{tag}: each epoch once, as the uninterrupted run"
+    assert _scalars(folder, "train_loss", "batches") == scalars["batches"], "each batch once"
 
 
 def _mlflow_history(folder):
@@ -150,16 +180,10 @@ def test_sigterm_and_a_rerun_with_mlflow_continue_one_run_with_every_epoch_and_b
         assert [v for _, v in history[name]] == pytest.approx([v for _, v in tensorboard], rel=1e-6), name
 
 
-def test_under_torchrun_each_rank_fits_in_place_to_the_same_result(reference, tmp_path):
-    proc = run_torchrun(SCRIPT, str(tmp_path / "run"), EPOCHS, cwd=tmp_path, timeout=200)
-    assert _result(proc) == reference[0]
-
-
-def test_torchrun_max_restarts_restarts_a_failed_fit_which_continues_its_checkpoint_to_the_same_result(
-    reference, tmp_path
-):
-    """Rank 1 raises in epoch 2 of the first attempt; torchrun restarts both ranks, which continue the checkpoint of
-    epoch 1 and end where the uninterrupted fit ends, with each epoch and batch tracked once."""
+def test_torchrun_max_restarts_restarts_a_failed_fit_whose_ranks_fit_in_place_to_the_same_result(reference, tmp_path):
+    """Rank 1 raises in epoch 2 of the first attempt; torchrun restarts both ranks, which fit in place (each rank
+    its own torchrun worker), continue the checkpoint of epoch 1 and end where the uninterrupted fit ends, with each
+    epoch and batch tracked once."""
     proc = run_torchrun(
         SCRIPT,
         str(tmp_path / "run"),
@@ -197,31 +221,6 @@ def test_ctrl_c_saves_every_rank_and_a_rerun_ends_bitwise_where_the_uninterrupte
     _took_the_rest(second.stderr, tmp_path / "run", tmp_path / "batches")
     assert _result(second) == reference[0]
     assert _scalars(tmp_path / "run", "train_loss") == reference[1]["train_loss"]
-
-
-def test_ctrl_c_to_torchrun_saves_every_rank_and_a_rerun_ends_bitwise(reference, tmp_path):
-    """torchrun passes Ctrl-C's SIGINT on to its workers; resume() armed it, so they save and stop together."""
-    cmd = [
-        *torchrun_cmd(tmp_path / "logs", "--standalone", "--nproc_per_node", "2"),
-        str(SCRIPT),
-        str(tmp_path / "run"),
-        EPOCHS,
-        "0.1",
-    ]
-    first = signal_when(cmd, signal.SIGINT, "epoch 1 done", env=script_env(), cwd=tmp_path, timeout=200)
-    assert first.returncode != 0
-    assert first.stderr.count("qaccel: stopped by SIGINT after saving state to") == 1, first.stderr
-    assert "epoch 3 done" not in first.stderr, "stopped mid-run"
-    second = run_torchrun(
-        SCRIPT,
-        str(tmp_path / "run"),
-        EPOCHS,
-        cwd=tmp_path,
-        timeout=200,
-        env=script_env(BATCH_LOG=str(tmp_path / "batches")),
-    )
-    _took_the_rest(second.stderr, tmp_path / "run", tmp_path / "batches")
-    assert _result(second) == reference[0]
 
 
 @pytest.mark.slurm
