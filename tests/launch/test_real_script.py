@@ -2,9 +2,22 @@
 and seeds set at the top, a checkpoint every epoch, acc.resume()) behaves the same under python, torchrun and a real
 srun: same ranks, same log lines, both DataLoader workers used, bitwise the same parameters.
 
-Long runs that die end bitwise where an uninterrupted run does: a rank crashing under torchrun --max-restarts or
-a plain launch with max_restarts; SIGTERM to a plain launch or to torchrun, then a second run; SLURM's USR1
-warning (scancel --signal=USR1 --batch) to slurm/requeue.sbatch, which requeues itself and resumes."""
+Long runs that die end where an uninterrupted run does. Each launcher runs the script once or twice here, each run
+checking several things at once:
+
+- python: the uninterrupted run every other run is compared with; Accelerator(max_restarts=2) restarting after two
+  crashes, and max_restarts used up; SIGTERM to 4 ranks in the middle of an epoch (the stop checked in full).
+- torchrun: one run with --max-restarts 2 that crashes twice, the second time leaving its newest checkpoint damaged:
+  it starts from scratch, skips the damaged checkpoint and ends bitwise as the plain launch, so it also stands for
+  an uninterrupted torchrun run; and the rerun on 2 ranks of the 4 ranks' checkpoint.
+- srun: slurm/requeue.sbatch warned with USR1 (scancel --signal=USR1 --batch): the job requeues itself and ends
+  bitwise as the plain launch, every check of an uninterrupted run included; and a job requeued onto fewer tasks.
+
+Mid-epoch stops resumed on the same number of ranks are bitwise here under srun (the USR1 test);
+tests/train/test_stopping.py stops plain and torchrun runs of 2 ranks by SIGTERM and reruns them to the
+uninterrupted result, so a SIGTERM to torchrun and a same-world rerun of a plain stop need no run of their own here.
+tests/train/test_world_change.py resumes on other world sizes in-process, with every option that changes how an
+epoch is shared out."""
 
 from __future__ import annotations
 
@@ -21,12 +34,10 @@ from support.procs import (
     REPO,
     marked_pids,
     once_per_session,
-    result_lines,
     run_script,
     run_torchrun,
     signal_when,
     slurm_env,
-    torchrun_cmd,
     wait_dead,
     wait_for,
     wait_for_text,
@@ -61,32 +72,24 @@ def test_plain_launch_runs_the_real_script(plain_run):
     assert plain_run["checkpoints"] == ["checkpoint_00000012", "checkpoint_00000018"]
 
 
-def test_torchrun_runs_the_real_script_to_the_same_parameters(reference, tmp_path):
-    proc = run_torchrun(REAL, "--ckpt", str(tmp_path / "ckpt"), env=real_env(), cwd=tmp_path, timeout=200)
-    assert checked(proc)["hash"] == reference
-
-
-@pytest.mark.slurm
-def test_srun_runs_the_real_script_to_the_same_parameters(reference, slurm_cluster, tmp_path):
-    env = slurm_env(slurm_cluster)
-    env["OMP_NUM_THREADS"] = "1"
-    env.pop("PYTHONUNBUFFERED", None)
-    proc = slurm_cluster.srun(
-        ["-N1", "-n2", "python", str(REAL), "--ckpt", str(tmp_path / "ckpt")], timeout=200, env=env
-    )
-    assert checked(proc)["hash"] == reference
-
-
-def test_torchrun_restarts_resume_bitwise(reference, tmp_path):
-    """Attempt 0 dies before the first checkpoint, attempt 1 after it (and resumes from it); attempt 2 must end
-    with the uninterrupted run's parameters. Each restart must rendezvous anew: the dead attempt's addresses
-    stay in torchrun's store (a restart that rendezvouses on them hangs or fails with 'Connection refused')."""
+def test_torchrun_restarts_past_a_damaged_newest_checkpoint_to_the_plain_launchs_parameters_bitwise(
+    reference, tmp_path
+):
+    """torchrun --max-restarts 2: attempt 0 dies before the first checkpoint, so attempt 1 runs from scratch as an
+    uninterrupted torchrun run does; it dies in epoch 2, its newest checkpoint (step 12) cut short as it died (a
+    node lost while writing, a bad copy). Attempt 2 skips that one with one warning, resumes every rank from step 6
+    and must end with the plain launch's parameters. Each restart must rendezvous anew: the dead attempt's
+    addresses stay in torchrun's store (a restart that rendezvouses on them hangs or fails with 'Connection
+    refused')."""
+    damaged = tmp_path / "ckpt" / "checkpoint_00000012" / "optimizer_0.pt"
     proc = run_torchrun(
         REAL,
         "--ckpt",
         str(tmp_path / "ckpt"),
         "--crash-at",
-        "0:3,1:2",
+        "0:3,2:2",
+        "--cut-before-crash",
+        str(damaged.relative_to(tmp_path / "ckpt")),
         torchrun_args=("--max-restarts", "2"),
         env=real_env(),
         cwd=tmp_path,
@@ -95,27 +98,12 @@ def test_torchrun_restarts_resume_bitwise(reference, tmp_path):
     result = checked(proc)
     assert (result["attempt"], result["resumed"], result["trained"]) == ("2", True, 12), "from step 6 to 18"
     assert "rank 1 crashes at epoch 0 batch 3 on purpose" in proc.stderr
-    assert "rank 1 crashes at epoch 1 batch 2 on purpose" in proc.stderr
-    assert result["hash"] == reference
-
-
-def test_torchrun_resumes_past_a_damaged_newest_checkpoint_bitwise(reference, tmp_path):
-    """A run of 2 epochs leaves checkpoints at steps 6 and 12; the newest is cut short (a bad copy, a quota hit
-    during rsync). The rerun of 3 epochs skips it with one warning, resumes every rank from step 6, and ends with
-    the uninterrupted run's parameters."""
-    first = run_torchrun(
-        REAL, "--ckpt", str(tmp_path / "ckpt"), "--epochs", "2", env=real_env(), cwd=tmp_path, timeout=200
-    )
-    assert first.returncode == 0, first.stderr
-    damaged = tmp_path / "ckpt" / "checkpoint_00000012" / "optimizer_0.pt"
-    damaged.write_bytes(damaged.read_bytes()[:100])
-    proc = run_torchrun(REAL, "--ckpt", str(tmp_path / "ckpt"), env=real_env(), cwd=tmp_path, timeout=200)
-    result = checked(proc)
-    assert result["resumed"] and result["trained"] == 12 and result["hash"] == reference, "from step 6 to 18"
+    assert "rank 1 crashes at epoch 2 batch 2 on purpose" in proc.stderr
     assert proc.stderr.count("resume() skipped 1 damaged checkpoint(s)") == 1, proc.stderr
     assert f"{damaged.name} is 100 bytes long" in proc.stderr
     for rank in (0, 1):
         assert f"rank {rank} resumed from {tmp_path / 'ckpt' / 'checkpoint_00000006'} at epoch 1 step 6" in proc.stderr
+    assert result["hash"] == reference
 
 
 def test_plain_max_restarts_resume_bitwise(reference, tmp_path):
@@ -162,56 +150,21 @@ def test_plain_max_restarts_used_up_raises_the_last_failure(tmp_path):
     assert proc.stderr.count("restarting all 2 ranks") == 1
 
 
-def _stopped_then_resumed(cmd, sig, tmp_path, env, exitcode):
-    """Signal ``cmd`` in the middle of its second epoch (0.75 s into its 1.5 s); it must exit ``exitcode`` after
-    saving mid-epoch, leave no process behind, and a second run of ``cmd`` must resume from that checkpoint. The
-    second run's output."""
-    mark = f"QACCEL_TEST_MARK_{uuid.uuid4().hex}"
-    env = {**env, mark: "1"}
-    first = signal_when(cmd, sig, "rank 1 epoch 1 loss", env=env, cwd=tmp_path, timeout=150, delay=0.75)
-    assert first.returncode == exitcode, first.stderr
-    assert wait_dead(marked_pids(mark), timeout=10) == []
-    stopped = [line for line in first.stderr.splitlines() if line.startswith("qaccel: stopped by ")]
-    assert len(stopped) == 1, first.stderr  # said once, by rank 0
-    saved = stopped[0].split(" after saving state to ")[1]
-    assert saved.startswith(str(tmp_path / "ckpt" / "checkpoint_")) and os.path.isdir(saved), stopped
-    assert 6 < int(saved[-8:]) < 12, "stopped in the middle of the second epoch (steps 7 to 12)"
-    second = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=200, check=False)
-    for rank in range(2):
-        assert f"rank {rank} resumed from {saved} at epoch" in second.stderr, second.stderr
-    assert checked(second)["trained"] == 18 - int(saved[-8:]), "the second run took only the steps left"
-    return second
-
-
-SLOW = ("--step-sleep", "0.25")  # 18 steps: about 5 s of training, so the signal lands mid-run
-
-
-def test_sigterm_to_a_plain_launch_saves_and_a_rerun_resumes_bitwise(reference, tmp_path):
-    cmd = [sys.executable, str(REAL), "--ckpt", str(tmp_path / "ckpt"), *SLOW]
-    second = _stopped_then_resumed(
-        cmd, signal.SIGTERM, tmp_path, real_env(), exitcode=128 + signal.SIGTERM
-    )  # Preempted: a SystemExit
-    assert checked(second)["hash"] == reference
-
-
-def test_sigterm_to_torchrun_saves_and_a_rerun_resumes_bitwise(reference, tmp_path):
-    cmd = [
-        *torchrun_cmd(tmp_path / "logs", "--standalone", "--nproc_per_node", "2"),
-        str(REAL),
-        "--ckpt",
-        str(tmp_path / "ckpt"),
-        *SLOW,
-    ]
-    second = _stopped_then_resumed(cmd, signal.SIGTERM, tmp_path, real_env(), exitcode=1)  # torchrun's own code
-    assert checked(second)["hash"] == reference
+SLOW = ("--step-sleep", "0.25")  # 0.25 s a step, so that a signal lands mid-run
 
 
 @pytest.mark.slurm
-def test_slurm_usr1_warning_saves_requeues_and_resumes_bitwise(reference, slurm_cluster, tmp_path):
-    """slurm/requeue.sbatch as submitted: USR1 to the batch shell (what --signal=B:USR1@180 sends before the time
-    limit) reaches every rank; they save, rank 0 requeues the job once, and the requeued job resumes."""
+def test_srun_in_a_job_warned_by_usr1_saves_requeues_resumes_and_ends_as_the_plain_launch_bitwise(
+    reference, slurm_cluster, tmp_path
+):
+    """slurm/requeue.sbatch as submitted, its 2 ranks started by srun: USR1 to the batch shell (what
+    --signal=B:USR1@180 sends before the time limit) reaches every rank; they save, rank 0 requeues the job once,
+    and the requeued job resumes. Its ranks start from scratch as any srun run's, so the requeued run must end as
+    the plain launch does and pass every check of an uninterrupted run, output arriving without
+    PYTHONUNBUFFERED."""
     env = slurm_env(slurm_cluster)
     env["OMP_NUM_THREADS"] = "1"
+    env.pop("PYTHONUNBUFFERED", None)
     out = tmp_path / "job.out"
     job = slurm_cluster.sbatch(
         REPO / "slurm" / "requeue.sbatch",
@@ -250,8 +203,8 @@ def test_slurm_usr1_warning_saves_requeues_and_resumes_bitwise(reference, slurm_
     assert len(stopped) == 1 and stopped[0].endswith("; the SLURM job was requeued and will resume from it"), text
     saved = stopped[0].split(" after saving state to ")[1].split(";")[0]
     assert f"rank 0 resumed from {saved} at epoch" in text and f"rank 1 resumed from {saved} at epoch" in text
-    [result] = result_lines(text)
-    assert (result["rank"], result["world"], result["workers"]) == (0, 2, [0, 1]), result
+    stdout = "\n".join(line for line in text.splitlines() if line.startswith("RESULT "))
+    result = checked(subprocess.CompletedProcess([], 0, stdout, text))
     assert result["hash"] == reference and result["resumed"], result
     assert result["trained"] == 18 - int(saved[-8:]), "the requeued run took only the steps left"
 
@@ -276,16 +229,19 @@ def _split_run(tmp_path_factory):
         "--split-batches",
         "--record",
         str(tmp / "record"),
+        "--nprocs",
+        "1",
         env=real_env(),
         cwd=tmp,
         timeout=200,
     )
-    return checked(proc)["params"]
+    return checked(proc, world=1)["params"]
 
 
 @pytest.fixture(scope="module")
 def split_params(tmp_path_factory):
-    """The parameters of an uninterrupted run of 2 ranks with split_batches (the same at any world size)."""
+    """The parameters of an uninterrupted run with split_batches, the same at any world size: on 1 rank, the
+    cheapest launch."""
     return once_per_session(tmp_path_factory, "real_script_split_run", lambda: _split_run(tmp_path_factory))
 
 
@@ -303,39 +259,36 @@ def _resumed_on_2(second, record, split_params):
     assert max(abs(a - b) for a, b in zip(result["params"], split_params)) < 1e-5
 
 
-def test_sigterm_to_4_ranks_and_a_rerun_on_2_takes_every_sample_once_and_ends_as_a_straight_run(tmp_path, split_params):
-    """The global batch kept (split_batches): a plain launch of 4 ranks stopped by SIGTERM, resumed on 2."""
-    (tmp_path / "record").mkdir()
-    common = ["--ckpt", str(tmp_path / "ckpt"), "--split-batches", "--record", str(tmp_path / "record")]
-    first = signal_when(
-        [sys.executable, str(REAL), *common, "--nprocs", "4", *SLOW],
-        signal.SIGTERM,
-        "rank 1 epoch 1 loss",
-        env=real_env(),
-        cwd=tmp_path,
-        timeout=150,
-    )
-    assert first.returncode == 128 + signal.SIGTERM, first.stderr
-    second = run_script(REAL, *common, env=real_env(), cwd=tmp_path, timeout=200)
-    _resumed_on_2(second, tmp_path / "record", split_params)
-
-
-def test_sigterm_to_torchrun_of_4_and_a_torchrun_of_2_take_every_sample_once_and_end_as_a_straight_run(
+def test_sigterm_to_a_plain_launch_of_4_saves_mid_epoch_and_a_torchrun_of_2_takes_every_sample_once_to_a_straight_run(
     tmp_path, split_params
 ):
+    """The global batch kept (split_batches, 12 steps an epoch): SIGTERM to a plain launch of 4 ranks in the middle
+    of its second epoch; it must exit as a stop (Preempted: a SystemExit) after saving mid-epoch, say so once and
+    leave no process behind. torchrun's 2 ranks resume that checkpoint and take only the steps left."""
     (tmp_path / "record").mkdir()
     common = [str(REAL), "--ckpt", str(tmp_path / "ckpt"), "--split-batches", "--record", str(tmp_path / "record")]
+    mark = f"QACCEL_TEST_MARK_{uuid.uuid4().hex}"
     first = signal_when(
-        [*torchrun_cmd(tmp_path / "logs", "--standalone", "--nproc_per_node", "4"), *common, *SLOW],
+        [sys.executable, *common, "--nprocs", "4", *SLOW],
         signal.SIGTERM,
         "rank 1 epoch 1 loss",
-        env=real_env(),
+        env=real_env(**{mark: "1"}),
         cwd=tmp_path,
         timeout=150,
+        delay=1.5,  # half of the second epoch's 3 s
     )
-    assert first.returncode != 0, first.stderr
+    assert first.returncode == 128 + signal.SIGTERM, first.stderr
+    assert wait_dead(marked_pids(mark), timeout=10) == []
+    stopped = [line for line in first.stderr.splitlines() if line.startswith("qaccel: stopped by ")]
+    assert len(stopped) == 1, first.stderr  # said once, by rank 0
+    saved = stopped[0].split(" after saving state to ")[1]
+    assert saved.startswith(str(tmp_path / "ckpt" / "checkpoint_")) and os.path.isdir(saved), stopped
+    assert 12 < int(saved[-8:]) < 24, "stopped in the middle of the second epoch (steps 13 to 24)"
     second = run_torchrun(common[0], *common[1:], env=real_env(), cwd=tmp_path, timeout=200)
     _resumed_on_2(second, tmp_path / "record", split_params)
+    for rank in range(2):
+        assert f"rank {rank} resumed from {saved} at epoch" in second.stderr, second.stderr
+    assert checked(second)["trained"] == 36 - int(saved[-8:]), "the second run took only the steps left"
 
 
 @pytest.mark.slurm

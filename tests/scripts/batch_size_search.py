@@ -4,13 +4,17 @@ end at the same size. The inner function prepares its objects, trains 2 epochs a
 as Accelerate's guide writes it. Logging is set up at the top, the Dataset class is the script's own and the loader
 uses 2 workers.
 
-    python batch_size_search.py OUT [--raise ValueError] [--fits N] [--twice]   # qaccel starts 2 ranks
+    python batch_size_search.py OUT [--fits N] [--twice] [--then-raise ValueError]  # qaccel starts 2 ranks
     torchrun --nproc_per_node 2 batch_size_search.py OUT              # the same, in place
-    torchrun --nproc_per_node 2 batch_size_search.py OUT --top-level  # no distribute(): as Accelerate's scripts,
-                                                                      # nothing joins the ranks before the search
+    torchrun --nproc_per_node 2 batch_size_search.py OUT --top-level  # first without distribute(): as Accelerate's
+                                                                      # scripts, nothing joins the ranks before the
+                                                                      # search; then in a distribute() call
 
-Prints ``RESULT {...}`` once per distribute() call (the main process; two calls with --twice): every rank's sizes tried, the size reached, the trained
-parameters' hash, and the hash of a run started at the size reached (no retries: equal to it).
+Prints ``RESULT {...}`` once per search (the main process; a distribute() call, two with --twice, and with
+--top-level one before them): every rank's sizes tried, the size reached, the trained parameters' hash, and the
+hash of a run started at the size reached (no retries: equal to it). ``--then-raise ERROR``: after those, one more
+distribute() call in which rank 1 raises ERROR (a builtin exception) instead of running out of memory; the line
+before it says when it starts (time.monotonic(), the same clock in every process of the machine).
 """
 
 import argparse
@@ -18,6 +22,8 @@ import builtins
 import hashlib
 import json
 import logging
+import sys
+import time
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -58,14 +64,14 @@ def train_at(acc, out, batch_size, fits, error):
     return hashlib.sha256(b"".join(w.numpy().tobytes() for w in weights.values())).hexdigest()
 
 
-def main(acc, args):
+def main(acc, args, error="RuntimeError"):
     tried = []
 
     @find_executable_batch_size(starting_batch_size=64)
     def search(batch_size):
         tried.append(batch_size)
         logger.info("rank %d trying batch size %d", acc.rank, batch_size)
-        return batch_size, train_at(acc, args.out, batch_size, args.fits, getattr(builtins, args.raise_))
+        return batch_size, train_at(acc, args.out, batch_size, args.fits, getattr(builtins, error))
 
     size, digest = search()
     reference = find_executable_batch_size(starting_batch_size=size)(
@@ -79,13 +85,16 @@ def main(acc, args):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--fits", type=int, default=40)
-    parser.add_argument("--raise", dest="raise_", default="RuntimeError")
+    parser.add_argument("--fits", type=int, default=51)
+    parser.add_argument("--then-raise", default="")
     parser.add_argument("--twice", action="store_true")
     parser.add_argument("--top-level", action="store_true")
     arguments = parser.parse_args()
     accelerator = Accelerator(nprocs=2, compute_setup="cpu")
     if arguments.top_level:
         main(accelerator, arguments)
-    for _ in range(0 if arguments.top_level else 2 if arguments.twice else 1):
+    for _ in range(2 if arguments.twice else 1):
         accelerator.distribute(main)(accelerator, arguments)
+    if arguments.then_raise:
+        print(f"batch_size_search: the last search starts at {time.monotonic()}", file=sys.stderr, flush=True)
+        accelerator.distribute(main)(accelerator, arguments, arguments.then_raise)

@@ -4,7 +4,9 @@ Top-level set-up (logging, seeds, default dtype), a Dataset class defined here w
 inside the training function from the global RNG, a checkpoint every epoch, and ``acc.resume()``: it continues from
 the newest checkpoint, and on SIGTERM (or SLURM's USR1) every rank finishes what it is doing, saves and stops. With
 ``--crash-at E:B[,E:B...]`` rank 1 raises at epoch E, batch B of attempt 0 (then of attempt 1, ...), as
-``acc.restart_count`` counts them (torchrun --max-restarts, or ``--max-restarts`` for a plain launch).
+``acc.restart_count`` counts them (torchrun --max-restarts, or ``--max-restarts`` for a plain launch); with
+``--cut-before-crash FILE`` rank 1 first cuts FILE (a path under --ckpt, if it exists) to 100 bytes: a checkpoint
+damaged as the run died.
 ``--step-sleep`` slows each step of a run that did not resume, so that a test can signal it mid-run;
 ``--strategy fsdp`` shards it with FSDP2;
 ``--split-batches`` makes the loader's batch of 8 the batch of all ranks together; ``--record DIR`` writes the
@@ -65,6 +67,10 @@ def train(args, acc):
         loss = torch.tensor(float("nan"))  # a run stopped after an epoch's last step resumes with none of it left
         for i, (x, y, worker, index) in enumerate(loader):
             if crash == (epoch, i) and acc.rank == 1:
+                cut = os.path.join(args.ckpt, args.cut_before_crash)
+                if args.cut_before_crash and os.path.isfile(cut):
+                    with open(cut, "r+b") as f:
+                        f.truncate(100)
                 raise RuntimeError(f"rank 1 crashes at epoch {epoch} batch {i} on purpose")
             if args.record:
                 with open(os.path.join(args.record, f"rank{acc.rank}_of_{acc.world_size}_{os.getpid()}"), "a") as f:
@@ -102,6 +108,7 @@ if __name__ == "__main__":
     parser.add_argument("--ckpt", required=True)
     parser.add_argument("--crash-at", default="")
     parser.add_argument("--max-restarts", type=int, default=0)
+    parser.add_argument("--cut-before-crash", default="")
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--strategy", default="ddp")
     parser.add_argument("--split-batches", action="store_true")

@@ -1,5 +1,12 @@
 """find_executable_batch_size: Accelerate's sequence in one process, and one size agreed by every rank when only
-rank 1 runs out of memory (a plain launch, torchrun and srun)."""
+rank 1 runs out of memory (a plain launch and torchrun).
+
+One launch per launcher, each with several searches: the plain launch searches in two distribute() calls, then in a
+third where rank 1 raises another error; torchrun searches at the top of the script (nothing joins the ranks
+before it), then in a distribute() call, in place. A search under srun needs no launch of its own: srun's ranks
+join in place as torchrun's do, and the ranks agree through their session's rendezvous store whoever hosts it
+(srun's in-place sessions, their store hosted by rank 0, run tests/scripts/real_train.py in
+tests/launch/test_real_script.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +14,12 @@ import time
 
 import pytest
 import torch
-from support.procs import result_lines, run_script, run_torchrun, script_file, slurm_env
+from support.procs import result_lines, run_script, run_torchrun, script_file
 
 from qaccel import find_executable_batch_size, should_reduce_batch_size
 
 SCRIPT = script_file("batch_size_search.py")
-TRIED = [64, 57, 51, 45, 40]  # 0.9x each time, down to the first size that fits (40) on rank 1
+TRIED = [64, 57, 51]  # 0.9x each time, down to the first size that fits (51) on rank 1: two retries
 
 
 def _oom_above(limit, tried):
@@ -74,57 +81,39 @@ def test_which_errors_mean_out_of_memory(error, reduce):
     assert should_reduce_batch_size(error) is reduce
 
 
-def _agreed(proc, calls=1):
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+def _agreed(proc, calls=1, returncode=0):
+    assert proc.returncode == returncode, proc.stdout[-3000:] + proc.stderr[-6000:]
     results = result_lines(proc.stdout)
-    assert len(results) == calls and all(r == results[0] for r in results), "every distribute() call agrees alike"
+    assert len(results) == calls and all(r == results[0] for r in results), "every search agrees alike"
     result = results[0]
     assert result["world"] == 2
     assert [r["tried"] for r in result["ranks"]] == [TRIED, TRIED], "every rank tried the same sizes"
-    assert {r["size"] for r in result["ranks"]} == {40}
+    assert {r["size"] for r in result["ranks"]} == {TRIED[-1]}
     assert {r["hash"] for r in result["ranks"]} == {result["reference"]}, (
-        "the retried run trains as one started at 40: nothing of the failed attempts is left"
+        "the retried run trains as one started at 51: nothing of the failed attempts is left"
     )
 
 
-@pytest.mark.timeout(120)
-def test_ranks_agree_on_the_size_when_one_runs_out_of_memory_in_a_plain_launch_twice(tmp_path):
-    proc = run_script(SCRIPT, str(tmp_path / "out"), "--twice", cwd=tmp_path, timeout=100)
-    _agreed(proc, calls=2)
+@pytest.mark.timeout(240)
+def test_ranks_agree_on_the_size_in_a_plain_launch_twice_then_another_error_on_one_rank_ends_a_search_with_it(tmp_path):
+    proc = run_script(SCRIPT, str(tmp_path / "out"), "--twice", "--then-raise", "ValueError", cwd=tmp_path, timeout=200)
+    ended = time.monotonic()
+    _agreed(proc, calls=2, returncode=1)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["epoch_0", "epoch_1", "reference"]
-
-
-@pytest.mark.timeout(150)
-def test_ranks_agree_on_the_size_under_torchrun(tmp_path):
-    _agreed(run_torchrun(SCRIPT, str(tmp_path / "out"), cwd=tmp_path, timeout=120))
-
-
-@pytest.mark.timeout(150)
-def test_ranks_agree_under_torchrun_when_the_search_is_the_first_thing_on_the_ranks(tmp_path):
-    """Accelerate's memory example: the Accelerator made at the top, nothing joins the ranks before the search
-    (the function prepares everything itself); qaccel.utils' find_executable_batch_size joins them first."""
-    _agreed(run_torchrun(SCRIPT, str(tmp_path / "out"), "--top-level", cwd=tmp_path, timeout=120))
-
-
-@pytest.mark.slurm
-@pytest.mark.timeout(150)
-def test_ranks_agree_on_the_size_under_srun(tmp_path, slurm_cluster):
-    _agreed(
-        slurm_cluster.srun(
-            ["-N1", "-n2", "python", str(SCRIPT), str(tmp_path / "out")],
-            timeout=120,
-            env=slurm_env(slurm_cluster),
-            cwd=tmp_path,
-        )
+    _, mark, last = proc.stderr.partition("batch_size_search: the last search starts at ")
+    assert mark, proc.stderr[-6000:]
+    assert "ValueError: CUDA out of memory. Tried to allocate 2.00 GiB at batch size 64" in last
+    assert "raised on rank 1 of 2" in last
+    assert "trying batch size 64" in last and "trying batch size 57" not in last, (
+        "no retry after an error that is not about memory"
     )
+    started = float(last.split(maxsplit=1)[0])
+    assert ended - started < 60, "rank 0, waiting in a collective for rank 1, was stopped"
 
 
-@pytest.mark.timeout(120)
-def test_another_error_on_one_rank_ends_the_search_with_that_error(tmp_path):
-    started = time.monotonic()
-    proc = run_script(SCRIPT, str(tmp_path / "out"), "--raise", "ValueError", cwd=tmp_path, timeout=100)
-    assert proc.returncode != 0
-    assert "ValueError: CUDA out of memory. Tried to allocate 2.00 GiB at batch size 64" in proc.stderr
-    assert "raised on rank 1 of 2" in proc.stderr
-    assert "trying batch size 57" not in proc.stderr, "no retry after an error that is not about memory"
-    assert time.monotonic() - started < 60, "rank 0, waiting in a collective for rank 1, was stopped"
+@pytest.mark.timeout(240)
+def test_ranks_agree_under_torchrun_when_the_search_is_the_first_thing_on_the_ranks_and_in_a_distribute_call(tmp_path):
+    """Accelerate's memory example: the Accelerator made at the top, nothing joins the ranks before the search
+    (the function prepares everything itself); qaccel.utils' find_executable_batch_size joins them first. The
+    script then searches again in a distribute() call, in place."""
+    _agreed(run_torchrun(SCRIPT, str(tmp_path / "out"), "--top-level", cwd=tmp_path, timeout=200), calls=2)

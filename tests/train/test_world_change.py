@@ -1,15 +1,24 @@
 """Resuming on another number of ranks: the interrupted epoch goes on where all ranks had stopped together, so
 across the two worlds every sample of it is taken exactly once; with the global batch kept (split_batches, or
 keep_global_batch scaling gradient accumulation) the resumed run ends where the uninterrupted one does, within
-1e-5."""
+1e-5.
+
+The uninterrupted run is the first world's run that saved the checkpoint mid-epoch and went on to its end (saving
+changes nothing of a run: that run, too, must take every sample once); a checkpoint several tests resume is written
+once per session and copied into each test's own folder."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
+import pickle
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
+from support.procs import once_per_session
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from qaccel import Accelerator, cli
@@ -44,11 +53,12 @@ def _loader(acc, batch_size, data):
     )
 
 
-def _run(acc, folder, batch_size, stop=None, epochs=3, accumulate=True, data="map"):
+def _run(acc, folder, batch_size, stop=None, epochs=3, accumulate=True, data="map", go_on=False):
     """Train ``epochs`` epochs from the newest checkpoint in ``folder``; at ``stop`` (epoch, step) save and return
-    None. Returns the ids of the real samples this rank trained on per epoch, and the parameters. ``accumulate``:
-    the step is inside ``accumulate()``; ``data``: "map" (shuffled, 2 workers), "stream" or "own_sampler" (a
-    DistributedSampler of the user's)."""
+    None, or with ``go_on`` save and train on to the end. Returns the ids of the real samples this rank trained on
+    per epoch (up to the stop, if any; with ``go_on`` those of the whole run under "whole run"), and the
+    parameters. ``accumulate``: the step is inside ``accumulate()``; ``data``: "map" (shuffled, 2 workers),
+    "stream" or "own_sampler" (a DistributedSampler of the user's)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(2, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
@@ -59,6 +69,7 @@ def _run(acc, folder, batch_size, stop=None, epochs=3, accumulate=True, data="ma
     with contextlib.redirect_stderr(said):
         acc.resume(folder)
     ids = {"said": said.getvalue()}
+    saved = None
     for epoch in range(loader.epoch, epochs):
         for step, (i, x, y) in enumerate(loader):
             ids.setdefault(epoch, []).extend(i[: len(i) - acc.padding_in_batch].tolist())
@@ -72,8 +83,11 @@ def _run(acc, folder, batch_size, stop=None, epochs=3, accumulate=True, data="ma
                 scheduler.step()
             if (epoch, step) == stop:
                 acc.save_state()
-                return ids, None
-    return ids, list(acc.get_state_dict(model).values())  # full tensors on the main process (FSDP: gathered)
+                if not go_on:
+                    return ids, None
+                saved = copy.deepcopy(ids)
+    params = list(acc.get_state_dict(model).values())  # full tensors on the main process (FSDP: gathered)
+    return ({**saved, "whole run": ids} if saved is not None else ids), params
 
 
 def _every_epoch_once(*runs, dropped=None):
@@ -92,65 +106,98 @@ def _world(n, **options):
     return Accelerator(nprocs=n, compute_setup="cpu", timeout=60, **options)
 
 
+def _stopped_and_gone_on(n, folder, batch_size, **options):
+    """A run of ``n`` ranks that saves at epoch 1, step 3 and goes on: every rank's ids up to the checkpoint, and
+    the parameters it ends with, those of the uninterrupted run (checked: it took every sample once)."""
+    acc = _world(n, **options)
+    stopped = acc.distribute(_run, all_results=True)(acc, str(folder), batch_size, stop=(1, 3), go_on=True)
+    _every_epoch_once([(ids["whole run"], None) for ids, _ in stopped])
+    return stopped
+
+
+def _shared(tmp_path_factory, name, n, batch_size, **options):
+    """``_stopped_and_gone_on`` run once per session (for every pytest-xdist worker): the folder holding its
+    checkpoints ("ckpt") and what its ranks returned."""
+
+    def compute():
+        tmp = tmp_path_factory.mktemp(name)
+        stopped = _stopped_and_gone_on(n, tmp / "ckpt", batch_size, **options)
+        (tmp / "stopped.pickle").write_bytes(pickle.dumps(stopped))
+        return str(tmp)
+
+    return Path(once_per_session(tmp_path_factory, f"world_change_{name}", compute))
+
+
+def _copied(shared, tmp_path):
+    """The shared run's checkpoints copied to ``tmp_path / "ckpt"``, for this test alone: what its ranks returned."""
+    shutil.copytree(shared / "ckpt", tmp_path / "ckpt")
+    return pickle.loads((shared / "stopped.pickle").read_bytes())
+
+
+@pytest.fixture(scope="module")
+def split_4(tmp_path_factory):
+    """4 ranks with split_batches (8 samples a step), saved at step 12 (epoch 1, batch 4 of 8) and gone on."""
+    return _shared(tmp_path_factory, "split_4", 4, 8, split_batches=True)
+
+
+@pytest.fixture(scope="module")
+def by_4_of_3(tmp_path_factory):
+    """4 ranks x 3 samples (keep_global_batch acts at resume only: a run resuming nothing trains as any), saved at
+    step 9 (epoch 1, batch 4 of 5) and gone on."""
+    return _shared(tmp_path_factory, "by_4_of_3", 4, 3, keep_global_batch=True)
+
+
 @pytest.mark.parametrize(("before", "after"), [(4, 2), (4, 1), (1, 4)])
-def test_split_batches_resumes_on_another_world_and_ends_as_the_uninterrupted_run(tmp_path, before, after):
-    straight = _world(before, split_batches=True).distribute(_run, all_results=True)(
-        _world(before, split_batches=True), str(tmp_path / "straight"), 8
-    )
-    first = _world(before, split_batches=True)
-    stopped = first.distribute(_run, all_results=True)(first, str(tmp_path / "ckpt"), 8, stop=(1, 3))
+def test_split_batches_resumes_on_another_world_and_ends_as_the_uninterrupted_run(request, tmp_path, before, after):
+    if before == 4:  # the 4 ranks' run shared by both tests that resume it
+        stopped = _copied(request.getfixturevalue("split_4"), tmp_path)
+    else:
+        stopped = _stopped_and_gone_on(before, tmp_path / "ckpt", 8, split_batches=True)
     second = _world(after, split_batches=True)
     resumed = second.distribute(_run, all_results=True)(second, str(tmp_path / "ckpt"), 8)
     _every_epoch_once(stopped, resumed)
-    for got, want in zip(resumed[0][1], straight[0][1]):
+    for got, want in zip(resumed[0][1], stopped[0][1]):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     line = f"(written by {before} rank{'s' * (before > 1)}) on {after} rank{'s' * (after > 1)} at epoch 1, batch 4 of 8"
     assert line + "; global batch 8 kept (split_batches)" in resumed[0][0]["said"]
 
 
-def test_without_split_batches_the_batch_per_rank_is_kept_and_resume_says_so(tmp_path, capsys):
-    first = _world(4)
-    stopped = first.distribute(_run, all_results=True)(first, str(tmp_path / "ckpt"), 2, stop=(1, 3))
+def test_without_split_batches_the_batch_per_rank_is_kept_and_resume_says_so(by_4_of_3, tmp_path, capsys):
+    stopped = _copied(by_4_of_3, tmp_path)
     assert cli.main(["inspect", str(tmp_path / "ckpt")]) == 0
     shown = capsys.readouterr().out
-    assert "checkpoint_00000012" in shown and "written by   4 rank(s)" in shown
-    assert "step         12 optimizer updates, of 1 micro-step(s) each" in shown
+    assert "checkpoint_00000009" in shown and "written by   4 rank(s)" in shown
+    assert "step         9 optimizer updates, of 1 micro-step(s) each" in shown
     assert (
-        "loader 0     epoch 1, 16 of the epoch's batches done by all ranks together (4 per rank); batch 2 per "
-        "rank, global batch 8"
+        "loader 0     epoch 1, 16 of the epoch's batches done by all ranks together (4 per rank); batch 3 per "
+        "rank, global batch 12"
     ) in shown
     second = _world(2)
-    resumed = second.distribute(_run, all_results=True)(second, str(tmp_path / "ckpt"), 2)
+    resumed = second.distribute(_run, all_results=True)(second, str(tmp_path / "ckpt"), 3)
     _every_epoch_once(stopped, resumed)
     assert (
-        "(written by 4 ranks) on 2 ranks at epoch 1, batch 8 of 15; batch per rank 2 kept, so the global "
-        "batch changes from 8 to 4 (keep_global_batch=True keeps it)"
+        "(written by 4 ranks) on 2 ranks at epoch 1, batch 8 of 10; batch per rank 3 kept, so the global "
+        "batch changes from 12 to 6 (keep_global_batch=True keeps it)"
     ) in resumed[0][0]["said"]
 
 
 def test_a_sharded_run_resumes_on_fewer_ranks(tmp_path):
     options = {"split_batches": True, "strategy": "fsdp", "fsdp_min_params": 1}
-    straight = _world(4, **options).distribute(_run, all_results=True)(
-        _world(4, **options), str(tmp_path / "straight"), 8
-    )
-    first = _world(4, **options)
-    stopped = first.distribute(_run, all_results=True)(first, str(tmp_path / "ckpt"), 8, stop=(1, 3))
+    stopped = _stopped_and_gone_on(4, tmp_path / "ckpt", 8, **options)
     second = _world(2, **options)
     resumed = second.distribute(_run, all_results=True)(second, str(tmp_path / "ckpt"), 8)
     _every_epoch_once(stopped, resumed)
-    for got, want in zip(resumed[0][1], straight[0][1]):
+    for got, want in zip(resumed[0][1], stopped[0][1]):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_keep_global_batch_scales_gradient_accumulation_and_ends_as_the_uninterrupted_run(tmp_path):
+def test_keep_global_batch_scales_gradient_accumulation_and_ends_as_the_uninterrupted_run(by_4_of_3, tmp_path):
     """4 ranks x 3 samples, resumed on 2 ranks: 2 micro-steps of 3 per update keep the global batch of 12."""
-    straight = _world(4).distribute(_run, all_results=True)(_world(4), str(tmp_path / "straight"), 3)
-    first = _world(4, keep_global_batch=True)
-    stopped = first.distribute(_run, all_results=True)(first, str(tmp_path / "ckpt"), 3, stop=(1, 3))
+    stopped = _copied(by_4_of_3, tmp_path)
     second = _world(2, keep_global_batch=True)
     resumed = second.distribute(_run, all_results=True)(second, str(tmp_path / "ckpt"), 3)
     _every_epoch_once(stopped, resumed)
-    for got, want in zip(resumed[0][1], straight[0][1]):
+    for got, want in zip(resumed[0][1], stopped[0][1]):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert (
         "(written by 4 ranks) on 2 ranks at epoch 1, batch 8 of 10; global batch 12 kept (gradient accumulation 2)"
@@ -158,10 +205,9 @@ def test_keep_global_batch_scales_gradient_accumulation_and_ends_as_the_uninterr
 
 
 def test_keep_global_batch_refuses_at_resume_a_world_that_cannot_keep_it_and_a_loop_outside_accumulate(
-    tmp_path, capsys
+    by_4_of_3, tmp_path
 ):
-    first = _world(4, keep_global_batch=True)
-    first.distribute(_run)(first, str(tmp_path / "ckpt"), 3, stop=(1, 3))
+    _copied(by_4_of_3, tmp_path)
     three = _world(3, keep_global_batch=True)
     with pytest.raises(
         Exception,
