@@ -1,6 +1,14 @@
 """The examples run as a user runs them: with python (qaccel starts the ranks), under torchrun and under srun.
 
 The examples only print their results, as users' scripts do; the checks of those results are here.
+
+Every example runs under python, and every one in place under torchrun (each rank started by the launcher,
+printing its result once). The runs that stop and continue (long_run.py, digits_trainer.py) run their first part
+under python and continue under torchrun, so one pair of runs checks both launchers and the continuation across
+them. srun is the other launcher that runs the script in place: it starts regression.py as a task per rank, and
+the ranks read their place from SLURM's variables where torchrun's give it; what the script does once it has its
+rank is the same as under torchrun, so the other examples need no srun run of their own (quickstart.py runs under
+srun in tests/cluster/test_slurm_scripts.py).
 """
 
 from __future__ import annotations
@@ -77,7 +85,7 @@ def test_quickstart_under_torchrun_follows_torchrun_and_warns_once_of_a_world_mi
 def test_regression_bf16_with_gradient_accumulation_under_torchrun(tmp_path):
     """One torchrun run: the example with bf16 and gradient accumulation, run in place by torchrun. In float32:
     under python, the straight run of test_regression_resumes_where_it_stopped_and_matches_a_straight_run, and in
-    place under srun, test_examples_print_once_under_srun; bf16 and accumulation on ranks qaccel starts:
+    place under srun, test_regression_prints_once_under_srun; bf16 and accumulation on ranks qaccel starts:
     tests/train/test_training.py."""
     out = _run(
         [*_torchrun(tmp_path), str(REPO / "examples/regression.py"), "--bf16", "--accumulate", "2", "--epochs", "4"],
@@ -118,7 +126,7 @@ def test_regression_refuses_float64_with_bf16(tmp_path):
 
 
 def test_classify_cnn_evaluates_every_sample_once_and_saves_once_into_the_working_directory(tmp_path):
-    # the default --out (--out PATH: under torchrun, below); one epoch, as under torchrun and srun (each costs ~10 s)
+    # the default --out (--out PATH: under torchrun, below); one epoch, as under torchrun (each costs ~10 s)
     out = _run([sys.executable, str(REPO / "examples/classify_cnn.py"), "--epochs", "1"], tmp_path)
     assert out.count("test accuracy") == 1
     _classified(out)
@@ -159,84 +167,54 @@ def _tensorboard_steps(path):
     return {tag: [event.step for event in events.Scalars(tag)] for tag in ("train_loss", "val_loss")}
 
 
-def test_digits_trainer_continues_its_run_from_the_checkpoint(tmp_path):
-    """Under python: a run of 4 epochs (0 to 3), then the same folder with --epochs 6 trains, prints and tracks
-    epochs 4 and 5 only; TensorBoard has every step once, and the second run's event file holds only its own
-    steps."""
+def test_digits_trainer_continues_under_torchrun_the_run_it_started_under_python(tmp_path):
+    """A run of 4 epochs (0 to 3) under python, then the same folder with --epochs 6 under torchrun (its ranks run in
+    place) trains, prints once and tracks epochs 4 and 5 only; TensorBoard has every step once, and the second run's
+    event file holds only its own steps."""
     _needs("digits_trainer.py")
-    cmd = [sys.executable, DIGITS, "--log-folder", "run"]
-    folder = _trained_digits(_run([*cmd, "--epochs", "4"], tmp_path), 4)
+    args = [DIGITS, "--log-folder", "run"]
+    folder = _trained_digits(_run([sys.executable, *args, "--epochs", "4"], tmp_path), 4)
     assert folder == tmp_path.resolve() / "run"
     first = set((folder / "tracking").iterdir())
-    again = _run([*cmd, "--epochs", "6"], tmp_path)
+    again = _run([*_torchrun(tmp_path), *args, "--epochs", "6"], tmp_path)
     assert _trained_digits(again, 6, first=4) == folder
     (added,) = set((folder / "tracking").iterdir()) - first
     assert _tensorboard_steps(added) == {"train_loss": [4, 5], "val_loss": [4, 5]}
 
 
-def test_digits_trainer_under_torchrun(tmp_path):
-    _needs("digits_trainer.py")
-    out = _run([*_torchrun(tmp_path), DIGITS, "--epochs", "5", "--log-folder", str(tmp_path / "run")], tmp_path)
-    assert _trained_digits(out, 5) == tmp_path.resolve() / "run"
-
-
-ONCE = {  # each example's arguments, the lines that must appear exactly once however it was started, its result
-    "regression.py": (["--epochs", "4"], ["validation loss"], _loss_went_down),
-    "classify_cnn.py": (["--epochs", "1"], ["test accuracy", "saved "], _classified),
-    "long_run.py": (["--epochs", "1"], ["final loss"], lambda out: None),
-    "digits_trainer.py": (
-        ["--epochs", "5"],
-        ["validation accuracy", "run folder: "],
-        lambda out: _trained_digits(out, 5),
-    ),
-}
-# quickstart.py under srun: cluster/test_slurm_scripts.py::test_one_node_template_runs_the_quickstart_example_without_arguments
-# runs it with slurm/one_node.sbatch (srun, a task per rank) and checks "final mean loss" is printed once.
-
-
-def _once(out, example):
-    for needle in ONCE[example][1]:
-        assert out.count(needle) == 1, out
-    ONCE[example][2](out)
-
-
 def test_classify_cnn_prints_once_under_torchrun_and_saves_to_out(tmp_path):
     out = _run(
-        [
-            *_torchrun(tmp_path),
-            str(REPO / "examples/classify_cnn.py"),
-            *ONCE["classify_cnn.py"][0],
-            "--out",
-            str(tmp_path / "cnn"),
-        ],
+        [*_torchrun(tmp_path), str(REPO / "examples/classify_cnn.py"), "--epochs", "1", "--out", str(tmp_path / "cnn")],
         tmp_path,
     )
-    _once(out, "classify_cnn.py")
+    assert out.count("test accuracy") == 1 and out.count("saved ") == 1, out
+    _classified(out)
     assert f"weights to {tmp_path / 'cnn' / 'model.pt'}" in out and (tmp_path / "cnn" / "model.pt").exists()
     assert not (tmp_path / "classify_cnn").exists()
 
 
 @pytest.mark.slurm
-@pytest.mark.parametrize("example", sorted(ONCE))
-def test_examples_print_once_under_srun(slurm_cluster, tmp_path, example):
-    _needs(example)
+def test_regression_prints_once_under_srun(slurm_cluster, tmp_path):
+    """srun starts the example as 2 tasks, each a rank run in place: one world of 2, its result printed once."""
     proc = slurm_cluster.srun(
-        ["-N1", "-n2", "--chdir", str(tmp_path), "python", str(REPO / "examples" / example), *ONCE[example][0]],
+        ["-N1", "-n2", "--chdir", str(tmp_path), "python", str(REPO / "examples/regression.py"), "--epochs", "4"],
         timeout=200,
         env=slurm_env(slurm_cluster),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    _once(proc.stdout, example)
+    assert proc.stdout.count("validation loss") == 1 and "2 rank(s)" in proc.stdout, proc.stdout
+    _loss_went_down(proc.stdout)
 
 
-@pytest.mark.parametrize("launcher", ["python", "torchrun"])
-def test_long_run_continues_where_it_stopped(launcher, tmp_path):
-    head = [sys.executable] if launcher == "python" else _torchrun(tmp_path)
-    cmd = [*head, str(REPO / "examples/long_run.py"), "--save-every", "20", "--keep", "2"]
-    first = _run([*cmd, "--epochs", "1"], tmp_path)
+def test_long_run_continues_under_torchrun_where_it_stopped_under_python(tmp_path):
+    """The first epoch under python, the second under torchrun from the checkpoint the first left: each run prints
+    its final loss once, the second resumes from the end of the first epoch, and --keep 2 leaves the last two."""
+    args = [str(REPO / "examples/long_run.py"), "--save-every", "20", "--keep", "2"]
+    first = _run([sys.executable, *args, "--epochs", "1"], tmp_path)
     assert first.count("final loss") == 1 and "resumed" not in first
-    again = _run([*cmd, "--epochs", "2"], tmp_path)
+    again = _run([*_torchrun(tmp_path), *args, "--epochs", "2"], tmp_path)
     assert again.count("resumed from ") == 1 and "checkpoint_00000064 at epoch 1, step 64" in again
+    assert again.count("final loss") == 1, again
     assert sorted(p.name for p in (tmp_path / "long_run_checkpoints").iterdir()) == [
         "checkpoint_00000120",
         "checkpoint_00000128",

@@ -1,27 +1,57 @@
 """Code written for torchrun by other libraries, run unchanged inside distribute(): a transformers Trainer (its
 TrainingArguments made at the top level and inside the function), an Accelerate loop that ends with
-``end_training()``, a Lightning Fabric loop and Lightning's Trainer. Each script runs under ``python`` (qaccel
-starts 2 ranks, two distribute() calls in one process) and under torchrun (each process a rank), and every run must
+``end_training()``, a Lightning Fabric loop and Lightning's Trainer. Each script runs under torchrun (each process
+a rank), and under ``python``, where qaccel starts 2 ranks for each of its two distribute() calls; and every run must
 be the same training: a world of 2 on every rank, the ranks' shards disjoint in each epoch and covering the data,
-equal weights on both ranks, and the same weights and shards under both launchers."""
+equal weights on both ranks, and the same weights and shards under both launchers.
+
+Under python the three scripts run one after another in one process (run_scripts.py runs each as ``python SCRIPT``
+would): six distribute() calls, each starting its ranks afresh, so one launch serves the three tests. Under
+torchrun each script has a launch of its own: there the processes are the ranks, and what a library leaves in them
+(an Accelerate loop's ``end_training()`` ends the process group) stays for the next code they run.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 from support import component
-from support.procs import result_lines, run_script, run_torchrun, script_file
+from support.procs import once_per_session, result_lines, run_script, run_torchrun, script_file
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(360)
+SCRIPTS = {"hf_trainer.py": "transformers", "accelerate_loop.py": "accelerate", "lightning_loops.py": "lightning"}
+CALLS = {  # each script's distribute() calls, as its RESULT lines name them
+    "hf_trainer.py": ["top_level", "inside"],
+    "accelerate_loop.py": [0, 1],
+    "lightning_loops.py": ["fabric_loop", "lightning_trainer"],
+}
 
 
-def _runs(script: str, tmp_path) -> tuple[list[dict], list[dict]]:
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """The scripts whose library is installed under python, in one process: the RESULT lines of their calls, in
+    order, and the folder that holds each script's OUTPUT_DIR (named by the script's stem)."""
+
+    def compute():
+        out = tmp_path_factory.mktemp("plain")
+        scripts = [script for script, library in SCRIPTS.items() if importlib.util.find_spec(library) is not None]
+        proc = run_script(script_file("third_party/run_scripts.py"), str(out), *scripts, cwd=out, timeout=240)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+        results = result_lines(proc.stdout)
+        assert [r["call"] for r in results] == [call for script in scripts for call in CALLS[script]], results
+        return {"out": str(out), "results": results}
+
+    return once_per_session(tmp_path_factory, "third-party-scripts-plain", compute)
+
+
+def _runs(script: str, plain: dict, tmp_path) -> tuple[list[dict], list[dict]]:
     """RESULT lines of ``script`` under python (one per call) and under torchrun (one per call and process)."""
-    path = script_file(f"third_party/{script}")
-    plain = run_script(path, str(tmp_path / "plain"), cwd=tmp_path, timeout=200)
-    assert plain.returncode == 0, plain.stdout[-2000:] + plain.stderr[-6000:]
-    torchrun = run_torchrun(path, str(tmp_path / "torchrun"), cwd=tmp_path, timeout=200)
+    component.installed(SCRIPTS[script])
+    torchrun = run_torchrun(script_file(f"third_party/{script}"), str(tmp_path / "torchrun"), cwd=tmp_path, timeout=200)
     assert torchrun.returncode == 0, torchrun.stdout[-2000:] + torchrun.stderr[-6000:]
-    return result_lines(plain.stdout), result_lines(torchrun.stdout)
+    return [r for r in plain["results"] if r["call"] in CALLS[script]], result_lines(torchrun.stdout)
 
 
 def _one_training(plain: list[dict], torchrun: list[dict], samples: int, epochs: int = 2) -> None:
@@ -43,32 +73,27 @@ def _one_training(plain: list[dict], torchrun: list[dict], samples: int, epochs:
     assert plain[0]["ranks"][0]["weights"] == plain[1]["ranks"][0]["weights"], "both calls trained the same model"
 
 
-def test_a_transformers_trainer_trains_on_all_ranks_with_its_arguments_made_outside_or_inside(tmp_path):
-    component.installed("transformers")
-    plain, torchrun = _runs("hf_trainer.py", tmp_path)
-    _one_training(plain, torchrun, samples=48)
-    assert [r["call"] for r in plain] == ["top_level", "inside"]
-    for result in plain:
+def test_a_transformers_trainer_trains_on_all_ranks_with_its_arguments_made_outside_or_inside(plain, tmp_path):
+    results, torchrun = _runs("hf_trainer.py", plain, tmp_path)
+    _one_training(results, torchrun, samples=48)
+    assert [r["call"] for r in results] == ["top_level", "inside"]
+    for result in results:
         assert {r["wrapped"] for r in result["ranks"]} == {"DistributedDataParallel"}
         assert result["ranks"][0]["checkpoints"] == ["checkpoint-12", "checkpoint-6"], "a checkpoint every epoch"
 
 
-def test_an_accelerate_loop_ending_with_end_training_runs_twice_in_a_process(tmp_path):
-    component.installed("accelerate")
-    plain, torchrun = _runs("accelerate_loop.py", tmp_path)
-    _one_training(plain, torchrun, samples=32)
-    assert {r["wrapped"] for result in plain for r in result["ranks"]} == {"DistributedDataParallel"}
+def test_an_accelerate_loop_ending_with_end_training_runs_twice_in_a_process(plain, tmp_path):
+    results, torchrun = _runs("accelerate_loop.py", plain, tmp_path)
+    _one_training(results, torchrun, samples=32)
+    assert {r["wrapped"] for result in results for r in result["ranks"]} == {"DistributedDataParallel"}
     for call in (0, 1):
-        assert sorted(p.name for p in (tmp_path / "plain" / f"call_{call}").iterdir()) == ["epoch_0", "epoch_1"]
+        saved = Path(plain["out"], "accelerate_loop", f"call_{call}")
+        assert sorted(p.name for p in saved.iterdir()) == ["epoch_0", "epoch_1"]
 
 
-def test_a_lightning_fabric_loop_and_lightnings_trainer_run_on_the_ranks(tmp_path):
-    component.installed("lightning")
-    plain, torchrun = _runs("lightning_loops.py", tmp_path)
-    _one_training(plain, torchrun, samples=32)
-    assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == [
-        "fabric_epoch_0.ckpt",
-        "fabric_epoch_1.ckpt",
-        "trainer",
-    ]
-    assert [p.name for p in (tmp_path / "plain" / "trainer" / "checkpoints").iterdir()] == ["epoch=1-step=8.ckpt"]
+def test_a_lightning_fabric_loop_and_lightnings_trainer_run_on_the_ranks(plain, tmp_path):
+    results, torchrun = _runs("lightning_loops.py", plain, tmp_path)
+    _one_training(results, torchrun, samples=32)
+    saved = Path(plain["out"], "lightning_loops")
+    assert sorted(p.name for p in saved.iterdir()) == ["fabric_epoch_0.ckpt", "fabric_epoch_1.ckpt", "trainer"]
+    assert [p.name for p in (saved / "trainer" / "checkpoints").iterdir()] == ["epoch=1-step=8.ckpt"]
