@@ -8,6 +8,11 @@ every rank and equal to training on all ranks' data at once, plus the job's fina
 node, the multi-node templates must end the whole job (--kill-on-bad-exit) instead of leaving the others blocked.
 After every job, no process carrying the job's environment may still run, and torchrun's files are in the job's
 TMPDIR (the test's directory), not in /tmp.
+
+docs/cluster.md's two GPU recipes run in the two jobs of train.sbatch, on the local SLURM's two GPUs per node
+(which its torch cannot use: the ranks train on the CPU): every rank sees its node's GPUs in the job that trains,
+each sees its own in the job where a rank fails; each rank reports the GPU qaccel's rule gives it before it trains
+(template_train.py).
 """
 
 from __future__ import annotations
@@ -55,15 +60,12 @@ def _submit(
     template: str,
     options: list[str],
     env: dict,
-    script_args: list[str] | None = None,
     timeout: float = 100,
 ):
-    """sbatch slurm/<template> with ``options`` and TRAIN (or ``script_args``) as its arguments; wait until the job
+    """sbatch slurm/<template> with ``options`` and TRAIN as its argument; wait until the job
     has left the queue and none of its processes runs.  Returns (job info, RESULT objects by rank, output)."""
-    if script_args is None:
-        script_args = [str(TRAIN), *ARGS]
     job_id, output = cluster.sbatch_wait(
-        REPO / "slurm" / template, timeout, options, env=env, cwd=tmp_path, script_args=script_args
+        REPO / "slurm" / template, timeout, options, env=env, cwd=tmp_path, script_args=[str(TRAIN), *ARGS]
     )
     results = sorted(
         (json.loads(line[len("RESULT ") :]) for line in output.splitlines() if line.startswith("RESULT ")),
@@ -91,6 +93,12 @@ def _running_with(env_entry: str) -> list[int]:
     return found
 
 
+def _gpus(output: str) -> list[tuple]:
+    """Every rank's GPU, as its ``GPU`` line reports it: (rank, node, physical GPU, binding), by rank."""
+    reports = (json.loads(line[len("GPU ") :]) for line in output.splitlines() if line.startswith("GPU "))
+    return sorted((r["rank"], r["node"], r["gpu"], r["binding"]) for r in reports)
+
+
 def _check_training(results: list[dict], world: int, kind: str, output: str) -> None:
     assert [r["rank"] for r in results] == list(range(world)), output
     assert {(r["world_size"], r["rank_sum"], r["kind"]) for r in results} == {(world, world * (world - 1) // 2, kind)}
@@ -114,13 +122,16 @@ def test_one_node_template_runs_one_srun_task_per_rank(slurm_cluster, tmp_path):
 
 
 @pytest.mark.timeout(150)
-def test_multi_node_template_runs_one_srun_task_per_rank_on_every_node(slurm_cluster, tmp_path):
+def test_multi_node_template_runs_one_srun_task_per_rank_on_every_node_whose_local_rank_picks_its_gpu(
+    slurm_cluster, tmp_path
+):
+    """docs/cluster.md's first GPU recipe: --gpus-per-node, every rank sees its node's GPUs."""
     env = _env(slurm_cluster, tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     info, results, output = _submit(
         slurm_cluster,
         tmp_path,
         "train.sbatch",
-        [*CPU_ONLY, "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1"],
+        ["--gpus-per-node=2", "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1"],
         env,
     )
     assert _state(info) == ("COMPLETED", "0:0"), output
@@ -132,36 +143,13 @@ def test_multi_node_template_runs_one_srun_task_per_rank_on_every_node(slurm_clu
         (0, 1, "n2"),
         (1, 1, "n2"),
     ]
-    assert left_in(tmp_path / "tmp") == []
-
-
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize(
-    ("recipe", "binding"),
-    [
-        (["--gpus-per-node=2"], "by local rank"),
-        (["--gpus-per-node=2", "--gpus-per-task=1"], "own"),
-    ],
-)
-def test_the_gpu_recipes_give_every_rank_a_gpu_of_its_own(slurm_cluster, tmp_path, recipe, binding):
-    """docs/cluster.md's two recipes, on the local SLURM's two GPUs per node (which its torch cannot use: each rank
-    reports the GPU qaccel's rule gives it, gpu_choice.py)."""
-    env = _env(slurm_cluster, tmp_path, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    info, results, output = _submit(
-        slurm_cluster,
-        tmp_path,
-        "train.sbatch",
-        ["--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1", *recipe],
-        env,
-        script_args=[str(script_file("gpu_choice.py"))],
-    )
-    assert _state(info) == ("COMPLETED", "0:0"), output
-    assert [(r["rank"], r["node"], r["gpu"], r["binding"]) for r in results] == [
-        (0, 0, "0", binding),
-        (1, 0, "1", binding),
-        (2, 1, "0", binding),
-        (3, 1, "1", binding),
+    assert _gpus(output) == [
+        (0, 0, "0", "by local rank"),
+        (1, 0, "1", "by local rank"),
+        (2, 1, "0", "by local rank"),
+        (3, 1, "1", "by local rank"),
     ], output
+    assert left_in(tmp_path / "tmp") == []
 
 
 @pytest.mark.timeout(150)
@@ -208,7 +196,8 @@ def test_one_node_template_runs_the_quickstart_example_without_arguments(slurm_c
 
 
 @pytest.mark.timeout(150)
-def test_multi_node_template_stops_every_rank_when_one_fails(slurm_cluster, tmp_path):
+def test_multi_node_template_binds_one_gpu_per_task_and_stops_every_rank_when_one_fails(slurm_cluster, tmp_path):
+    """docs/cluster.md's second GPU recipe: --gpus-per-task=1, each rank sees its own GPU; then rank 3 raises."""
     env = _env(
         slurm_cluster,
         tmp_path,
@@ -221,9 +210,10 @@ def test_multi_node_template_stops_every_rank_when_one_fails(slurm_cluster, tmp_
         slurm_cluster,
         tmp_path,
         "train.sbatch",
-        [*CPU_ONLY, "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1"],
+        ["--gpus-per-node=2", "--gpus-per-task=1", "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1"],
         env,
     )
+    assert _gpus(output) == [(0, 0, "0", "own"), (1, 0, "1", "own"), (2, 1, "0", "own"), (3, 1, "1", "own")], output
     assert info.get("JobState") == "FAILED" and info.get("ExitCode") != "0:0", output
     assert "ValueError: rank 3 fails on purpose" in output and "[qaccel] raised on rank 3 of 4" in output, output
     # the other ranks, blocked in DDP's first broadcast for up to 600 s, were killed (or the job would outlast
@@ -233,18 +223,19 @@ def test_multi_node_template_stops_every_rank_when_one_fails(slurm_cluster, tmp_
 
 @pytest.mark.timeout(150)
 def test_torchrun_multi_node_template_stops_both_nodes_when_a_worker_fails(slurm_cluster, tmp_path):
+    """One worker per node: the one that fails on one node, the one it leaves blocked on the other."""
     env = _env(
         slurm_cluster,
         tmp_path,
-        NPROC_PER_NODE="2",
+        NPROC_PER_NODE="1",
         RDZV_HOST="127.0.0.1",
         RDZV_PORT=str(free_port()),
-        FAIL_RANK="3",
+        FAIL_RANK="1",
         TRAIN_TIMEOUT="600",
     )
     info, results, output = _submit(
         slurm_cluster, tmp_path, "torchrun_multi_node.sbatch", [*CPU_ONLY, "--nodes=2", "--cpus-per-task=2"], env
     )
     assert info.get("JobState") == "FAILED" and info.get("ExitCode") != "0:0", output
-    assert "ValueError: rank 3 fails on purpose" in output and "[qaccel] raised on rank 3 of 4" in output, output
+    assert "ValueError: rank 1 fails on purpose" in output and "[qaccel] raised on rank 1 of 2" in output, output
     assert results == []

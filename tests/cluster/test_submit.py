@@ -1,7 +1,12 @@
 """distribute() onto the local two-node SLURM with cluster= (through submitit), from a plain script, a Trainer and a
 real Jupyter kernel: every rank's result with an all-reduce across the nodes; a rank's own exception with its rank,
 node and traceback; a rank dying without a result; submit()'s handle; Ctrl-C cancelling the job within seconds,
-nothing left; a USR1 warning that requeues the job, whose caller still gets the result of an uninterrupted run."""
+nothing left; a USR1 warning that requeues the job, whose caller still gets the result of an uninterrupted run.
+
+One run of cluster_job.py, shared by the tests of what it ran, makes its calls one after another, each a job of its
+own (a caller's exception is printed as Python prints an uncaught one, and the next call goes on), and ends with a
+job that sleeps until the run gets Ctrl-C; the run that is requeued is a script run of its own, after the plain
+launch it is compared with."""
 
 from __future__ import annotations
 
@@ -16,79 +21,33 @@ import time
 import pytest
 import torch
 from support import component
-from support.procs import result_lines, script_file, slurm_env, wait_for, wait_for_text
+from support.procs import once_per_session, result_lines, script_file, slurm_env, wait_for, wait_for_text
 
 from qaccel import Accelerator, SlurmCluster
 
 pytestmark = pytest.mark.timeout(240)
 SCRIPT = script_file("cluster_job.py")
+# what the shared run calls, in this order; "gpu" only where this machine's torch sees no GPU (see its test)
+CALLS = ("results", "trainer", "gpu-per-task", "dies", "gpu", "raises", "sleeps")
 
 
-def _run(slurm_cluster, tmp_path, *args, timeout=180):
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        env=slurm_env(slurm_cluster),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-
-
-def _checked(proc):
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return result_lines(proc.stdout)
-
-
-@pytest.mark.slurm
-def test_distribute_on_two_nodes_returns_every_ranks_result_and_follows_the_job(slurm_cluster, tmp_path):
-    proc = _run(slurm_cluster, tmp_path, "results", str(tmp_path / "jobs"))
-    every, submitted = _checked(proc)
-    assert [(r["rank"], r["world"], r["node"], r["sum"]) for r in every] == [(0, 2, "n1", 3.0), (1, 2, "n2", 3.0)]
-    assert "rank 0 on n1 says hello" in proc.stdout, "rank 0's output came to the caller"
-    # then submit() of a lambda, every rank's output shown with its rank
-    assert [(r["rank"], r["tag"]) for r in submitted] == [(0, "lambda"), (1, "lambda")]
-    assert "[rank 0] rank 0 on n1 says hello\n" in proc.stdout and "[rank 1] rank 1 on n2 says hello\n" in proc.stdout
-    assert "LOGGED True COMPLETED" in proc.stdout, "job.logs(rank=1) holds rank 1's output; job.state"
-    job = next(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("JOB "))
-    states = [line.split()[-1] for line in proc.stderr.splitlines() if line.startswith(f"qaccel: job {job} ")]
-    assert states[-2:] == ["RUNNING", "COMPLETED"], proc.stderr
-
-
-@pytest.mark.slurm
-def test_a_failing_rank_raises_its_own_exception_with_rank_node_and_traceback(slurm_cluster, tmp_path):
-    proc = _run(slurm_cluster, tmp_path, "raises", str(tmp_path / "jobs"))
-    assert proc.returncode == 1
-    assert (
-        "ValueError: rank 1 fails on purpose on n2\n[qaccel] raised on rank 1 of 2 (remote traceback above)"
-        in proc.stderr
-    ), proc.stderr
-    remote = proc.stderr[proc.stderr.index("Traceback from rank 1:") :]
-    line = next(n for n, text in enumerate(SCRIPT.read_text().splitlines(), 1) if "rank 1 fails on purpose" in text)
-    assert f'cluster_job.py", line {line}, in raises\n' in remote and 'raise ValueError(f"rank 1 fails' in remote, (
-        "the remote traceback names the script's file and shows the raising line"
-    )
-    assert "[qaccel] rank 1 ran on node n2 in SLURM job " in proc.stderr
-    dead = _run(slurm_cluster, tmp_path, "dies", str(tmp_path / "jobs"))
-    assert dead.returncode == 1
-    assert "RankError: rank 1 of SLURM job " in dead.stderr and "without a result in " in dead.stderr, dead.stderr
-    assert slurm_cluster.run(["squeue", "-h"]).stdout.strip() == ""
-
-
-@pytest.mark.slurm
-def test_ctrl_c_cancels_the_job_within_seconds_and_leaves_nothing_running(slurm_cluster, tmp_path):
+def _interrupted_run(slurm_cluster, tmp_path_factory) -> dict:
+    """cluster_job.py making CALLS, Ctrl-C once the last one's job sleeps: each call's stdout, stderr and whether it
+    raised; how long the Ctrl-C took, the exit status, what the queue and the ranks left."""
+    calls = [call for call in CALLS if call != "gpu" or torch.cuda.device_count() == 0]
+    tmp_path = tmp_path_factory.mktemp("cluster-job")
+    folder = tmp_path / "jobs"
     out, err = tmp_path / "out", tmp_path / "err"
     with open(out, "w") as stdout, open(err, "w") as stderr:
         proc = subprocess.Popen(
-            [sys.executable, str(SCRIPT), "sleeps", str(tmp_path / "jobs")],
+            [sys.executable, str(SCRIPT), "+".join(calls), str(folder)],
             env=slurm_env(slurm_cluster),
             cwd=tmp_path,
             stdout=stdout,
             stderr=stderr,
         )
     try:
-        wait_for_text(out, "rank 0 pid", timeout=120)
+        wait_for_text(out, "rank 0 pid", timeout=400, proc=proc)
         asked = time.monotonic()
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
@@ -96,31 +55,113 @@ def test_ctrl_c_cancels_the_job_within_seconds_and_leaves_nothing_running(slurm_
     finally:
         if proc.poll() is None:
             proc.kill()
-    text = err.read_text()
-    assert proc.returncode == -signal.SIGINT and "KeyboardInterrupt" in text, text
-    assert "cancelled" in text and took < 15, (took, text)
-    assert slurm_cluster.run(["squeue", "-h"]).stdout.strip() == ""
-    # this test's ranks only: another test's job may be running on the other worker's cluster
-    left = subprocess.run(
-        ["pgrep", "-f", f"submitit.core._submit {tmp_path / 'jobs'}/"], capture_output=True, text=True, check=False
+    left = subprocess.run(  # this run's ranks only: another test's job may be running on the other worker's cluster
+        ["pgrep", "-f", f"submitit.core._submit {folder}/"], capture_output=True, text=True, check=False
     ).stdout
-    assert left == "", f"ranks left running: {left}"
+    run = {
+        "returncode": proc.returncode,
+        "took": took,
+        "queue": slurm_cluster.run(["squeue", "-h"]).stdout.strip(),
+        "left": left,
+        "calls": {},
+    }
+    stdouts, stderrs = (text.split("\nCALL ") for text in ("\n" + out.read_text(), "\n" + err.read_text()))
+    for call_out, call_err in zip(stdouts[1:], stderrs[1:], strict=True):
+        call, stdout_text = call_out.split("\n", 1)
+        stderr_text = call_err.split("\n", 1)[1]
+        submissions = sorted((folder / call).rglob("*_submission.sh"))
+        run["calls"][call] = {
+            "stdout": stdout_text,
+            "stderr": stderr_text,
+            "raised": f"RAISED {call}" in stdout_text.splitlines(),
+            "submitted": [path.read_text() for path in submissions],
+        }
+    assert list(run["calls"]) == calls, (out.read_text(), err.read_text())
+    return run
+
+
+@pytest.fixture(scope="module")
+def interrupted_run(slurm_cluster, tmp_path_factory) -> dict:
+    return once_per_session(
+        tmp_path_factory, "cluster-job-calls", lambda: _interrupted_run(slurm_cluster, tmp_path_factory)
+    )
+
+
+def _call(run: dict, name: str) -> dict:
+    call = run["calls"][name]
+    assert not call["raised"], call["stdout"] + call["stderr"]
+    return call
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(480)
+def test_distribute_on_two_nodes_returns_every_ranks_result_and_follows_the_job(interrupted_run):
+    call = _call(interrupted_run, "results")
+    stdout, stderr = call["stdout"], call["stderr"]
+    every, submitted = result_lines(stdout)
+    assert [(r["rank"], r["world"], r["node"], r["sum"]) for r in every] == [(0, 2, "n1", 3.0), (1, 2, "n2", 3.0)]
+    assert "rank 0 on n1 says hello" in stdout, "rank 0's output came to the caller"
+    # then submit() of a lambda, every rank's output shown with its rank
+    assert [(r["rank"], r["tag"]) for r in submitted] == [(0, "lambda"), (1, "lambda")]
+    assert "[rank 0] rank 0 on n1 says hello\n" in stdout and "[rank 1] rank 1 on n2 says hello\n" in stdout
+    assert "LOGGED True COMPLETED" in stdout, "job.logs(rank=1) holds rank 1's output; job.state"
+    job = next(line.split()[1] for line in stdout.splitlines() if line.startswith("JOB "))
+    states = [line.split()[-1] for line in stderr.splitlines() if line.startswith(f"qaccel: job {job} ")]
+    assert states[-2:] == ["RUNNING", "COMPLETED"], stderr
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(480)
+def test_a_failing_rank_raises_its_own_exception_with_rank_node_and_traceback(interrupted_run):
+    call = interrupted_run["calls"]["raises"]
+    stderr = call["stderr"]
+    assert call["raised"]
+    assert (
+        "ValueError: rank 1 fails on purpose on n2\n[qaccel] raised on rank 1 of 2 (remote traceback above)" in stderr
+    ), stderr
+    remote = stderr[stderr.index("Traceback from rank 1:") :]
+    line = next(n for n, text in enumerate(SCRIPT.read_text().splitlines(), 1) if "rank 1 fails on purpose" in text)
+    assert f'cluster_job.py", line {line}, in raises\n' in remote and 'raise ValueError(f"rank 1 fails' in remote, (
+        "the remote traceback names the script's file and shows the raising line"
+    )
+    assert "[qaccel] rank 1 ran on node n2 in SLURM job " in stderr
+    dead = interrupted_run["calls"]["dies"]
+    assert dead["raised"]
+    assert "RankError: rank 1 of SLURM job " in dead["stderr"] and "without a result in " in dead["stderr"], dead
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(480)
+def test_ctrl_c_cancels_the_job_within_seconds_and_leaves_nothing_running(interrupted_run):
+    """Every job of the run, the sleeping one cancelled by the Ctrl-C included, has left the queue, and none of
+    their ranks runs."""
+    text = interrupted_run["calls"]["sleeps"]["stderr"]
+    assert interrupted_run["returncode"] == -signal.SIGINT and "KeyboardInterrupt" in text, text
+    assert "cancelled" in text and interrupted_run["took"] < 15, (interrupted_run["took"], text)
+    assert interrupted_run["queue"] == ""
+    assert interrupted_run["left"] == "", f"ranks left running: {interrupted_run['left']}"
 
 
 @pytest.mark.slurm
 def test_a_usr1_warning_requeues_and_the_callers_one_wait_ends_with_the_uninterrupted_result(slurm_cluster, tmp_path):
-    [here] = _checked(_run(slurm_cluster, tmp_path, "train-here", str(tmp_path / "jobs"), str(tmp_path / "ref")))
+    """The script first trains with a plain launch of 2 ranks, then as a job with the same training, signalled."""
     out, err = tmp_path / "out", tmp_path / "err"
     with open(out, "w") as stdout, open(err, "w") as stderr:
         proc = subprocess.Popen(
-            [sys.executable, str(SCRIPT), "train", str(tmp_path / "jobs"), str(tmp_path / "ck")],
+            [sys.executable, str(SCRIPT), "train-here+train", str(tmp_path / "jobs"), str(tmp_path / "ck")],
             env=slurm_env(slurm_cluster),
             cwd=tmp_path,
             stdout=stdout,
             stderr=stderr,
         )
     try:
-        wait_for_text(out, "rank 0 epoch 0 done", timeout=120)
+        wait_for(
+            lambda: "rank 0 epoch 0 done" in out.read_text().partition("\nCALL train\n")[2] or proc.poll() is not None,
+            180,
+            lambda: f"the job's first epoch:\n{out.read_text()}\n{err.read_text()}",
+            interval=0.2,
+        )
+        assert proc.poll() is None, out.read_text() + err.read_text()
         job = err.read_text().split("submitted SLURM job ")[1].split()[0]
         assert slurm_cluster.run(["scancel", "--signal=USR1", job]).returncode == 0
         wait_for(
@@ -143,12 +184,14 @@ def test_a_usr1_warning_requeues_and_the_callers_one_wait_ends_with_the_uninterr
     assert "the SLURM job was requeued and will resume from it" in text and "qaccel: resumed checkpoint_" in text
     after = text.split(f"qaccel: job {job} requeued (restart 1)\n")[1]  # then it waits, and runs again
     assert f"qaccel: job {job} PENDING" in after and f"qaccel: job {job} RUNNING" in after, text
-    assert result_lines(out.read_text()) == [here], "bitwise the parameters of an uninterrupted run"
+    [here, there] = result_lines(out.read_text())
+    assert there == here, "bitwise the parameters of an uninterrupted run"
 
 
 @pytest.mark.slurm
-def test_a_trainer_whose_config_names_a_cluster_fits_there_as_it_fits_here(slurm_cluster, tmp_path):
-    [(here, there)] = _checked(_run(slurm_cluster, tmp_path, "trainer", str(tmp_path)))
+@pytest.mark.timeout(480)
+def test_a_trainer_whose_config_names_a_cluster_fits_there_as_it_fits_here(interrupted_run):
+    [(here, there)] = result_lines(_call(interrupted_run, "trainer")["stdout"])
     assert there == here and here["epochs"] == 2, (here, there)
 
 
@@ -207,30 +250,31 @@ def test_a_function_defined_in_a_jupyter_cell_runs_on_the_cluster(slurm_cluster,
 
 
 @pytest.mark.slurm
-def test_a_gpu_job_from_a_gpu_less_caller_is_submitted_and_fails_on_the_node_that_lacks_the_gpus(
-    slurm_cluster, tmp_path
-):
+@pytest.mark.timeout(480)
+def test_a_gpu_job_from_a_gpu_less_caller_is_submitted_and_fails_on_the_node_that_lacks_the_gpus(interrupted_run):
     """The local SLURM hands out two GPUs per node (GRES gpu, with CUDA_VISIBLE_DEVICES) that this machine's torch
     does not see: the caller submits with "auto" resolved nowhere, SLURM gets the request, the node refuses."""
     if torch.cuda.device_count() > 0:
         component.unavailable("checks a node whose torch sees none of the GPUs SLURM gave, and this machine has one")
-    proc = _run(slurm_cluster, tmp_path, "gpu", str(tmp_path / "jobs"))
-    assert "STATE decided on the nodes / decided on the nodes" in proc.stdout, proc.stdout + proc.stderr
-    assert proc.returncode == 1
-    submitted = next((tmp_path / "jobs").rglob("*_submission.sh")).read_text()
+    call = interrupted_run["calls"]["gpu"]
+    stdout, stderr = call["stdout"], call["stderr"]
+    assert "STATE decided on the nodes / decided on the nodes" in stdout, stdout + stderr
+    assert call["raised"]
+    [submitted] = call["submitted"]
     assert "#SBATCH --gpus-per-node=2\n" in submitted
     assert (
         "RuntimeError: node n1: the job asked for 2 GPU(s) per node (SlurmCluster(gpus_per_node=2)), but torch "
-        "sees no GPU here (CUDA_VISIBLE_DEVICES=0,1; torch " in proc.stderr
-    ), proc.stderr
-    assert "built without CUDA (a CPU wheel)); install a CUDA build of torch on the nodes" in proc.stderr
-    assert re.search(r"\[qaccel\] rank [01] ran on node n1 in SLURM job ", proc.stderr), "both ranks raised it"
+        "sees no GPU here (CUDA_VISIBLE_DEVICES=0,1; torch " in stderr
+    ), stderr
+    assert "built without CUDA (a CPU wheel)); install a CUDA build of torch on the nodes" in stderr
+    assert re.search(r"\[qaccel\] rank [01] ran on node n1 in SLURM job ", stderr), "both ranks raised it"
 
 
 @pytest.mark.slurm
-def test_a_cluster_job_with_gpus_per_task_gives_each_rank_its_own(slurm_cluster, tmp_path):
+@pytest.mark.timeout(480)
+def test_a_cluster_job_with_gpus_per_task_gives_each_rank_its_own(interrupted_run):
     """docs/cluster.md's cluster= recipe for one GPU per task: SLURM binds a different GPU to each rank."""
-    [visible] = _checked(_run(slurm_cluster, tmp_path, "gpu-per-task", str(tmp_path / "jobs")))
+    [visible] = result_lines(_call(interrupted_run, "gpu-per-task")["stdout"])
     assert visible == ["0", "1"]
 
 

@@ -1,17 +1,22 @@
 """Each distribute() call is a session of its own: what one session prepared, registered, counted or marked does not
-leak into the next one in the same process (a notebook, nprocs=1, torchrun, srun)."""
+leak into the next one in the same process (a notebook, nprocs=1, torchrun, srun).
+
+later_sessions.py makes, in one process, the sessions of both kinds of check: two sessions, the second loading the
+first one's checkpoint, then the sessions whose DataLoader workers collect garbage. It runs once under torchrun and
+once in a real srun step, each run feeding two tests (the second session starts clean; no worker crashes). A real
+step sets every variable that srun-like tasks started without SLURM would, so those need no run of their own; and
+one run per launcher holds four later sessions that fork workers."""
 
 from __future__ import annotations
 
 import gc
-import subprocess
 import sys
 import weakref
 
 import pytest
 import torch
 from scripts.sessions import Counter, session
-from support.procs import free_job_id, result_lines, run_torchrun, script_file, slurm_env, srun_env
+from support.procs import once_per_session, result_lines, run_torchrun, script_file, slurm_env
 from torch.utils.data import DataLoader, TensorDataset
 
 from qaccel import Accelerator
@@ -47,33 +52,52 @@ def test_loop_marks_of_a_failed_session_do_not_reach_the_next(tmp_path):
     assert kept.value.__traceback__ is not None
 
 
-SESSIONS = script_file("sessions.py")
+LATER = script_file("later_sessions.py")
 WANT = {"first": {"first_step_syncs": False, "counter": 1}, "second": {"first_step_syncs": False, "counter": 2}}
+LATER_WANT = {"returned": ["Sequential", "Adam"], "left_after_first": 0, "counts": [96, 96, 96, 96]}
 
 
-def test_a_second_session_under_torchrun_starts_clean(tmp_path):
-    proc = run_torchrun(SESSIONS, str(tmp_path), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    results = sorted(result_lines(proc.stdout), key=lambda r: r["rank"])
-    assert results == [{"rank": r, **WANT} for r in (0, 1)]
+def _run(name: str, tmp_path_factory, launch) -> dict:
+    """later_sessions.py run once in the test session by ``launch(out_dir)``: its exit status, stdout and stderr."""
+
+    def compute():
+        out = tmp_path_factory.mktemp(name)
+        proc = launch(out)
+        return {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+
+    return once_per_session(tmp_path_factory, name, compute)
 
 
-def test_a_second_session_in_srun_tasks_starts_clean(tmp_path):
-    job = free_job_id()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(SESSIONS), str(tmp_path)],
-            env=srun_env(r, job),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+@pytest.fixture(scope="module")
+def under_torchrun(tmp_path_factory) -> dict:
+    return _run(
+        "later-sessions-torchrun", tmp_path_factory, lambda out: run_torchrun(LATER, str(out), cwd=out, timeout=240)
+    )
+
+
+@pytest.fixture(scope="module")
+def under_srun(tmp_path_factory, slurm_cluster) -> dict:
+    def launch(out):
+        return slurm_cluster.srun(
+            ["-N1", "-n2", sys.executable, str(LATER), str(out)], timeout=240, env=slurm_env(slurm_cluster), cwd=out
         )
-        for r in range(2)
-    ]
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [err for _, err in outs]
-    results = sorted((r for out, _ in outs for r in result_lines(out)), key=lambda r: r["rank"])
-    assert results == [{"rank": r, **WANT} for r in (0, 1)]
+
+    return _run("later-sessions-srun", tmp_path_factory, launch)
+
+
+def _check_second_sessions(run: dict) -> None:
+    """Each rank's two first sessions: the second one loaded the first one's checkpoint, registered as it was."""
+    results = sorted((r for r in result_lines(run["stdout"]) if "first" in r), key=lambda r: r["rank"])
+    assert results == [{"rank": r, **WANT} for r in (0, 1)], run["stderr"][-6000:]
+
+
+def test_a_second_session_under_torchrun_starts_clean(under_torchrun):
+    _check_second_sessions(under_torchrun)
+
+
+@pytest.mark.slurm
+def test_a_second_session_under_a_real_srun_starts_clean(under_srun):
+    _check_second_sessions(under_srun)
 
 
 def _rank_from_a_thread(acc):
@@ -130,59 +154,26 @@ def test_a_session_leaves_no_reference_cycle_to_what_it_prepared(tmp_path):
         gc.enable()
 
 
-LATER = script_file("later_sessions.py")
-LATER_WANT = {"returned": ["Sequential", "Adam"], "left_after_first": 0, "counts": [96, 96, 96, 96]}
-
-
-def _check_later_sessions(returncodes, stdout, stderr):
+def _check_later_sessions(run: dict) -> None:
+    stdout, stderr = run["stdout"], run["stderr"]
     # the ranks' tracebacks come before torchrun's long summary: show the lines that name errors, then the tail
     errors = "\n".join(line for line in stderr.splitlines() if "Error" in line or "raised on rank" in line)
-    assert returncodes == [0] * len(returncodes), errors[-6000:] + "\n---\n" + stderr[-3000:]
-    results = sorted(result_lines(stdout), key=lambda r: r["rank"])
+    assert run["returncode"] == 0, errors[-6000:] + "\n---\n" + stderr[-3000:]
+    results = sorted((r for r in result_lines(stdout) if "counts" in r), key=lambda r: r["rank"])
     assert results == [{"rank": r, **LATER_WANT} for r in (0, 1)], stderr[-6000:]
     assert "Segmentation fault" not in stderr and "exited unexpectedly" not in stderr
 
 
-@pytest.mark.parametrize("attempt", [1, 2])
-def test_later_sessions_under_torchrun_never_crash_in_dataloader_workers(tmp_path, attempt):
+def test_later_sessions_under_torchrun_never_crash_in_dataloader_workers(under_torchrun):
     """Sessions that trained a DDP model (one kept by the script in a cycle of its own, one failed and its
     exception kept), then sessions whose DataLoader workers run the garbage collector: the old sessions' models
-    must never be destroyed in a worker (destroying one there crashes the worker). Two runs, each with four later
-    sessions."""
-    proc = run_torchrun(LATER, str(tmp_path), cwd=tmp_path, timeout=240)
-    _check_later_sessions([proc.returncode], proc.stdout, proc.stderr)
-
-
-def test_later_sessions_in_srun_tasks_never_crash_in_dataloader_workers(tmp_path):
-    job = free_job_id()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(LATER), str(tmp_path)],
-            env=srun_env(r, job),
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    try:
-        outs = [p.communicate(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    _check_later_sessions([p.returncode for p in procs], "".join(o for o, _ in outs), "".join(e for _, e in outs))
+    must never be destroyed in a worker (destroying one there crashes the worker). Four later sessions."""
+    _check_later_sessions(under_torchrun)
 
 
 @pytest.mark.slurm
-def test_later_sessions_under_a_real_srun_never_crash_in_dataloader_workers(slurm_cluster, tmp_path):
-    proc = slurm_cluster.srun(
-        ["-N1", "-n2", sys.executable, str(LATER), str(tmp_path)],
-        timeout=240,
-        env=slurm_env(slurm_cluster),
-        cwd=tmp_path,
-    )
-    _check_later_sessions([proc.returncode], proc.stdout, proc.stderr)
+def test_later_sessions_under_a_real_srun_never_crash_in_dataloader_workers(under_srun):
+    _check_later_sessions(under_srun)
 
 
 def _nothing():

@@ -2,7 +2,11 @@
 each SLURM task is a rank; results, a rank's exception and Ctrl-C come back to this process.
 
     python cluster_job.py MODE FOLDER [CKPT]    # MODE: results | raises | dies | sleeps | train | train-here | trainer
-                                                # | gpu | gpu-per-task
+                                                # | gpu | gpu-per-task, or several joined by "+"
+
+Several modes run one after another, each with its jobs in FOLDER/MODE (and CKPT/MODE); each starts with a line ``CALL MODE`` on
+stdout and on stderr, and an exception of one (but Ctrl-C's) is printed as Python prints an uncaught one, followed
+by ``RAISED MODE`` on stdout, before the next mode runs; the script then exits with 1.
 
 ``gpu`` asks for 2 GPUs per node from this GPU-less machine, with the default compute_setup="auto";
 ``gpu-per-task`` one GPU bound to each task (the CPU computes: this machine's torch sees none), each rank's shown.
@@ -16,6 +20,7 @@ import logging
 import os
 import sys
 import time
+import traceback
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -112,8 +117,7 @@ def sleeps(acc):
     time.sleep(300)
 
 
-if __name__ == "__main__":
-    mode, folder = sys.argv[1], sys.argv[2]
+def call(mode, folder, ckpt):
     acc = Accelerator(
         nprocs=2,
         compute_setup="cpu",
@@ -159,7 +163,26 @@ if __name__ == "__main__":
         )
         print("RESULT " + json.dumps(bound.distribute(visible, all_results=True)()), flush=True)
     elif mode == "train":
-        print("RESULT " + json.dumps(acc.distribute(train)(acc, sys.argv[3])), flush=True)
+        print("RESULT " + json.dumps(acc.distribute(train)(acc, ckpt)), flush=True)
     elif mode == "train-here":
         here = Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
-        print("RESULT " + json.dumps(here.distribute(train)(here, sys.argv[3], 0)), flush=True)
+        print("RESULT " + json.dumps(here.distribute(train)(here, ckpt, 0)), flush=True)
+
+
+if __name__ == "__main__":
+    modes, folder, ckpt = sys.argv[1].split("+"), sys.argv[2], (sys.argv[3:] or [None])[0]
+    if len(modes) == 1:
+        call(modes[0], folder, ckpt)
+        sys.exit(0)
+    raised = False
+    for mode in modes:
+        print(f"CALL {mode}", flush=True)
+        print(f"CALL {mode}", file=sys.stderr, flush=True)
+        try:
+            call(mode, os.path.join(folder, mode), ckpt and os.path.join(ckpt, mode))
+        except Exception:  # noqa: BLE001 - printed as uncaught, and the next mode runs
+            traceback.print_exc()
+            sys.stderr.flush()
+            print(f"RAISED {mode}", flush=True)
+            raised = True
+    sys.exit(1 if raised else 0)

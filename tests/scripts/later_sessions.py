@@ -1,10 +1,12 @@
-"""Several distribute() calls in one process, as a script run under torchrun or srun makes them: sessions that
-train with DataLoader workers and save a checkpoint each epoch, one whose prepared objects the script keeps in a
-global (in a reference cycle of its own), one that fails and whose exception the script keeps, then later sessions whose DataLoader workers (and a
-plain DataLoader's) run the garbage collector as they start. Nothing of an ended session may be destroyed in those
+"""Several distribute() calls in one process, as a script run under torchrun or srun makes them: first the two
+sessions of sessions.py (the second loads the first one's checkpoint); then sessions that train with DataLoader
+workers and save a checkpoint each epoch, one whose prepared objects the script keeps in a global (in a reference
+cycle of its own), one that fails and whose exception the script keeps, then later sessions whose DataLoader
+workers (and a plain DataLoader's) run the garbage collector as they start. Nothing of an ended session may be destroyed in those
 workers: its process group is gone, and destroying its copy in a forked worker crashes or hangs.
 
-Usage: later_sessions.py OUT_DIR. Each rank prints one line ``RESULT {json}``.
+Usage: later_sessions.py OUT_DIR. Each rank prints two lines ``RESULT {json}``: its two first sessions' results,
+then what the later sessions saw.
 """
 
 import gc
@@ -15,6 +17,7 @@ import sys
 import weakref
 
 import torch
+from sessions import session
 from torch.utils.data import DataLoader, Dataset
 
 from qaccel import Accelerator
@@ -84,6 +87,11 @@ def later(acc):
 
 
 if __name__ == "__main__":
+    two = Accelerator(compute_setup="cpu", gradient_accumulation_steps=2, timeout=60)
+    ckpt = os.path.join(OUT, "ckpt")
+    first = two.distribute(session)(two, ckpt, False)
+    second = two.distribute(session)(two, ckpt, True)
+    os.write(1, ("RESULT " + json.dumps({"rank": two.rank, "first": first, "second": second}) + "\n").encode())
     acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
     returned = acc.distribute(train)(acc, "first")
     left_after_first = sum(ref() is not None for ref in PREPARED)

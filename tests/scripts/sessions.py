@@ -1,13 +1,7 @@
-"""Two sessions in one process, the second loading the first one's checkpoint; run by the tests under torchrun and
-as srun tasks, and imported by them for nprocs=1."""
-
-import json
-import os
-import sys
+"""Two sessions in one process, the second loading the first one's checkpoint: later_sessions.py runs them under
+torchrun and srun, and the tests import them for nprocs=1."""
 
 import torch
-
-from qaccel import Accelerator
 
 
 class Counter:
@@ -34,11 +28,3 @@ def session(acc, ckpt, load):
     counter.n += 1
     acc.save_state(ckpt)
     return {"first_step_syncs": first_step_syncs, "counter": counter.n}
-
-
-if __name__ == "__main__":
-    acc = Accelerator(compute_setup="cpu", gradient_accumulation_steps=2, timeout=60)
-    ckpt = os.path.join(sys.argv[1], "ckpt")
-    first = acc.distribute(session)(acc, ckpt, False)
-    second = acc.distribute(session)(acc, ckpt, True)
-    os.write(1, ("RESULT " + json.dumps({"rank": acc.rank, "first": first, "second": second}) + "\n").encode())

@@ -1,6 +1,7 @@
 """The training script tests/cluster/test_slurm_scripts.py gives the sbatch templates in slurm/: every rank takes two
 DDP steps on its own data and prints one line ``RESULT {json}`` with its ranks, its SLURM node, the world size, an
-all-reduced sum, the trained weights and its own arguments.
+all-reduced sum, the trained weights and its own arguments. In a job that SLURM gave GPUs, every rank first prints
+``GPU {json}``: the GPU qaccel's rule gives it (gpu_choice.py; the ranks train on the CPU all the same).
 
 FAIL_RANK makes that rank raise first; TRAIN_TIMEOUT sets the ranks' timeout (default 60 s).
 """
@@ -10,12 +11,15 @@ import os
 import sys
 
 import torch
+from gpu_choice import choice
 
 from qaccel import Accelerator
-from qaccel.environment import detect
+from qaccel.environment import detect, gpus
 
 acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=float(os.environ.get("TRAIN_TIMEOUT", "60")))
 KIND = str(detect().kind)
+if gpus.allocated() is not None:
+    os.write(1, ("GPU " + json.dumps(choice()) + "\n").encode())
 
 
 def train():
