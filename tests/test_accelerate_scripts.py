@@ -1,35 +1,96 @@
 """A script written as Accelerate's guides write one, with only its import changed, run the ways its users run it:
 under torchrun (main() on every rank, the Accelerator used outside any distribute()), under srun, and from
-``python`` through distribute(main). Every way trains the same model and evaluates every sample once."""
+``python`` through distribute(main). Every way trains the same model and evaluates every sample once. Accelerate's
+own check scripts, ported with their imports changed, pass under torchrun and through distribute().
+
+What runs: tests/scripts/accelerate_checks.py runs the guide script unchanged (as ``__main__``), then the main() of
+each of Accelerate's ported check scripts (even_batches, gradient accumulation, the training check, test_script.py
+with test_ops.py), once under torchrun and once from ``python`` (the guide through its own distribute(), the checks
+through one distribute() in debug mode); each of the two launches is made once for all the tests below, which read
+its parts. srun runs the guide alone: srun starting the script's ranks is what is tested there, and the checks'
+ranks, once started outside qaccel, meet the same way under srun as under torchrun (tests/cluster covers srun's
+variables). A rank that raises ends its job, so that check has a torchrun run of its own."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
-from support.procs import result_lines, run_script, run_torchrun, script_file, slurm_env
+from support.procs import once_per_session, result_lines, run_script, run_torchrun, script_file, slurm_env
 
 pytestmark = pytest.mark.timeout(240)
 SCRIPT = script_file("accelerate_guide.py")
+CHECKS = script_file("accelerate_checks.py")
+LAUNCH_TIMEOUT = 240  # each launch of CHECKS; a test that starts both waits for both
+BOTH_LAUNCHES = pytest.mark.timeout(2 * LAUNCH_TIMEOUT + 60)
 
 
-def _result(proc, out):
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    [result] = result_lines(proc.stdout)
+def _parts(stdout: str) -> dict[str, list]:
+    """The RESULT objects of each part of CHECKS, by the part's name (its ``PART <name>`` line comes first)."""
+    parts: dict[str, list] = {}
+    name = None
+    for line in stdout.splitlines():
+        if line.startswith("PART "):
+            name = line.split(" ", 1)[1]
+            parts[name] = []
+        elif line.startswith("RESULT "):
+            parts.setdefault(name, []).append(json.loads(line.split(" ", 1)[1]))
+    return parts
+
+
+def _launch(tmp_path_factory, launcher: str) -> dict:
+    def compute():
+        out = tmp_path_factory.mktemp(f"checks-{launcher}")
+        if launcher == "torchrun":
+            proc = run_torchrun(CHECKS, str(out), cwd=out, timeout=LAUNCH_TIMEOUT)
+        else:
+            proc = run_script(CHECKS, str(out), cwd=out, timeout=LAUNCH_TIMEOUT)
+        guide = out / "guide"
+        return {
+            "launcher": launcher,
+            "returncode": proc.returncode,
+            "stdout": proc.stdout,
+            "stderr": proc.stderr[-6000:],
+            "parts": _parts(proc.stdout),
+            "guide_files": sorted(p.name for p in guide.iterdir()) if guide.is_dir() else [],
+        }
+
+    return once_per_session(tmp_path_factory, f"accelerate_checks_{launcher}", compute)
+
+
+@pytest.fixture(scope="module")
+def torchrun_run(tmp_path_factory):
+    """CHECKS under ``torchrun --nproc_per_node 2``, run once for all pytest-xdist workers."""
+    return _launch(tmp_path_factory, "torchrun")
+
+
+@pytest.fixture(scope="module")
+def python_run(tmp_path_factory):
+    """CHECKS from ``python`` (each part through distribute(), 2 ranks), run once for all pytest-xdist workers."""
+    return _launch(tmp_path_factory, "python")
+
+
+def _part(run: dict, name: str):
+    """The one RESULT of part ``name`` of a launch that ended well."""
+    assert run["returncode"] == 0, f"{run['launcher']}:\n{run['stdout'][-3000:]}\n{run['stderr']}"
+    results = run["parts"].get(name)
+    assert results is not None and len(results) == 1, f"{run['launcher']}, part {name}: {results}"
+    return results[0]
+
+
+def _guide(result: dict, files: list[str]):
     assert result["seen"] == 300, "gather_for_metrics gathers every rank's predictions: each sample once"
     assert result["accuracy"] > 0.9
     assert result["steps"] == 96 and result["lr"] < 3e-6, "the schedule, sized on the unprepared loader, ran out"
-    assert sorted(p.name for p in out.iterdir()) == ["epoch_0", "epoch_1", "epoch_2", "model.pt"]
+    assert files == ["epoch_0", "epoch_1", "epoch_2", "model.pt"]
     return result
 
 
-def test_torchrun_runs_the_script_unchanged_and_python_through_distribute_to_the_same_model(tmp_path):
-    torchrun = _result(
-        run_torchrun(SCRIPT, str(tmp_path / "torchrun"), cwd=tmp_path, timeout=200), tmp_path / "torchrun"
-    )
-    plain = _result(
-        run_script(SCRIPT, str(tmp_path / "plain"), "--distribute", cwd=tmp_path, timeout=200), tmp_path / "plain"
-    )
+@BOTH_LAUNCHES
+def test_torchrun_runs_the_script_unchanged_and_python_through_distribute_to_the_same_model(torchrun_run, python_run):
+    torchrun = _guide(_part(torchrun_run, "guide"), torchrun_run["guide_files"])
+    plain = _guide(_part(python_run, "guide"), python_run["guide_files"])
     assert plain == torchrun, "the same data order and the same DDP training under both"
 
 
@@ -41,34 +102,36 @@ def test_srun_runs_the_script_unchanged(tmp_path, slurm_cluster):
         env=slurm_env(slurm_cluster),
         cwd=tmp_path,
     )
-    _result(proc, tmp_path / "srun")
-
-
-def test_accelerates_own_even_batches_checks_pass_under_torchrun(tmp_path):
-    proc = run_torchrun(script_file("accelerate_data_loop.py"), cwd=tmp_path, timeout=150)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     [result] = result_lines(proc.stdout)
-    assert len(result["passed"]) == 6
+    _guide(result, sorted(p.name for p in (tmp_path / "srun").iterdir()))
 
 
-def test_accelerates_own_accumulation_checks_pass_for_every_split_dispatch_and_sync_each_batch(tmp_path):
-    proc = run_script(script_file("accelerate_sync.py"), cwd=tmp_path, timeout=200)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    [result] = result_lines(proc.stdout)
-    assert result["ranks"] == [17, 17]
+@BOTH_LAUNCHES
+def test_accelerates_own_even_batches_checks_pass_under_torchrun_and_distribute(torchrun_run, python_run):
+    for run in (torchrun_run, python_run):
+        assert len(_part(run, "even_batches")["passed"]) == 6, run["launcher"]
 
 
-def test_accelerates_own_training_check_passes_under_torchrun_and_distribute(tmp_path):
+@BOTH_LAUNCHES
+def test_accelerates_own_accumulation_checks_pass_for_every_split_dispatch_and_sync_each_batch(
+    torchrun_run, python_run
+):
+    """Under torchrun and through distribute(), on both ranks."""
+    for run in (torchrun_run, python_run):
+        assert _part(run, "accumulation")["ranks"] == [17, 17], run["launcher"]
+
+
+@BOTH_LAUNCHES
+def test_accelerates_own_training_check_passes_under_torchrun_and_distribute(torchrun_run, python_run):
     """A loader shuffled by a generator the script re-seeds after prepare() trains 2 ranks to the model one process
     trains: the order follows the generator as Accelerate's does (or, with use_seedable_sampler, its seeds)."""
     every = ["no batch split", "batch split", "bf16"]
-    for proc in (
-        run_torchrun(script_file("accelerate_training_check.py"), cwd=tmp_path, timeout=150),
-        run_script(script_file("accelerate_training_check.py"), cwd=tmp_path, timeout=150),
-    ):
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-        [result] = result_lines(proc.stdout)
-        assert result == {"use_seedable_sampler=False": every, "use_seedable_sampler=True": every}
+    for run in (torchrun_run, python_run):
+        assert _part(run, "training_check") == {
+            "use_seedable_sampler=False": every,
+            "use_seedable_sampler=True": every,
+        }, run["launcher"]
 
 
 def test_a_rank_raising_outside_distribute_ends_the_torchrun_job_with_its_error(tmp_path):
@@ -123,8 +186,8 @@ TEST_SCRIPT_SKIPPED = [
 ]
 
 
-@pytest.mark.timeout(120)
-def test_accelerates_own_test_script_and_ops_checks_under_torchrun_and_distribute(tmp_path):
+@BOTH_LAUNCHES
+def test_accelerates_own_test_script_and_ops_checks_under_torchrun_and_distribute(torchrun_run, python_run):
     """40 checks: 33 pass, 7 are skipped with their reason printed, none fails."""
     import importlib.util
 
@@ -132,13 +195,11 @@ def test_accelerates_own_test_script_and_ops_checks_under_torchrun_and_distribut
     if importlib.util.find_spec("datasets") is not None:  # the check runs where datasets is installed
         skipped.remove("test_split_between_processes_dataset")
         passed.append("test_split_between_processes_dataset")
-    script = script_file("accelerate_test_script.py")
-    for proc in (run_torchrun(script, cwd=tmp_path, timeout=100), run_script(script, cwd=tmp_path, timeout=100)):
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
-        [result] = result_lines(proc.stdout)
-        assert sorted(result["passed"]) == sorted(passed), result
-        assert sorted(result["skipped"]) == sorted(skipped), result
+    for run in (torchrun_run, python_run):
+        result = _part(run, "test_script")
+        assert sorted(result["passed"]) == sorted(passed), (run["launcher"], result)
+        assert sorted(result["skipped"]) == sorted(skipped), (run["launcher"], result)
         for name, reason in result["skipped"].items():
-            assert f"SKIPPED {name}: {reason}" in proc.stdout, "a skipped check prints its reason"
-        assert result["failed"] == {}, result["failed"]
+            assert f"SKIPPED {name}: {reason}" in run["stdout"], "a skipped check prints its reason"
+        assert result["failed"] == {}, (run["launcher"], result["failed"])
         assert len(result["passed"]) + len(result["skipped"]) + len(result["failed"]) == 40

@@ -1,7 +1,13 @@
 """The Trainer: fit() on 2 real gloo ranks from this process (a plain launch) returns what the ranks trained, equal
-to one process with the doubled batch and to the same loop written by hand; metrics are tracked per epoch; a fit
-continues its folder's checkpoints; early stopping and a callback's error end every rank; bad config values fail
-at construction naming the field."""
+to one process with the doubled batch, to the same loop written by hand and to FSDP; metrics are tracked per epoch;
+a fit continues its folder's checkpoints (after a second fit, a restart, or on fewer ranks); early stopping and a
+callback's error end every rank; bad config values fail at construction naming the field.
+
+Each fit is a launch of its own, so a test that needs several outputs of the same kind of fit reads them from one:
+the progress bar, the per-batch writes, the curves and plots and a per-batch scheduler come from one fit; the
+second fit, the restart and the fit on fewer ranks all end where one uninterrupted 2-rank fit of epochs 0 to 4 ends,
+which runs once (``reference``). The MLflow store is read as files: importing mlflow in this process would put its
+loggers' formatters (mlflow's classes) in every later launch of the process, and each rank would import mlflow."""
 
 from __future__ import annotations
 
@@ -9,10 +15,12 @@ import csv
 import datetime
 import functools
 import os
+from pathlib import Path
 
 import pytest
 import torch
 from support import component
+from support.procs import once_per_session
 from torch.utils.data import DataLoader, TensorDataset
 
 from qaccel import Accelerator, TrainConfig, Trainer
@@ -84,7 +92,11 @@ def _tracked(folder):
     return list(merged.values())
 
 
-def test_two_ranks_return_what_they_trained_equal_to_one_process_and_to_the_loop_by_hand(tmp_path):
+def test_two_ranks_return_what_they_trained_equal_to_one_process_to_the_loop_by_hand_and_to_fsdp_from_the_config(
+    tmp_path,
+):
+    """fit() hands back the caller's own model and optimizer, trained; FSDP from the config (every layer sharded)
+    trains the same model and gives back the same optimizer state (1e-5 over 3 epochs)."""
     trainer = _trainer(_config(tmp_path, nprocs=2, val_every=1, write_every=1), batch_size=8)
     before = _params(trainer.model).clone()
     model, optimizer = trainer.fit()
@@ -110,6 +122,15 @@ def test_two_ranks_return_what_they_trained_equal_to_one_process_and_to_the_loop
     assert [h["step"] for h in trainer.history] == [0, 1, 2, 3]
     assert float(rows[3]["train_loss"]) < float(rows[1]["train_loss"])
 
+    fsdp = _trainer(_config(tmp_path, nprocs=2, strategy="fsdp", fsdp_min_params=1, log_folder=tmp_path / "fsdp"))
+    fsdp.fit()
+    assert not torch.equal(_params(fsdp.model), before)
+    torch.testing.assert_close(_params(fsdp.model), _params(model), atol=1e-5, rtol=0)
+    sharded, plain = fsdp.optimizer.state_dict(), optimizer.state_dict()
+    assert sharded["param_groups"] == plain["param_groups"] and sorted(sharded["state"]) == sorted(plain["state"])
+    for index, moments in plain["state"].items():
+        torch.testing.assert_close(sharded["state"][index]["exp_avg"], moments["exp_avg"], atol=1e-5, rtol=0)
+
 
 def _note_batch(path, trainer, config, tracker):
     """A train_batch_end callback: rank 0 notes (attempt, epoch, batch) of every batch it trains in ``path``."""
@@ -127,15 +148,56 @@ def _untouched(folder):
     return {p.relative_to(folder): (p.stat().st_ino, p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
 
 
-def test_a_second_fit_continues_the_folders_checkpoints_and_ends_where_one_long_fit_ends(tmp_path, capfd):
+# the uninterrupted fit the second fit, the restarted fit and the fit on fewer ranks must end as
+REFERENCE = {"nprocs": 2, "max_iter": 4, "checkpoint_every": 1, "write_every": 1}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One uninterrupted fit of REFERENCE (epochs 0 to 4 on 2 ranks, a blocking checkpoint after each epoch): its
+    parameters and its tracked rows, run once for all pytest-xdist workers."""
+
+    def compute():
+        straight = _trainer(_config(tmp_path_factory.mktemp("straight"), **REFERENCE))
+        straight.fit()
+        return {"params": _params(straight.model).tolist(), "tracked": _tracked(straight.log_folder)}
+
+    result = once_per_session(tmp_path_factory, "test_trainer_straight_fit", compute)
+    return torch.tensor(result["params"], dtype=torch.float32), result["tracked"]
+
+
+def _mlflow_train_losses(store: Path) -> list[list[tuple[int, float]]]:
+    """The train_loss of each active run of the MLflow file store ``store``, as (step, value) by step, read from
+    its files: <experiment>/<run>/meta.yaml, and metrics/train_loss with a line ``<timestamp> <value> <step>``
+    per write."""
+    runs = []
+    for experiment in sorted(p for p in store.iterdir() if (p / "meta.yaml").is_file()):
+        for run in sorted(p for p in experiment.iterdir() if (p / "meta.yaml").is_file()):
+            if "lifecycle_stage: active" not in (run / "meta.yaml").read_text():
+                continue
+            metric = run / "metrics" / "train_loss"
+            lines = metric.read_text().splitlines() if metric.is_file() else []
+            runs.append(sorted((int(step), float(value)) for _, value, step in (line.split() for line in lines)))
+    return runs
+
+
+def test_a_second_fit_continues_the_folders_background_checkpoints_and_mlflow_run_and_ends_where_one_long_fit_ends(
+    tmp_path, capfd, monkeypatch, reference
+):
     """The second fit (a new Trainer, a larger max_iter) trains epochs 3 and 4 only, from the first fit's checkpoint,
-    which it leaves as it was; a fit
-    from scratch would end with the same parameters (seeded, no shuffling), so what it trained is what tells."""
+    which it leaves as it was, and continues the first fit's MLflow run; a fit from scratch would end with the same
+    parameters (seeded, no shuffling), so what it trained is what tells. Both fits write their checkpoints in the
+    background: the second resumes from one as from a blocking one, and ends bitwise where the uninterrupted fit
+    with blocking checkpoints ends."""
+    component.installed("mlflow")
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
     noted = tmp_path / "batches"
     fields = {
         "nprocs": 2,
         "checkpoint_every": 1,
+        "checkpoint_in_background": True,
         "write_every": 1,
+        "tracking_tool": "mlflow",
         "rank_prefix": True,
         "callbacks": [  # ranks' lines: to capfd
             Callback("train_batch_end", 1, functools.partial(_note_batch, noted))
@@ -148,7 +210,7 @@ def test_a_second_fit_continues_the_folders_checkpoints_and_ends_where_one_long_
     noted.unlink()
     capfd.readouterr()
     more = _trainer(_config(tmp_path, max_iter=4, **fields))
-    more.fit()
+    more.fit()  # from the first fit's last checkpoint, written in the background
     assert (
         f"qaccel: resumed {first.log_folder / 'checkpoints' / 'checkpoint_00000012'} after epoch 2 (training "
         "epochs 3-4 next)" in capfd.readouterr().err
@@ -159,40 +221,32 @@ def test_a_second_fit_continues_the_folders_checkpoints_and_ends_where_one_long_
     assert {name: kept[name] for name in kept} == {
         name: _untouched(more.log_folder / "checkpoints")[name] for name in kept
     }, "the first fit's checkpoints untouched"
-    straight = _trainer(
-        _config(tmp_path, nprocs=2, max_iter=4, checkpoint_every=1, write_every=1, log_folder=tmp_path / "straight")
-    )
-    straight.fit()
-    assert torch.equal(_params(more.model), _params(straight.model)), "bitwise the same as one fit of 4 epochs"
-    assert [int(r["step"]) for r in _tracked(more.log_folder)] == [1, 2, 3, 4], "each epoch tracked once"
+    params, _ = reference
+    assert torch.equal(_params(more.model), params), "bitwise the same as one blocking fit of 4 epochs"
     assert [h["step"] for h in more.history] == [0, 1, 2, 3, 4]
     assert sorted(p.name for p in (more.log_folder / "checkpoints").iterdir()) == [
         f"checkpoint_{steps:08d}" for steps in (4, 8, 12, 16, 20)
-    ], "after each epoch, 0 to 4"
+    ], "after each epoch, 0 to 4: every one complete, nothing half-written"
+    runs = _mlflow_train_losses(more.log_folder / "tracking" / "mlruns")
+    assert len(runs) == 1, "the second fit continued the first's run"
+    assert [step for step, _ in runs[0]] == [1, 2, 3, 4], "each epoch once; epoch 0 is not written, as in qadence"
+    assert [value for _, value in runs[0]] == pytest.approx(
+        [h["train_loss"] for h in more.history if h["step"]], rel=1e-6
+    )
 
 
-def test_checkpoints_written_in_the_background_resume_as_the_blocking_ones(tmp_path):
-    fields = {"nprocs": 2, "checkpoint_every": 1, "checkpoint_in_background": True}
-    _trainer(_config(tmp_path, max_iter=2, **fields)).fit()
-    more = _trainer(_config(tmp_path, max_iter=4, **fields))
-    more.fit()  # from the first fit's last checkpoint, written in the background
-    straight = _trainer(_config(tmp_path, nprocs=2, max_iter=4, checkpoint_every=1, log_folder=tmp_path / "straight"))
-    straight.fit()
-    assert torch.equal(_params(more.model), _params(straight.model)), "bitwise the same as one blocking fit"
-    assert sorted(p.name for p in (more.log_folder / "checkpoints").iterdir()) == [
-        f"checkpoint_{steps:08d}" for steps in (4, 8, 12, 16, 20)
-    ], "every one complete, nothing half-written"
-
-
-def test_early_stopping_stops_every_rank_after_the_same_epoch(tmp_path):
+def test_early_stopping_stops_every_rank_after_the_same_epoch_and_the_best_checkpoint_is_kept(tmp_path):
     stop = EarlyStopping(on="val_epoch_end", called_every=1, monitor="val_loss", patience=1, mode="max")
-    trainer = _trainer(_config(tmp_path, nprocs=2, max_iter=10, val_every=1, callbacks=[stop]))
+    config = _config(tmp_path, nprocs=2, max_iter=10, val_every=1, checkpoint_best_only=True, callbacks=[stop])
+    trainer = _trainer(config)
     trainer.fit()
     # epoch 1's check sets the best (epoch 0's validation, before training, calls no callback); the first later
     # val_loss not above the best so far is no improvement for mode="max", and patience=1 stops there
     losses = [h["val_loss"] for h in trainer.history]
     stop = next(epoch for epoch in range(2, 11) if losses[epoch] <= max(losses[1:epoch]))
     assert [h["step"] for h in trainer.history] == list(range(stop + 1))
+    assert (trainer.log_folder / "best" / "qaccel_state.json").is_file(), "validation improved after epoch 0"
+    assert not (trainer.log_folder / "checkpoints").exists() or not list((trainer.log_folder / "checkpoints").iterdir())
 
 
 def _raise_on_rank_1(trainer, config, tracker):
@@ -205,13 +259,6 @@ def test_a_callback_raising_on_one_rank_ends_the_fit_with_its_error(tmp_path):
     with pytest.raises(RuntimeError, match="callback failed on purpose") as caught:
         trainer.fit()
     assert "raised on rank 1 of 2" in "\n".join(caught.value.__notes__)
-
-
-def test_the_best_checkpoint_is_kept_when_validation_improves(tmp_path):
-    trainer = _trainer(_config(tmp_path, nprocs=2, val_every=1, checkpoint_best_only=True))
-    trainer.fit()
-    assert (trainer.log_folder / "best" / "qaccel_state.json").is_file()
-    assert not (trainer.log_folder / "checkpoints").exists() or not list((trainer.log_folder / "checkpoints").iterdir())
 
 
 def test_validation_and_test_are_exact_means_over_every_sample_of_an_uneven_set(tmp_path):
@@ -234,8 +281,7 @@ def test_validation_and_test_are_exact_means_over_every_sample_of_an_uneven_set(
 def test_test_with_split_batches_counts_the_real_part_of_a_partly_padded_batch(tmp_path):
     # 34 samples in batches of 8 split over 2 ranks: the last batch holds 2, so rank 0's last slice is 2 real
     # samples and 2 of padding, and rank 1's is all padding
-    trainer = _trainer(_config(tmp_path, nprocs=2, max_iter=1, split_batches=True), batch_size=16)
-    trainer.fit()
+    trainer = _trainer(_config(tmp_path, nprocs=2, split_batches=True))  # test() alone: no fit needed before it
     metrics = trainer.test(DataLoader(_data(34), batch_size=8))
     with torch.no_grad():
         x, y = _data(34).tensors
@@ -294,76 +340,85 @@ def test_bad_trainer_arguments_fail_at_construction(tmp_path):
         Trainer(_model(), torch.optim.SGD(_model().parameters(), lr=1), {"max_iter": 1})
 
 
-def test_mlflow_continues_the_same_run_after_a_second_fit(tmp_path, monkeypatch):
-    component.module("mlflow")
-    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
-    from mlflow.tracking import MlflowClient
+def test_one_fit_draws_its_progress_bar_on_rank_0_writes_per_batch_and_plots_and_steps_a_scheduler_per_batch(
+    tmp_path, capfd
+):
+    """One fit (epochs 0 to 2; 64 samples, 8 per batch, 2 ranks: 4 batches an epoch), each of its outputs:
 
-    for epochs in (2, 4):
-        trainer = _trainer(
-            _config(tmp_path, nprocs=2, max_iter=epochs, checkpoint_every=1, write_every=1, tracking_tool="mlflow")
-        )
-        trainer.fit()
-    store = trainer.log_folder / "tracking" / "mlruns"
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    client = MlflowClient(tracking_uri=store.absolute().as_uri())
-    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
-    assert len(runs) == 1, "the second fit continued the first's run"
-    history = client.get_metric_history(runs[0].info.run_id, "train_loss")
-    assert sorted(m.step for m in history) == [1, 2, 3, 4], "epoch 0 is not written, as in qadence"
-    assert [m.value for m in sorted(history, key=lambda m: m.step)] == pytest.approx(
-        [h["train_loss"] for h in trainer.history if h["step"]], rel=1e-6
-    )
-
-
-def test_the_curves_are_drawn_and_plots_logged(tmp_path):
-    component.module("matplotlib")
-    from matplotlib.figure import Figure
+    - the progress bar is drawn by rank 0 only;
+    - per-batch writes go on the batch axis, and WriteMetrics' called_every counts batches; GradientMonitoring
+      writes each batch's gradients under qadence's names, which the epochs' rows keep out of;
+    - the curves are drawn, and a plotting function's figure logged where training starts, then each epoch;
+    - a scheduler stepped per batch steps once per optimizer update: without accumulation, each batch."""
+    component.installed("matplotlib")
+    from qaccel.callbacks import GradientMonitoring, WriteMetrics
 
     def weights(model, epoch):
+        from matplotlib.figure import Figure
+
         figure = Figure()
         figure.add_subplot().hist(torch.cat([p.detach().flatten() for p in model.parameters()]).numpy())
         return "weights", figure
 
-    trainer = _trainer(_config(tmp_path, nprocs=2, val_every=1, plot_every=1, plotting_functions=(weights,)))
-    trainer.fit()
-    assert (trainer.log_folder / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    plots = sorted(p.name for p in (trainer.log_folder / "tracking" / "plots").iterdir())
-    assert plots == [f"weights_{epoch:08d}.png" for epoch in (0, 1, 2, 3)], "where training starts, then each epoch"
-
-
-@pytest.mark.parametrize("accumulate, updates", [(1, 8), (2, 4)])
-def test_a_scheduler_stepped_per_batch_steps_once_per_optimizer_update(tmp_path, accumulate, updates):
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
-    config = _config(tmp_path, nprocs=2, max_iter=1, lr_scheduler_step="batch", gradient_accumulation_steps=accumulate)
-    Trainer(model, optimizer, config, "mse", DataLoader(_data(), batch_size=8), lr_scheduler=scheduler).fit()
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**updates), (
-        "epochs 0 and 1, each of 64 samples, 16 a round: 4 rounds"
+    config = _config(
+        tmp_path,
+        nprocs=2,
+        max_iter=2,
+        val_every=1,
+        write_every=1,
+        plot_every=1,
+        plotting_functions=(weights,),
+        lr_scheduler_step="batch",
+        verbose=True,
+        rank_prefix=True,
+        callbacks=[GradientMonitoring(), WriteMetrics("train_batch_end", called_every=3)],
     )
-    assert scheduler.last_epoch == updates
-
-
-def test_fsdp_from_the_config_trains_and_gives_the_model_and_optimizer_back(tmp_path):
-    trainer = _trainer(_config(tmp_path, nprocs=2, strategy="fsdp", fsdp_min_params=1))
-    before = _params(trainer.model).clone()
+    loaders = DataLoader(_data(), batch_size=8), DataLoader(_data(32), batch_size=8)
+    trainer = Trainer(model, optimizer, config, "mse", *loaders, lr_scheduler=scheduler)
     trainer.fit()
-    ddp = _trainer(_config(tmp_path, nprocs=2, log_folder=tmp_path / "ddp"))
-    ddp.fit()
-    assert not torch.equal(_params(trainer.model), before)
-    torch.testing.assert_close(_params(trainer.model), _params(ddp.model), atol=1e-5, rtol=0)
-    sharded, plain = trainer.optimizer.state_dict(), ddp.optimizer.state_dict()
-    assert sharded["param_groups"] == plain["param_groups"] and sorted(sharded["state"]) == sorted(plain["state"])
-    for index, moments in plain["state"].items():
-        torch.testing.assert_close(sharded["state"][index]["exp_avg"], moments["exp_avg"], atol=1e-5, rtol=0)
 
-
-def test_the_progress_bar_is_drawn_by_rank_0_only(tmp_path, capfd):
-    trainer = _trainer(_config(tmp_path, nprocs=2, verbose=True, rank_prefix=True))
-    trainer.fit()
     err = capfd.readouterr().err
     assert "[rank 0] epochs" in err and "[rank 1] epochs" not in err, err
+
+    with open(trainer.log_folder / "tracking" / "batches.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(row["step"]) for row in rows] == [
+        step for batch in range(1, 13) for step in [batch] * (2 if batch % 3 == 0 else 1)
+    ], "each batch, and every third twice"
+    grads = [row for row in rows if row["0.weight_max"]]
+    assert len(grads) == 12 and all(float(row["0.weight_max"]) > float(row["0.weight_min"]) for row in grads), (
+        "each step's gradients, under qadence's names"
+    )
+    assert {name for name in rows[0] if name.startswith("0.weight")} == {
+        f"0.weight_{s}" for s in ("mean", "std", "max", "min")
+    }
+    losses = [(int(row["step"]), float(row["train_loss"])) for row in rows if row["train_loss"]]
+    assert [step for step, _ in losses] == [3, 6, 9, 12] and all(loss > 0 for _, loss in losses)
+    epochs = _tracked(trainer.log_folder)
+    assert [int(row["step"]) for row in epochs] == [0, 1, 2], "validation before training, then each epoch"
+    assert not any("0.weight_max" in row for row in epochs)
+
+    assert (trainer.log_folder / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    plots = sorted(p.name for p in (trainer.log_folder / "tracking" / "plots").iterdir())
+    assert plots == [f"weights_{epoch:08d}.png" for epoch in (0, 1, 2)], "where training starts, then each epoch"
+
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**12), "12 batches, 12 updates"
+    assert scheduler.last_epoch == 12
+
+
+def test_a_scheduler_stepped_per_batch_steps_once_per_optimizer_update_of_accumulated_gradients(tmp_path):
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    config = _config(tmp_path, nprocs=2, max_iter=1, lr_scheduler_step="batch", gradient_accumulation_steps=2)
+    Trainer(model, optimizer, config, "mse", DataLoader(_data(), batch_size=8), lr_scheduler=scheduler).fit()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**4), (
+        "epochs 0 and 1, each of 64 samples, 16 a round: 8 rounds, 2 to an update"
+    )
+    assert scheduler.last_epoch == 4
 
 
 def _fail_once_in_epoch_3(trainer, config, tracker):
@@ -371,14 +426,13 @@ def _fail_once_in_epoch_3(trainer, config, tracker):
         raise RuntimeError("the first attempt fails in epoch 3")
 
 
-def test_a_restarted_fit_continues_its_checkpoint_and_tracker_to_the_uninterrupted_result(tmp_path, capfd):
+def test_a_restarted_fit_continues_its_checkpoint_and_tracker_to_the_uninterrupted_result(tmp_path, capfd, reference):
     """Attempt 0 fails at epoch 3's first batch; attempt 1 resumes from the checkpoint after epoch 2 and trains
     epochs 3 and 4 only (one from scratch would end with the same parameters: what it trained is what tells)."""
     noted = tmp_path / "batches"
-    fields = {"nprocs": 2, "max_iter": 4, "checkpoint_every": 1, "write_every": 1}
     failing = Callback("train_batch_end", 1, _fail_once_in_epoch_3)
     note = Callback("train_batch_end", 1, functools.partial(_note_batch, noted))
-    restarted = _trainer(_config(tmp_path, max_restarts=1, rank_prefix=True, callbacks=[note, failing], **fields))
+    restarted = _trainer(_config(tmp_path, max_restarts=1, rank_prefix=True, callbacks=[note, failing], **REFERENCE))
     restarted.fit()
     err = capfd.readouterr().err
     assert "restarting all 2 ranks (restart 1 of 1)" in err
@@ -389,11 +443,10 @@ def test_a_restarted_fit_continues_its_checkpoint_and_tracker_to_the_uninterrupt
     assert [entry for entry in _noted(noted) if entry[0] == 1] == [
         (1, epoch, batch) for epoch in (3, 4) for batch in range(4 * epoch + 1, 4 * epoch + 5)
     ], "the second attempt trained epochs 3 and 4 only"
-    straight = _trainer(_config(tmp_path, log_folder=tmp_path / "straight", **fields))
-    straight.fit()
-    assert torch.equal(_params(restarted.model), _params(straight.model))
+    params, tracked = reference
+    assert torch.equal(_params(restarted.model), params)
     assert [int(r["step"]) for r in _tracked(restarted.log_folder)] == [1, 2, 3, 4]
-    assert _tracked(restarted.log_folder) == _tracked(straight.log_folder)
+    assert _tracked(restarted.log_folder) == tracked
 
 
 def test_a_requeued_or_restarted_job_finds_its_own_run_folder_again(tmp_path, monkeypatch):
@@ -414,37 +467,15 @@ def test_a_requeued_or_restarted_job_finds_its_own_run_folder_again(tmp_path, mo
     assert trainer._choose_folder().name.endswith(f"_{os.getpid():x}"), "no job: the process, as qadence names it"
 
 
-def test_per_batch_writes_go_on_the_batch_axis_and_called_every_counts_batches(tmp_path):
-    from qaccel.callbacks import GradientMonitoring, WriteMetrics
-
-    callbacks = [GradientMonitoring(), WriteMetrics("train_batch_end", called_every=3)]
-    trainer = _trainer(_config(tmp_path, nprocs=2, max_iter=2, write_every=1, callbacks=callbacks))
-    trainer.fit()  # 64 samples, 8 per batch, 2 ranks: 4 batches an epoch, epochs 0 to 2
-    with open(trainer.log_folder / "tracking" / "batches.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
-    assert [int(row["step"]) for row in rows] == [
-        step for batch in range(1, 13) for step in [batch] * (2 if batch % 3 == 0 else 1)
-    ], "each batch, and every third twice"
-    grads = [row for row in rows if row["0.weight_max"]]
-    assert len(grads) == 12 and all(float(row["0.weight_max"]) > float(row["0.weight_min"]) for row in grads), (
-        "each step's gradients, under qadence's names"
-    )
-    assert {name for name in rows[0] if name.startswith("0.weight")} == {
-        f"0.weight_{s}" for s in ("mean", "std", "max", "min")
-    }
-    losses = [(int(row["step"]), float(row["train_loss"])) for row in rows if row["train_loss"]]
-    assert [step for step, _ in losses] == [3, 6, 9, 12] and all(loss > 0 for _, loss in losses)
-    epochs = _tracked(trainer.log_folder)
-    assert [int(row["step"]) for row in epochs] == [1, 2] and not any("0.weight_max" in row for row in epochs)
-
-
-def test_a_fit_continues_on_fewer_ranks_with_its_global_batch_kept_and_ends_as_a_straight_fit(tmp_path):
+def test_a_fit_continues_on_fewer_ranks_with_its_global_batch_kept_and_ends_as_a_straight_fit(tmp_path, reference):
     """4 ranks x 4 samples for epochs 0 and 1, then 2 ranks (keep_global_batch: 2 micro-steps per update) for
-    epochs 2 and 3: the parameters of epochs 0 to 3 on 4 ranks."""
-    straight, _ = _trainer(_config(tmp_path, nprocs=4, log_folder=tmp_path / "straight"), batch_size=4).fit()
+    epochs 2 to 4: the parameters of the straight fit of epochs 0 to 4 with the same global batch (2 ranks x 8)."""
     options = {"checkpoint_every": 1, "keep_global_batch": True}
     _trainer(_config(tmp_path, nprocs=4, max_iter=1, **options), batch_size=4).fit()
-    trainer = _trainer(_config(tmp_path, nprocs=2, **options), batch_size=4)
+    trainer = _trainer(_config(tmp_path, nprocs=2, max_iter=4, **options), batch_size=4)
     model, _ = trainer.fit()
-    torch.testing.assert_close(_params(model), _params(straight), atol=1e-5, rtol=1e-5)
-    assert [h["step"] for h in trainer.history] == [0, 1, 2, 3], "the first fit's epochs came back with the checkpoint"
+    params, _ = reference
+    torch.testing.assert_close(_params(model), params, atol=1e-5, rtol=1e-5)
+    assert [h["step"] for h in trainer.history] == [0, 1, 2, 3, 4], (
+        "the first fit's epochs came back with the checkpoint"
+    )
