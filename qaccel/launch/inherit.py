@@ -8,7 +8,10 @@ distribute() call and applied in each rank before fn runs, making a rank start a
   and every other logger configured differently from what the rank's own imports made (level, propagation,
   handlers); a handler travels by value, with its lock made anew, stdout/stderr bound to the rank's, and a file
   handler reopened for appending (the caller already created or truncated the file); a Jupyter kernel's own
-  application logger stays the kernel's;
+  application logger stays the kernel's; the handlers of a logger other than the root one, made of a library's
+  classes (mlflow's import sets up its own and SQLAlchemy's loggers with its formatter), stay the rank's own where
+  the rank has imported neither that library nor the logger's package: copying them would import the library
+  (~1 s a rank) for loggers nothing in the rank uses before that import, which sets them up anew;
 - warnings filters (a library's warning class travels by name: _travelling_filter);
 - torch: default dtype, deterministic algorithms, float32 matmul precision, anomaly detection, cuDNN flags;
 - global RNG states: python ``random``, numpy's legacy global RNG, torch's CPU generator, and CUDA's (its
@@ -55,6 +58,7 @@ class LoggerSetup:
     propagate: bool
     disabled: bool
     handlers: tuple[bytes, ...] | None
+    needs: frozenset[str] = frozenset()  # the packages whose classes the handlers are (not the standard library's)
 
 
 @dataclass(frozen=True)
@@ -260,7 +264,17 @@ def _logger_setup(name: str, logger: logging.Logger, uncopied: list[str]) -> Log
         logger.propagate,
         logger.disabled,
         None if copies is None else tuple(copies),
+        _needs(logger),
     )
+
+
+def _needs(logger: logging.Logger) -> frozenset[str]:
+    """The packages, other than the standard library and the script, whose classes ``logger``'s handlers are
+    made of (handler, formatter, filters): unpickling the handlers imports them."""
+    parts = [*logger.handlers, *(h.formatter for h in logger.handlers)]
+    parts += [f for h in logger.handlers for f in h.filters]
+    packages = {type(part).__module__.partition(".")[0] for part in parts if part is not None}
+    return frozenset(packages - set(sys.stdlib_module_names) - {"builtins", "__main__"})
 
 
 def _copy_of(handler: logging.Handler) -> bytes:
@@ -291,11 +305,17 @@ def _apply_logger(setup: LoggerSetup) -> None:
     logger.setLevel(setup.level)
     logger.propagate = setup.propagate
     logger.disabled = setup.disabled
-    if setup.handlers is not None:
+    if setup.handlers is not None and _in_use(setup):
         for handler in list(logger.handlers):
             logger.removeHandler(handler)
         for data in setup.handlers:
             logger.addHandler(cloudpickle.loads(data))
+
+
+def _in_use(setup: LoggerSetup) -> bool:
+    """Whether the rank may use this logger before it imports anything more: the root logger, a logger of a package
+    the rank has imported, or one whose handlers need no package the rank lacks."""
+    return not setup.name or setup.name.partition(".")[0] in sys.modules or setup.needs <= sys.modules.keys()
 
 
 def _std_name(stream: Any) -> str | None:

@@ -133,3 +133,49 @@ def test_a_filter_on_a_library_warning_applies_in_ranks_that_have_not_imported_t
     assert proc.returncode == 0, proc.stderr
     ranks = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RANKS "))[6:])
     assert ranks == [[False, "raised"], [False, "raised"]], ranks
+
+
+LIBLOG = """import logging
+
+
+class LibFormatter(logging.Formatter):
+    pass
+
+
+for name in ("liblog", "otherlog"):  # its own logger, and one of a library it uses
+    handler = logging.StreamHandler()
+    handler.setFormatter(LibFormatter("LIB %(message)s"))
+    logging.getLogger(name).addHandler(handler)
+    logging.getLogger(name).propagate = False
+"""
+
+
+def test_loggers_a_library_set_up_with_its_classes_are_left_to_its_import_in_ranks_that_have_not_imported_it(tmp_path):
+    """Copying them would import the library into every rank at every launch (mlflow: about 1 s a rank) for loggers
+    nothing there uses before that import, which sets them up again; the level the script gave stays. The root
+    logger's handler travels whatever library its formatter comes from."""
+    (tmp_path / "liblog.py").write_text(LIBLOG)
+    (tmp_path / "libfmt.py").write_text("import logging\n\n\nclass PlainFormatter(logging.Formatter):\n    pass\n")
+    proc = subprocess.run(
+        [sys.executable, str(script_file("library_loggers.py")), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=script_env(),
+        timeout=100,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    ranks = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RANKS "))[6:])
+    assert (
+        ranks
+        == [
+            {
+                "imported_at_start": {"liblog": False, "libfmt": True},
+                "loggers": {"liblog": ["LibFormatter"], "otherlog": ["LibFormatter"]},
+                "liblog_level": logging.WARNING,
+                "root": ["PlainFormatter"],
+                "library": "liblog",
+            }
+        ]
+        * 2
+    ), ranks
