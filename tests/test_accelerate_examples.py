@@ -42,7 +42,6 @@ from support.procs import once_per_session, run_script, run_torchrun, script_fil
 
 RUN = script_file("accelerate_examples/run.py")
 PORTS = RUN.parent
-PREFIX = re.compile(r"^\[(?:default(\d+)\]:|rank (\d+)\] )(.*)$")
 # An example run: (file stem, command line, variables); {pets} is the cv_example's image folder.
 MAIN = [
     ("nlp_example", ["--cpu"], {}),
@@ -120,15 +119,42 @@ def _plan(runs, pets: Path, out: Path) -> Path:
     return path
 
 
+def _rank_lines(stdout: str) -> list[tuple[int, str]]:
+    """Every rank's lines, each whole: torchrun's ``--tee`` tails the ranks' log files and prints what it read,
+    prefixed, so a line a rank had written only in part (``print`` writes its arguments one by one) is cut there,
+    the rest coming later as a prefixed line of its own, maybe after another rank's line in between."""
+    lines: list[tuple[int, str]] = []
+    unfinished: dict[int, str] = {}
+    pieces = re.split(r"(\[default\d+\]:|\[rank \d+\] )", stdout)
+    for marker, text in zip(pieces[1::2], pieces[2::2]):
+        rank = int(re.search(r"\d+", marker)[0])
+        head, ended, _ = text.partition("\n")  # what follows on other lines has no prefix: not a rank's
+        head = unfinished.pop(rank, "") + head
+        if ended:
+            lines.append((rank, head))
+        else:
+            unfinished[rank] = head
+    return lines + [(rank, rest) for rank, rest in unfinished.items()]
+
+
+def test_rank_lines_are_put_back_together_where_torchruns_tee_cut_them():
+    stdout = (
+        "[default0]:EXAMPLE tracking\n[default0]:epoch 2:[default1]:RESULT {}\n[default0]: {'f1': 0.0}\n"
+        "a line of no rank\n[default0]:RESULT {}\n"
+    )
+    assert _rank_lines(stdout) == [
+        (0, "EXAMPLE tracking"),
+        (1, "RESULT {}"),
+        (0, "epoch 2: {'f1': 0.0}"),
+        (0, "RESULT {}"),
+    ]
+
+
 def _examples(stdout: str, count: int) -> list[dict]:
     """Per example run: the lines rank 0 printed, and every rank's weights digest (in rank order)."""
     runs: list[dict] = []
     results: dict[int, list] = {}
-    for line in stdout.splitlines():
-        match = PREFIX.match(line)
-        if match is None:
-            continue
-        rank, text = int(match[1] or match[2]), match[3]
+    for rank, text in _rank_lines(stdout):
         if text.startswith("RESULT "):
             results.setdefault(rank, []).append(json.loads(text.split(" ", 1)[1])["weights"])
         elif rank == 0 and text.startswith("EXAMPLE "):
