@@ -294,7 +294,7 @@ def session(
     """Run a block as rank ``ctx``: device, threads and process group set up, always torn down afterwards.
 
     ``store(number)`` opens the rendezvous store for the session numbered ``number`` (None: a new group finds
-    its own). A group the caller had already initialised is reused and left alone. ``group_of_one``: make a group even for
+    its own). A group the caller had already initialised is reused, and destroyed at the end only if fn destroyed it. ``group_of_one``: make a group even for
     a world of one (FSDP2 shards over a device mesh, which needs one). ``debug``: see Run.debug. ``key``: what
     seals qaccel's keys in the store (sealed.py), the same on every rank; None: rank 0 makes one and sends it.
     ``where_to_log``: a rank asked where it is also prints it to its own output (under torchrun and srun, where
@@ -302,6 +302,7 @@ def session(
     process exits after the session (a rank qaccel started), so no later session can meet what this one leaves.
     """
     owns_group = False
+    asked = _Asked()
     _fork_hooks()
     run = Run(ctx, next(_numbers), debug=debug, timeout=timeout)
     token = _RUN.set(run)
@@ -325,17 +326,17 @@ def session(
         if ctx.world_size > 1 and dist.is_initialized():
             run.store = _sealed_store(ctx, key)
             run.watch = hangs.Watch(ctx.rank, ctx.world_size, timeout, run.store, where_to_log, run.number)
-        with _users_group_calls(ctx) if owns_group else nullcontext():
+        with _users_group_calls(ctx, asked) if dist.is_initialized() else nullcontext():
             yield ctx
         run.close(finished=True)
-        if owns_group:
+        if owns_group or asked.destroy:
             _quiesce(run)
     finally:
         run.close(finished=False)
         if run.watch is not None:
             run.watch.close()
         _RUN.reset(token)
-        if owns_group and dist.is_initialized():
+        if (owns_group or asked.destroy) and dist.is_initialized():
             if not process_ends:
                 run.release()
             _destroy_group()
@@ -345,14 +346,22 @@ def session(
 _init_group, _destroy_group = dist.init_process_group, dist.destroy_process_group
 
 
+@dataclass
+class _Asked:
+    """What fn asked of the session's group: ``destroy``, the default group's end."""
+
+    destroy: bool = False
+
+
 @contextmanager
-def _users_group_calls(ctx: RankContext) -> Iterator[None]:
+def _users_group_calls(ctx: RankContext, asked: _Asked) -> Iterator[None]:
     """A training body written for torchrun makes the default group itself and destroys it at its end; in a session
-    the group already exists (qaccel made it), so, while fn runs, ``dist.init_process_group`` answers with it (after
-    checking that the call asks for this world) and ``dist.destroy_process_group()`` leaves it to the session's end,
-    where qaccel's own closing work still needs it. Calls through names bound before the session (``from
-    torch.distributed import init_process_group`` at a module's top) reach torch itself, which refuses a second
-    default group."""
+    the group already exists (qaccel made it, or the caller did before distribute()), so, while fn runs,
+    ``dist.init_process_group`` answers with it (after checking that the call asks for this world) and
+    ``dist.destroy_process_group()`` leaves it to the session's end, where qaccel's own closing work still needs it
+    (gathering every rank's result, freeing what holds the group on every rank before it goes): a group the caller
+    made is destroyed there if fn asked. Calls through names bound before the session (``from torch.distributed
+    import init_process_group`` at a module's top) reach torch itself, which refuses a second default group."""
 
     def init_process_group(
         backend: Any = None,
@@ -385,7 +394,8 @@ def _users_group_calls(ctx: RankContext) -> Iterator[None]:
 
     def destroy_process_group(group: Any = None) -> None:
         if group is None or group is dist.GroupMember.WORLD:
-            return  # the session's group: destroyed when the session ends
+            asked.destroy = True  # the session's group: destroyed when the session ends
+            return
         _destroy_group(group)
 
     dist.init_process_group, dist.destroy_process_group = init_process_group, destroy_process_group

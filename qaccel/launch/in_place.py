@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from qaccel.comm import collectives, rendezvous, session
 from qaccel.comm.session import RankContext
-from qaccel.environment import Environment, rank_variables
+from qaccel.environment import Environment, Kind, detect, rank_variables
 from qaccel.errors import raised_note, type_name
 from qaccel.launch import launcher_report, output
 from qaccel.launch.protocol import HandBack, Runner
@@ -40,10 +40,21 @@ class InPlace(Runner):
             _latest = weakref.ref(self)
 
     def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], all_results: bool) -> Any:
-        return run(fn, args, kwargs, self.config, self.env, all_results, self.hand_back.in_place)
+        return run(fn, args, kwargs, self.config, _now(self.env), all_results, self.hand_back.in_place)
 
     def join(self) -> RankContext | None:
         return ambient(self.config, self.env) if self.launched else None
+
+
+def _now(env: Environment) -> Environment:
+    """``env``, or the launcher's where the group the Accelerator was made in is gone: code run before (an
+    Accelerate loop's ``end_training()``) destroyed it. The next session then makes its group as the launcher says,
+    under a store prefix of its own; torch's env:// defaults would read the destroyed group's stale addresses."""
+    if env.kind is Kind.INITIALIZED and not dist.is_initialized():
+        found = detect()
+        if found.kind.started_by_launcher and found.world_size == env.world_size:
+            return found
+    return env
 
 
 _latest: weakref.ref[InPlace] | None = None  # the runner of this process's latest Accelerator on a launcher's ranks

@@ -1,6 +1,7 @@
 """A training body written for torchrun (it makes the default group itself and destroys it at its end) runs
 unchanged inside distribute(), under a plain launch, under torchrun and in a real srun step: one world of 2, disjoint shards, equal
-weights on both ranks, and qaccel's own work before and after it (the result, a second call) still works.
+weights on both ranks, and qaccel's own work before and after it (every rank's result, a second call) still works.
+Under torchrun the script also makes the group at its top, before the Accelerator, and the body destroys that one.
 
 Both ways of making the group (from the environment alone; init_method="env://" with the rank and world size
 passed) run in the one plain launch, one per call: they read the same variables under every launcher, so torchrun
@@ -37,8 +38,13 @@ def test_a_ddp_body_that_makes_and_destroys_its_group_runs_in_a_plain_launch_fro
     )
 
 
-def test_a_ddp_body_that_makes_and_destroys_its_group_runs_under_torchrun(tmp_path):
-    _each_process_a_rank(run_torchrun(SCRIPT, cwd=tmp_path, timeout=150))
+def test_under_torchrun_a_body_that_destroys_the_group_the_script_made_at_its_top_then_one_that_makes_its_own_run(
+    tmp_path,
+):
+    """The first call runs in the group the script made (every rank's result comes back, and the group is gone
+    after it, as the body asked); the second call's group is made anew although rank 1 comes first: it does not
+    read the destroyed group's addresses from torchrun's store (a refused connection, or a hang)."""
+    _each_process_a_rank(run_torchrun(SCRIPT, "top", cwd=tmp_path, timeout=150))
 
 
 @pytest.mark.slurm

@@ -3,12 +3,16 @@ default group itself from torchrun's variables (``init_process_group("gloo")``, 
 DistributedSampler, wraps in DDP and destroys the group at its end. Prints ``RESULT {...}`` once (rank 0's under a
 plain launch, every rank's under torchrun): the world it saw, the samples it trained on, its weights' sum.
 
-Usage: ddp_body.py [explicit]: with ``explicit``, the second call's body passes init_method="env://", its rank and
-the world size as well (the first one's always makes the group from the environment alone)."""
+Usage: ddp_body.py [explicit | top]: with ``explicit``, the second call's body passes init_method="env://", its rank
+and the world size as well (the first one's always makes the group from the environment alone). With ``top`` (under
+a launcher), the script makes the group at its top before the Accelerator, as a transformers ``TrainingArguments``
+made there does: the first call runs in that group and its body destroys it, as an Accelerate loop's
+``end_training()`` does; rank 0 then reaches the second call a second later, so rank 1 makes the next group first."""
 
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -17,6 +21,9 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from qaccel import Accelerator
 
+TOP = sys.argv[1:] == ["top"]
+if TOP:
+    dist.init_process_group("gloo")
 acc = Accelerator(nprocs=2, compute_setup="cpu", timeout=60)
 
 
@@ -49,7 +56,13 @@ def train(explicit):
 
 
 if __name__ == "__main__":
-    result = acc.distribute(train)(False)
-    again = acc.distribute(train)(len(sys.argv) > 1)  # a second call: the group made anew, the same training
+    results = acc.distribute(train, all_results=True)(False)
+    assert [r["rank"] for r in results] == [0, 1], results  # every rank's result came back
+    result = results[int(os.environ.get("RANK", "0"))]  # this process's (the caller's: rank 0's)
+    if TOP:
+        assert not dist.is_initialized(), "the script's group, destroyed by the body, is gone once the call ends"
+        if result["rank"] == 0:
+            time.sleep(1)  # rank 1 makes the next group first: it must not read the destroyed group's addresses
+    again = acc.distribute(train)(sys.argv[1:] == ["explicit"])  # a second call: the group made anew, the same training
     assert again == result, (again, result)
     os.write(1, f"RESULT {json.dumps(result)}\n".encode())
