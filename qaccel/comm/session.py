@@ -294,9 +294,10 @@ def session(
     """Run a block as rank ``ctx``: device, threads and process group set up, always torn down afterwards.
 
     ``store(number)`` opens the rendezvous store for the session numbered ``number`` (None: a new group finds
-    its own). A group the caller had already initialised is reused, and destroyed at the end only if fn destroyed it. ``group_of_one``: make a group even for
-    a world of one (FSDP2 shards over a device mesh, which needs one). ``debug``: see Run.debug. ``key``: what
-    seals qaccel's keys in the store (sealed.py), the same on every rank; None: rank 0 makes one and sends it.
+    its own). A group the caller had already initialised is reused, and destroyed at the end only if fn destroyed
+    it. ``group_of_one``: make a group even for a world of one (FSDP2 shards over a device mesh, which needs one).
+    ``debug``: see Run.debug. ``key``: what seals qaccel's keys in the store (sealed.py), the same on every rank;
+    None: rank 0 makes one and sends it.
     ``where_to_log``: a rank asked where it is also prints it to its own output (under torchrun and srun, where
     each rank has its log; a plain launch's caller gets the answers in its error instead). ``process_ends``: the
     process exits after the session (a rank qaccel started), so no later session can meet what this one leaves.
