@@ -117,13 +117,11 @@ def test_settings_that_cannot_travel_do_not_stop_the_launch(tmp_path):
     assert "top-level settings (logging, warnings filters, RNG states, ...) cannot be sent" in proc.stderr
 
 
-def test_a_filter_on_a_library_warning_applies_in_ranks_that_have_not_imported_the_library(tmp_path):
-    """The category travels by name: a rank does not import the library to unpickle the filter (in a Jupyter
-    kernel, IPython's completer warning made each rank import all of IPython), and the filter applies once the
-    rank imports it."""
-    (tmp_path / "libwarn.py").write_text("class LibWarning(UserWarning):\n    pass\n")
+def _ranks(script: str, folder) -> list:
+    """What each rank of ``script``'s second launch reported (its RANKS line), the script given ``folder``, which
+    holds the libraries it imports after the Accelerator."""
     proc = subprocess.run(
-        [sys.executable, str(script_file("library_warning_filter.py")), str(tmp_path)],
+        [sys.executable, str(script_file(script)), str(folder)],
         capture_output=True,
         text=True,
         env=script_env(),
@@ -131,7 +129,15 @@ def test_a_filter_on_a_library_warning_applies_in_ranks_that_have_not_imported_t
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
-    ranks = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RANKS "))[6:])
+    return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RANKS "))[6:])
+
+
+def test_a_filter_on_a_library_warning_applies_in_ranks_that_have_not_imported_the_library(tmp_path):
+    """The category travels by name: a rank does not import the library to unpickle the filter (in a Jupyter
+    kernel, IPython's completer warning made each rank import all of IPython), and the filter applies once the
+    rank imports it."""
+    (tmp_path / "libwarn.py").write_text("class LibWarning(UserWarning):\n    pass\n")
+    ranks = _ranks("library_warning_filter.py", tmp_path)
     assert ranks == [[False, "raised"], [False, "raised"]], ranks
 
 
@@ -156,16 +162,7 @@ def test_loggers_a_library_set_up_with_its_classes_are_left_to_its_import_in_ran
     logger's handler travels whatever library its formatter comes from."""
     (tmp_path / "liblog.py").write_text(LIBLOG)
     (tmp_path / "libfmt.py").write_text("import logging\n\n\nclass PlainFormatter(logging.Formatter):\n    pass\n")
-    proc = subprocess.run(
-        [sys.executable, str(script_file("library_loggers.py")), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=script_env(),
-        timeout=100,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr
-    ranks = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RANKS "))[6:])
+    ranks = _ranks("library_loggers.py", tmp_path)
     assert (
         ranks
         == [
