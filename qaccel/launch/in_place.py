@@ -35,21 +35,32 @@ class InPlace(Runner):
     def __init__(self, config: Config, env: Environment, hand_back: HandBack) -> None:
         global _latest
         super().__init__(config, env, hand_back)
-        self.launched = env.kind.started_by_launcher and env.world_size > 1
-        if self.launched:
+        if env.world_size > 1 and not env.kind.creates_processes:  # a launcher's ranks, which join() may join
             _latest = weakref.ref(self)
 
     def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], all_results: bool) -> Any:
         return run(fn, args, kwargs, self.config, _now(self.env), all_results, self.hand_back.in_place)
 
+    @property
+    def launched(self) -> bool:
+        """Whether this process is one of a launcher's ranks whose group qaccel makes, which join() joins."""
+        return _joins(_now(self.env))
+
     def join(self) -> RankContext | None:
-        return ambient(self.config, self.env) if self.launched else None
+        env = _now(self.env)
+        return ambient(self.config, env) if _joins(env) else None
+
+
+def _joins(env: Environment) -> bool:
+    return env.kind.started_by_launcher and env.world_size > 1
 
 
 def _now(env: Environment) -> Environment:
     """``env``, or the launcher's where the group the Accelerator was made in is gone: code run before (an
-    Accelerate loop's ``end_training()``) destroyed it. The next session then makes its group as the launcher says,
-    under a store prefix of its own; torch's env:// defaults would read the destroyed group's stale addresses."""
+    Accelerate loop's ``end_training()``) destroyed it. The next session, in distribute() or joined by code outside
+    it, then makes its group as the launcher says, under a store prefix of its own; torch's env:// defaults would
+    read the destroyed group's stale addresses, and without a group the Accelerator's collectives would act for
+    this rank alone."""
     if env.kind is Kind.INITIALIZED and not dist.is_initialized():
         found = detect()
         if found.kind.started_by_launcher and found.world_size == env.world_size:

@@ -43,7 +43,8 @@ def test_under_torchrun_a_body_that_destroys_the_group_the_script_made_at_its_to
 ):
     """The first call runs in the group the script made (every rank's result comes back, and the group is gone
     after it, as the body asked); the second call's group is made anew although rank 1 comes first: it does not
-    read the destroyed group's addresses from torchrun's store (a refused connection, or a hang)."""
+    read the destroyed group's addresses from torchrun's store (a refused connection, or a hang). The
+    Accelerator's reduce outside distribute() then joins the ranks the same way, and sums over both."""
     _each_process_a_rank(run_torchrun(SCRIPT, "top", cwd=tmp_path, timeout=150))
 
 

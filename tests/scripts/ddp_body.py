@@ -7,7 +7,8 @@ Usage: ddp_body.py [explicit | top]: with ``explicit``, the second call's body p
 and the world size as well (the first one's always makes the group from the environment alone). With ``top`` (under
 a launcher), the script makes the group at its top before the Accelerator, as a transformers ``TrainingArguments``
 made there does: the first call runs in that group and its body destroys it, as an Accelerate loop's
-``end_training()`` does; rank 0 then reaches the second call a second later, so rank 1 makes the next group first."""
+``end_training()`` does; rank 0 then reaches the second call a second later, so rank 1 makes the next group first.
+After the second call, ``acc.reduce`` outside distribute() joins the ranks in a group made anew, rank 1 first again."""
 
 import json
 import os
@@ -65,4 +66,9 @@ if __name__ == "__main__":
             time.sleep(1)  # rank 1 makes the next group first: it must not read the destroyed group's addresses
     again = acc.distribute(train)(sys.argv[1:] == ["explicit"])  # a second call: the group made anew, the same training
     assert again == result, (again, result)
+    if TOP:  # code outside distribute() (as a script written for Accelerate has) joins the ranks in a group made anew
+        if result["rank"] == 0:
+            time.sleep(1)
+        total = acc.reduce(torch.tensor([result["rank"] + 1.0]), "sum")
+        assert total.item() == 3.0, f"the Accelerator's reduce acted for rank {result['rank']} alone: {total}"
     os.write(1, f"RESULT {json.dumps(result)}\n".encode())
